@@ -1,0 +1,141 @@
+"""Engine configuration: frozen dataclasses, validated on construction. Every default lives here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Batching = Literal["continuous", "static"]
+PreemptionMode = Literal["auto", "swap", "recompute"]
+SpecMethod = Literal["ngram", "draft"]
+
+# The step token budget B = decode rows + prefill chunk. The seed puts the knee at 512-2048; on the
+# CPU presets 1024 keeps a step under ~100 ms with `small` while amortising per-step overhead.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
+DEFAULT_BLOCK_SIZE = 16
+
+
+def _positive(name: str, value: int | float | None) -> None:
+    if value is not None and value <= 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of a Llama-family model (Llama, Mistral, Qwen2 share this shape)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
+            _positive(name, getattr(self, name))
+        _positive("num_attention_heads", self.num_attention_heads)
+        _positive("num_key_value_heads", self.num_key_value_heads)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache. Capacity is given in blocks or in bytes; with neither, a default byte budget."""
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    # Host memory for swapped-out KV blocks (preemption by swap).
+    swap_space_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        _positive("block_size", self.block_size)
+        _positive("num_blocks", self.num_blocks)
+        _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if self.num_blocks is not None and self.kv_cache_memory_bytes is not None:
+            raise ValueError("give the KV cache capacity as num_blocks or kv_cache_memory_bytes, not both")
+        if self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    batching: Batching = "continuous"
+    preemption_mode: PreemptionMode = "auto"
+    # Admission reserves prompt blocks plus blocks for this quantile of observed output lengths.
+    output_length_quantile: float = 0.9
+    # Until enough requests have finished to estimate a quantile, admission assumes this many output tokens.
+    cold_start_output_tokens: int = 256
+    # FIFO with a cap on concurrent long prompts: a prompt of at least this many tokens is "long", and at
+    # most `max_long_prefills` long prompts may be prefilling at once.
+    long_prompt_threshold: int = 2048
+    max_long_prefills: int = 1
+    # Bound on the waiting queue (load shedding); None means unbounded (offline use).
+    max_waiting: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_model_len", self.max_model_len)
+        _positive("max_long_prefills", self.max_long_prefills)
+        _positive("long_prompt_threshold", self.long_prompt_threshold)
+        _positive("max_waiting", self.max_waiting)
+        if self.batching not in ("continuous", "static"):
+            raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
+        if self.preemption_mode not in ("auto", "swap", "recompute"):
+            raise ValueError(
+                f"preemption_mode must be 'auto', 'swap' or 'recompute', got {self.preemption_mode!r}"
+            )
+        if not 0.0 < self.output_length_quantile <= 1.0:
+            raise ValueError(f"output_length_quantile must be in (0, 1], got {self.output_length_quantile}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            # Without chunking a whole prompt must fit in one step.
+            raise ValueError(
+                "with enable_chunked_prefill=False, max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
+            )
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    method: SpecMethod | None = None
+    num_speculative_tokens: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in (None, "ngram", "draft"):
+            raise ValueError(f"speculative_method must be None, 'ngram' or 'draft', got {self.method!r}")
+        _positive("num_speculative_tokens", self.num_speculative_tokens)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "tiny"
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
