@@ -1,0 +1,45 @@
+"""Chained block hashes for prefix caching.
+
+A full block's hash covers its parent's hash, its own tokens and any extras (a cache salt), so equal hashes
+mean equal prefixes, not merely equal blocks. The hash must be the same in every process: the fleet router
+builds its per-replica prefix index with these same functions, so Python's salted hash() is not usable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+BlockHash = int
+
+_ROOT = b"chunkwise-v1"
+
+
+def hash_block(parent: BlockHash | None, tokens: Sequence[int], extra: str | None = None) -> BlockHash:
+    h = hashlib.blake2b(digest_size=8)
+    h.update(_ROOT if parent is None else parent.to_bytes(8, "little"))
+    h.update(array("q", tokens).tobytes())
+    if extra:
+        h.update(b"\x00salt\x00" + extra.encode())
+    return int.from_bytes(h.digest(), "little")
+
+
+def hash_prefix_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    extra: str | None = None,
+    start: int = 0,
+    parent: BlockHash | None = None,
+) -> list[BlockHash]:
+    """Hashes of the full blocks of token_ids from block index `start` on (a chain continued from `parent`).
+
+    Only full blocks are hashed: a partial block's content is still changing.
+    """
+    out: list[BlockHash] = []
+    for i in range(start, len(token_ids) // block_size):
+        parent = hash_block(
+            parent, token_ids[i * block_size : (i + 1) * block_size], extra if i == 0 else None
+        )
+        out.append(parent)
+    return out

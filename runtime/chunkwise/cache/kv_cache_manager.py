@@ -1,0 +1,166 @@
+"""Per-request block tables over the block pool, with prefix-cache lookups and swap bookkeeping.
+
+The manager is the only writer of block tables. The scheduler asks it for room; the model runner reads the
+tables the scheduler passes on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from chunkwise.cache.block_pool import BlockPool
+from chunkwise.cache.hashing import BlockHash, hash_prefix_blocks
+from chunkwise.cache.swap import SwapSpace
+from chunkwise.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_host_blocks: int = 0
+    ) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.swap_space = SwapSpace(num_host_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_tables: dict[str, list[int]] = {}
+        # Chained hashes of each request's full blocks, grown as tokens arrive, and how many of its leading
+        # blocks are already registered in the pool's cache.
+        self._hashes: dict[str, list[BlockHash]] = {}
+        self._num_registered: dict[str, int] = {}
+        self._host_slots: dict[str, list[int]] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def num_blocks(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def block_hashes(self, req: Request) -> list[BlockHash]:
+        """Hashes of req's full blocks so far (extended incrementally, never recomputed)."""
+        hashes = self._hashes.setdefault(req.request_id, [])
+        full = req.num_tokens // self.block_size
+        if len(hashes) < full:
+            hashes.extend(
+                hash_prefix_blocks(
+                    req.token_ids[: full * self.block_size],
+                    self.block_size,
+                    req.cache_salt,
+                    start=len(hashes),
+                    parent=hashes[-1] if hashes else None,
+                )
+            )
+        return hashes
+
+    def lookup_prefix(self, req: Request) -> list[int]:
+        """Blocks holding the longest cached prefix of req. At least one token is always left to compute,
+        because the step that finishes a prompt must produce its logits."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        for h in self.block_hashes(req)[:max_blocks]:
+            block_id = self.pool.lookup(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def blocks_to_allocate(self, req: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> int:
+        """New blocks req needs to hold num_new_tokens more tokens (after the cached prefix, if any)."""
+        table = self.block_tables.get(req.request_id, ())
+        have = len(table) + len(cached)
+        start = req.num_computed_tokens + len(cached) * self.block_size
+        return max(0, self.num_blocks(start + num_new_tokens) - have)
+
+    def allocate(self, req: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> bool:
+        """Grow req's table to cover num_new_tokens more tokens; take references on its cached-prefix blocks.
+
+        Returns False, changing nothing, when the pool cannot supply the blocks.
+        """
+        need = self.blocks_to_allocate(req, num_new_tokens, cached)
+        # A cached block that sits in the free LRU stops being allocatable once we reference it.
+        idle_hits = sum(1 for b in cached if self.pool.ref_cnt[b] == 0)
+        if need + idle_hits > self.pool.num_free:
+            return False
+        table = self.block_tables.setdefault(req.request_id, [])
+        if cached:
+            self.pool.touch(cached)
+            table.extend(cached)
+            self._num_registered[req.request_id] = len(table)
+        if need:
+            table.extend(self.pool.allocate(need))
+        end = req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        self._register(req, end)
+        return True
+
+    def _register(self, req: Request, num_tokens: int) -> None:
+        """Put req's full blocks up to num_tokens into the prefix cache.
+
+        Registering at allocation is safe: a request that hits these blocks in this same step runs in the same
+        forward pass, where every layer writes the step's keys and values before any query reads them.
+        """
+        if not self.enable_prefix_caching:
+            return
+        rid = req.request_id
+        done = self._num_registered.get(rid, 0)
+        full = min(num_tokens, req.num_tokens) // self.block_size
+        if full <= done:
+            return
+        hashes = self.block_hashes(req)
+        table = self.block_tables[rid]
+        for i in range(done, full):
+            self.pool.cache(table[i], hashes[i])
+        self._num_registered[rid] = full
+
+    def free(self, req: Request) -> None:
+        """Release req's device blocks (tail first, so its tail is evicted first) and its host slots."""
+        rid = req.request_id
+        table = self.block_tables.pop(rid, None)
+        if table:
+            self.pool.free(reversed(table))
+        self._num_registered.pop(rid, None)
+        slots = self._host_slots.pop(rid, None)
+        if slots:
+            self.swap_space.free(slots)
+
+    def forget(self, req: Request) -> None:
+        """Drop every trace of a finished request (hashes included)."""
+        self.free(req)
+        self._hashes.pop(req.request_id, None)
+
+    # -- swap -------------------------------------------------------------------------------------------
+    def swap_out(self, req: Request) -> list[tuple[int, int]] | None:
+        """Move req's blocks to host slots. Returns (device block, host slot) copies, or None if host space
+        is short (the caller then recomputes instead)."""
+        rid = req.request_id
+        table = self.block_tables.get(rid, [])
+        slots = self.swap_space.allocate(len(table))
+        if slots is None:
+            return None
+        copies = list(zip(table, slots))
+        self.block_tables.pop(rid, None)
+        self._num_registered.pop(rid, None)
+        self.pool.free(reversed(table))
+        self._host_slots[rid] = slots
+        return copies
+
+    def can_swap_in(self, req: Request) -> bool:
+        return len(self._host_slots.get(req.request_id, ())) <= self.pool.num_free
+
+    def swap_in(self, req: Request) -> list[tuple[int, int]]:
+        """Bring req's blocks back to device. Returns (host slot, device block) copies."""
+        rid = req.request_id
+        slots = self._host_slots.pop(rid)
+        blocks = self.pool.allocate(len(slots))
+        self.block_tables[rid] = blocks
+        self.swap_space.free(slots)
+        self._register(req, req.num_computed_tokens)
+        return list(zip(slots, blocks))
+
+    def num_host_blocks_held(self, req: Request) -> int:
+        return len(self._host_slots.get(req.request_id, ()))

@@ -1,0 +1,91 @@
+"""Per-request state. The scheduler is its only writer; policies read it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from chunkwise.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # blocks dropped; waits to re-prefill prompt + output (recompute)
+    SWAPPED = "swapped"  # blocks copied to host memory; waits to be copied back (swap)
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    # Resolved output cap: max_tokens, or what is left of max_model_len when the client gave none.
+    max_tokens: int
+    eos_token_ids: tuple[int, ...] = ()
+    # Key under which output lengths are observed for admission's estimate (model + endpoint by default).
+    route: str = ""
+    cache_salt: str | None = None
+
+    status: RequestStatus = RequestStatus.WAITING
+    # All tokens, prompt then output, grown in place: the step loop never concatenates.
+    token_ids: list[int] = field(init=False)
+    # The one number the step loop drives: computed KV catches up with len(token_ids). A prefill chunk,
+    # a prefix-cache hit, a recompute after preemption and a speculative verify all move it forward.
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    preempt_count: int = 0
+    # Times admission passed over this request to prefer another (bounded: see sched/queue.py).
+    num_bypassed: int = 0
+    # Blocks admission reserved for prompt + estimated output (sched/admission.py).
+    reserved_blocks: int = 0
+    output_length_estimate: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while the prompt's KV is not yet all computed."""
+        return self.num_computed_tokens < len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

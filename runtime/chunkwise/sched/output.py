@@ -1,0 +1,56 @@
+"""The scheduler's output record: everything the model runner needs for one step, and nothing of policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from chunkwise.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    req_id: str
+    # Tokens whose KV this step computes: positions start_pos .. start_pos + len(token_ids) - 1.
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    # True when this step reaches the end of the request's known tokens, so its last row is sampled.
+    samples: bool
+    sampling_params: SamplingParams
+    # Generated tokens so far (a live reference; read only when a penalty needs the counts).
+    output_token_ids: list[int] | None = None
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    # KV copies to run before the forward pass: first out (device block, host slot), then in (host slot, block).
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Requests that left since the last step, so the runner drops their per-request state.
+    finished_req_ids: set[str] = field(default_factory=set)
+    num_prefill_tokens: int = 0
+    num_preempted: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.swap_out and not self.swap_in
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since start plus gauges as of the last step; metrics.py exports them."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    kv_usage: float = 0.0
+    num_preemptions_swap: int = 0
+    num_preemptions_recompute: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0  # of which found cached
+    num_prefill_tokens: int = 0  # tokens computed as prefill (recompute included)
+    num_decode_tokens: int = 0
+    last_output_length_estimate: int = 0
+    num_long_prefilling: int = 0

@@ -1,0 +1,55 @@
+"""The waiting queue: FIFO with a cap on concurrent long-prompt prefills.
+
+The rule: requests are considered in arrival order (preempted ones first, at the head). A prompt of at least
+`long_prompt_threshold` tokens is "long"; while `max_long_prefills` long prompts are prefilling, further long
+prompts are passed over and keep their place, and shorter requests behind them may be admitted. Long prompts
+never overtake each other, and the pass-over only lasts while a long prefill is in flight, so nothing starves:
+each long prompt is admitted once the ones ahead of it finish prefilling. When memory, not the cap, stops the
+head, the queue stops there (plain FIFO), so small requests cannot starve a large one by taking its blocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+
+from chunkwise.request import Request
+
+
+class WaitingQueue:
+    def __init__(self, long_prompt_threshold: int, max_long_prefills: int) -> None:
+        self.long_prompt_threshold = long_prompt_threshold
+        self.max_long_prefills = max_long_prefills
+        self._q: deque[Request] = deque()
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._q)
+
+    def push(self, req: Request) -> None:
+        self._q.append(req)
+
+    def push_front(self, req: Request) -> None:
+        """A preempted request goes back to the head: it has waited longest."""
+        self._q.appendleft(req)
+
+    def remove(self, req: Request) -> None:
+        if self._q and self._q[0] is req:
+            self._q.popleft()
+        else:
+            self._q.remove(req)
+
+    def is_long(self, req: Request) -> bool:
+        return req.num_prompt_tokens >= self.long_prompt_threshold
+
+    def candidates(self, num_long_prefilling: int) -> Iterator[Request]:
+        """Requests to try, in order. Iterates over a snapshot so the caller may remove what it admits."""
+        long_slots = self.max_long_prefills - num_long_prefilling
+        for req in list(self._q):
+            if self.is_long(req) and req.is_prefilling:
+                if long_slots <= 0:
+                    continue
+                long_slots -= 1
+            yield req

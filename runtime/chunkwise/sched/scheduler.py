@@ -1,0 +1,307 @@
+"""The iteration-level scheduler: schedule() composes one step, update_from_output() applies its result.
+
+One rule drives everything: each request's num_computed_tokens catches up with its token count. A prefill
+chunk, a prefix-cache hit, a recompute after preemption and a decode are all the same catch-up, so the step
+is just "give each running request as many of its missing tokens as the budget allows, then admit".
+
+The scheduler owns request state; the KV cache manager owns block tables; policies decide and the scheduler
+never branches on which policy it holds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from chunkwise.cache.kv_cache_manager import KVCacheManager
+from chunkwise.config import SchedulerConfig
+from chunkwise.request import Request, RequestStatus
+from chunkwise.sched.admission import OutputLengthEstimator, ReservationAdmission
+from chunkwise.sched.batching import ContinuousBatching, StaticBatching
+from chunkwise.sched.budget import TokenBudget
+from chunkwise.sched.output import ScheduledRequest, SchedulerOutput, SchedulerStats
+from chunkwise.sched.preemption import PreemptionCostModel, VictimPolicy
+from chunkwise.sched.queue import WaitingQueue
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        cost_model: PreemptionCostModel,
+        estimator: OutputLengthEstimator | None = None,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.cost_model = cost_model
+        self.estimator = estimator or OutputLengthEstimator(
+            config.output_length_quantile, config.cold_start_output_tokens
+        )
+        self.admission = ReservationAdmission(kv.block_size, self.estimator)
+        self.budget = TokenBudget(config.max_num_batched_tokens, config.enable_chunked_prefill)
+        self.batching = StaticBatching() if config.batching == "static" else ContinuousBatching()
+        self.victims = VictimPolicy()
+        self.waiting = WaitingQueue(config.long_prompt_threshold, config.max_long_prefills)
+        self.swapped: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+        self._finished_ids: set[str] = set()
+        self.last_schedule_seconds = 0.0
+
+    # -- requests in and out ----------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        need = self.kv.num_blocks(req.num_prompt_tokens + req.max_tokens)
+        if need > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"request needs up to {need} KV blocks for its prompt and max_tokens, "
+                f"but the cache holds {self.kv.pool.num_blocks}"
+            )
+        req.output_length_estimate = self.admission.output_estimate(req)
+        self.stats.last_output_length_estimate = req.output_length_estimate
+        self.requests[req.request_id] = req
+        self.waiting.push(req)
+
+    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+        aborted = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None and not req.is_finished:
+                self.finish(req, RequestStatus.FINISHED_ABORTED)
+                aborted.append(req)
+        return aborted
+
+    def finish(self, req: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        """Release a request at once: its blocks are free for the next step's admission."""
+        prev = req.status
+        req.status = status
+        req.finish_reason = status.value
+        req.stop_reason = stop_reason
+        req.finished_time = time.monotonic()
+        if prev == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif prev == RequestStatus.SWAPPED:
+            self.swapped.remove(req)
+        elif prev in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(req)
+        self.kv.forget(req)
+        self.requests.pop(req.request_id, None)
+        self._finished_ids.add(req.request_id)
+        if status != RequestStatus.FINISHED_ABORTED:
+            self.estimator.observe(req.route, req.num_output_tokens)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.swapped)
+
+    # -- one step ---------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        t0 = time.perf_counter()
+        budget = self.config.max_num_batched_tokens
+        num_new: dict[str, int] = {}
+        cached_hits: dict[str, int] = {}
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
+        num_preempted = 0
+
+        # 1. Running requests first. Decode rows before prefill chunks, so a long prompt's chunk takes only
+        #    what the decodes leave (B = decode rows + chunk) and never stalls a stream.
+        decodes, prefills = [], []
+        for r in self.running:
+            (decodes if r.num_tokens - r.num_computed_tokens == 1 else prefills).append(r)
+        for req in decodes + prefills:
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = self.budget.chunk(req, req.num_tokens - req.num_computed_tokens, budget)
+            if n == 0:
+                continue
+            while not self.kv.allocate(req, n):
+                victim = self.victims.victim(self.running)
+                budget += num_new.pop(victim.request_id, 0)
+                self._preempt(victim, swap_out)
+                num_preempted += 1
+                if victim is req:
+                    break
+            else:
+                num_new[req.request_id] = n
+                budget -= n
+
+        # 2. Admission, only in a step that preempted nothing: a step short of memory must not take more.
+        if num_preempted == 0 and self.batching.admission_open(len(self.running)):
+            budget = self._resume_swapped(budget, num_new, swap_in)
+            if not self.swapped:
+                budget = self._admit_waiting(budget, num_new, cached_hits)
+
+        out = self._compose(num_new, swap_out, swap_in, num_preempted)
+        self._update_gauges()
+        self.last_schedule_seconds = time.perf_counter() - t0
+        return out
+
+    def _resume_swapped(self, budget: int, num_new: dict[str, int], swap_in: list[tuple[int, int]]) -> int:
+        while self.swapped and len(self.running) < self.config.max_num_seqs:
+            req = self.swapped[0]
+            if not self.kv.can_swap_in(req):
+                break
+            self.swapped.popleft()
+            swap_in.extend(self.kv.swap_in(req))
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            n = self.budget.chunk(req, req.num_tokens - req.num_computed_tokens, budget)
+            if n and self.kv.allocate(req, n):
+                num_new[req.request_id] = n
+                budget -= n
+        return budget
+
+    def _admit_waiting(self, budget: int, num_new: dict[str, int], cached_hits: dict[str, int]) -> int:
+        # Blocks promised to running requests but not yet allocated stay off-limits to newcomers.
+        outstanding = sum(
+            max(0, r.reserved_blocks - len(self.kv.block_tables.get(r.request_id, ()))) for r in self.running
+        )
+        num_long = sum(1 for r in self.running if r.is_prefilling and self.waiting.is_long(r))
+        for req in self.waiting.candidates(num_long):
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            if budget <= 0 and not self.batching.admits_without_budget:
+                break
+            cached = self.kv.lookup_prefix(req)
+            need = self.admission.blocks_needed(req, len(cached))
+            if need > self.kv.num_free_blocks - outstanding:
+                break
+            num_cached_tokens = len(cached) * self.block_size
+            n = self.budget.chunk(req, req.num_tokens - num_cached_tokens, budget)
+            if not self.kv.allocate(req, n, cached):
+                break
+            self.waiting.remove(req)
+            if req.status == RequestStatus.WAITING:
+                # First admission: count prefix-cache lookups once per request, as vLLM does.
+                req.num_cached_tokens = num_cached_tokens
+                self.stats.prefix_cache_queries += req.num_prompt_tokens
+                self.stats.prefix_cache_hits += num_cached_tokens
+                req.first_scheduled_time = time.monotonic()
+            req.num_computed_tokens = num_cached_tokens
+            req.status = RequestStatus.RUNNING
+            req.reserved_blocks = need + len(cached)
+            outstanding += max(0, req.reserved_blocks - len(self.kv.block_tables[req.request_id]))
+            self.running.append(req)
+            if self.waiting.is_long(req) and req.is_prefilling:
+                num_long += 1
+            if n:
+                num_new[req.request_id] = n
+                budget -= n
+        return budget
+
+    def _preempt(self, req: Request, swap_out: list[tuple[int, int]]) -> None:
+        self.running.remove(req)
+        req.preempt_count += 1
+        mode = self.cost_model.mode(req)
+        copies = self.kv.swap_out(req) if mode == "swap" else None
+        if copies is not None:
+            swap_out.extend(copies)
+            req.status = RequestStatus.SWAPPED
+            self.swapped.append(req)
+            self.stats.num_preemptions_swap += 1
+        else:
+            # Recompute (chosen, or swap space is full): drop the KV; prompt + output re-prefill on resume,
+            # often partly from the prefix cache, since the freed blocks keep their hashes.
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.PREEMPTED
+            self.waiting.push_front(req)
+            self.stats.num_preemptions_recompute += 1
+
+    def _compose(
+        self,
+        num_new: dict[str, int],
+        swap_out: list[tuple[int, int]],
+        swap_in: list[tuple[int, int]],
+        num_preempted: int,
+    ) -> SchedulerOutput:
+        scheduled = []
+        num_tokens = num_prefill = 0
+        for req in self.running:
+            n = num_new.get(req.request_id)
+            if not n:
+                continue
+            start = req.num_computed_tokens
+            samples = start + n == req.num_tokens
+            params = req.sampling_params
+            penalised = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+            scheduled.append(
+                ScheduledRequest(
+                    req_id=req.request_id,
+                    token_ids=req.token_ids[start : start + n],
+                    start_pos=start,
+                    block_table=self.kv.block_tables[req.request_id],
+                    samples=samples,
+                    sampling_params=params,
+                    output_token_ids=req.output_token_ids if penalised and samples else None,
+                )
+            )
+            num_tokens += n
+            if start < req.num_prompt_tokens or n > 1:
+                num_prefill += n
+        finished, self._finished_ids = self._finished_ids, set()
+        return SchedulerOutput(
+            scheduled=scheduled,
+            num_batched_tokens=num_tokens,
+            swap_out=swap_out,
+            swap_in=swap_in,
+            finished_req_ids=finished,
+            num_prefill_tokens=num_prefill,
+            num_preempted=num_preempted,
+        )
+
+    def _update_gauges(self) -> None:
+        s = self.stats
+        s.num_running = len(self.running)
+        s.num_waiting = len(self.waiting)
+        s.num_swapped = len(self.swapped)
+        s.kv_usage = self.kv.pool.usage
+
+    # -- apply the step's result ------------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Advance each scheduled request and append what it sampled. Returns requests with new tokens
+        (finished ones included, already released)."""
+        now = time.monotonic()
+        updated = []
+        self.stats.num_prefill_tokens += out.num_prefill_tokens
+        self.stats.num_decode_tokens += out.num_batched_tokens - out.num_prefill_tokens
+        for sr in out.scheduled:
+            req = self.requests.get(sr.req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += len(sr.token_ids)
+            tokens = sampled.get(sr.req_id)
+            if not tokens:
+                continue
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            for t in tokens:
+                req.append_token(t)
+                status, reason = self._check_stop(req, t)
+                if status is not None:
+                    self.finish(req, status, reason)
+                    break
+            updated.append(req)
+        return updated
+
+    def _check_stop(self, req: Request, token: int) -> tuple[RequestStatus | None, int | None]:
+        params = req.sampling_params
+        if not params.ignore_eos and token in req.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED, None
+        if token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, token
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None
