@@ -1,0 +1,33 @@
+"""chunkwise: an LLM serving engine whose iteration-level scheduler decides how much of peak you get.
+
+Importing the package is cheap and imports no torch: the public names load on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "AsyncEngine", "CompletionOutput", "RequestOutput", "SamplingParams"]
+
+if TYPE_CHECKING:
+    from chunkwise.engine import LLM, AsyncEngine
+    from chunkwise.outputs import CompletionOutput, RequestOutput
+    from chunkwise.sampling_params import SamplingParams
+
+_LAZY = {
+    "LLM": "chunkwise.engine",
+    "AsyncEngine": "chunkwise.engine",
+    "RequestOutput": "chunkwise.outputs",
+    "CompletionOutput": "chunkwise.outputs",
+    "SamplingParams": "chunkwise.sampling_params",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'chunkwise' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -76,7 +76,8 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
-    max_model_len: int = 2048
+    # None: the model's max_position_embeddings (resolved when the engine loads the model).
+    max_model_len: int | None = None
     enable_chunked_prefill: bool = True
     batching: Batching = "continuous"
     preemption_mode: PreemptionMode = "auto"
@@ -106,7 +107,11 @@ class SchedulerConfig:
             )
         if not 0.0 < self.output_length_quantile <= 1.0:
             raise ValueError(f"output_length_quantile must be in (0, 1], got {self.output_length_quantile}")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+        if (
+            not self.enable_chunked_prefill
+            and self.max_model_len is not None
+            and self.max_num_batched_tokens < self.max_model_len
+        ):
             # Without chunking a whole prompt must fit in one step.
             raise ValueError(
                 "with enable_chunked_prefill=False, max_num_batched_tokens "
@@ -139,3 +144,50 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+
+
+_SCHEDULER_ARGS = {
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "enable_chunked_prefill",
+    "batching",
+    "preemption_mode",
+    "output_length_quantile",
+    "cold_start_output_tokens",
+    "long_prompt_threshold",
+    "max_long_prefills",
+    "max_waiting",
+}
+_CACHE_ARGS = {
+    "block_size",
+    "num_blocks",
+    "kv_cache_memory_bytes",
+    "enable_prefix_caching",
+    "swap_space_bytes",
+}
+_ENGINE_ARGS = {"dtype", "device", "seed", "attention_backend"}
+_SPEC_ARGS = {"speculative_method": "method", "num_speculative_tokens": "num_speculative_tokens"}
+
+
+def engine_config_from_kwargs(model: str, **kwargs: object) -> EngineConfig:
+    """Map vLLM-named engine args (LLM(model, **engine_args), the CLI flags) onto the config tree."""
+    known = _SCHEDULER_ARGS | _CACHE_ARGS | _ENGINE_ARGS | set(_SPEC_ARGS)
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
+    given = {k: v for k, v in kwargs.items() if v is not None}
+    sched = {k: v for k, v in given.items() if k in _SCHEDULER_ARGS}
+    if given.get("enable_chunked_prefill") is False and "max_num_batched_tokens" not in given:
+        # Unchunked, a whole prompt must fit in one step: the budget becomes max_model_len.
+        mml = given.get("max_model_len")
+        sched["max_num_batched_tokens"] = max(
+            DEFAULT_MAX_NUM_BATCHED_TOKENS, mml if isinstance(mml, int) else 0
+        )
+    return EngineConfig(
+        model=model,
+        cache=CacheConfig(**{k: v for k, v in given.items() if k in _CACHE_ARGS}),  # type: ignore[arg-type]
+        scheduler=SchedulerConfig(**sched),  # type: ignore[arg-type]
+        spec=SpecConfig(**{_SPEC_ARGS[k]: v for k, v in given.items() if k in _SPEC_ARGS}),  # type: ignore[arg-type]
+        **{k: v for k, v in given.items() if k in _ENGINE_ARGS},  # type: ignore[arg-type]
+    )

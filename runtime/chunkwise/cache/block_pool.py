@@ -103,6 +103,6 @@ class BlockPool:
             )
         for h, b in self._cached.items():
             assert self.block_hash[b] == h, f"cached hash {h} maps to block {b} holding {self.block_hash[b]}"
-        for b, h in enumerate(self.block_hash):
-            if h is not None:
-                assert self._cached.get(h) == b, f"block {b} has hash {h} not in the cache map"
+        for b, bh in enumerate(self.block_hash):
+            if bh is not None:
+                assert self._cached.get(bh) == b, f"block {b} has hash {bh} not in the cache map"

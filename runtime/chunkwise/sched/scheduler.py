@@ -33,7 +33,10 @@ class Scheduler:
         cost_model: PreemptionCostModel,
         estimator: OutputLengthEstimator | None = None,
     ) -> None:
+        if config.max_model_len is None:
+            raise ValueError("SchedulerConfig.max_model_len must be resolved before building a Scheduler")
         self.config = config
+        self.max_model_len: int = config.max_model_len
         self.kv = kv
         self.block_size = kv.block_size
         self.cost_model = cost_model
@@ -114,7 +117,8 @@ class Scheduler:
 
         # 1. Running requests first. Decode rows before prefill chunks, so a long prompt's chunk takes only
         #    what the decodes leave (B = decode rows + chunk) and never stalls a stream.
-        decodes, prefills = [], []
+        decodes: list[Request] = []
+        prefills: list[Request] = []
         for r in self.running:
             (decodes if r.num_tokens - r.num_computed_tokens == 1 else prefills).append(r)
         for req in decodes + prefills:
@@ -302,6 +306,6 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED, None
         if token in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED, token
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH, None
         return None, None

@@ -1,0 +1,725 @@
+"""EngineCore.step() (the seed's step loop), the AsyncEngine that streams it, and the offline LLM API.
+
+release finished -> admit -> compose    (Scheduler.schedule)
+forward -> sample                       (ModelRunner.execute)
+emit                                    (Scheduler.update_from_output, OutputProcessor)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from chunkwise.attention import get_attention_backend
+from chunkwise.cache.kv_cache_manager import KVCacheManager
+from chunkwise.config import EngineConfig, engine_config_from_kwargs
+from chunkwise.model.loader import LoadedModel, load_model
+from chunkwise.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from chunkwise.request import Request, RequestStatus
+from chunkwise.sampling_params import SamplingParams
+from chunkwise.sched.output import SchedulerStats
+from chunkwise.sched.preemption import PreemptionCostModel
+from chunkwise.sched.scheduler import Scheduler
+from chunkwise.sched.shedding import LoadSnapshot, Overloaded, ServiceRate, SheddingPolicy, decide
+from chunkwise.tokenizer import IncrementalDetokenizer, Tokenizer
+from chunkwise.worker.model_runner import ModelRunner, kv_bytes_per_token
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# KV memory when neither blocks nor bytes are given: modest on CPU, most of a GPU's free memory on CUDA.
+_DEFAULT_CPU_KV_BYTES = 1 << 30
+_DEFAULT_GPU_KV_FRACTION = 0.8
+
+
+@dataclass
+class StepStats:
+    """One step's timings, for metrics and the cost model."""
+
+    step_seconds: float
+    schedule_seconds: float
+    forward_seconds: float
+    num_batched_tokens: int
+    num_prefill_tokens: int
+    num_decode_rows: int
+
+
+class _OutputState:
+    """Per-request emission state: incremental detokenization and stop strings."""
+
+    def __init__(self, req: Request, prompt: str | None, tokenizer: Tokenizer) -> None:
+        self.req = req
+        self.prompt = prompt
+        params = req.sampling_params
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self.stops = tuple(params.stop)
+        # Hold back this many characters while running: they could be the start of a stop string.
+        self.holdback = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""
+        self.sent_chars = 0
+        self.sent_tokens = 0
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, _OutputState] = {}
+
+    def add(self, req: Request, prompt: str | None) -> None:
+        self.states[req.request_id] = _OutputState(req, prompt, self.tokenizer)
+
+    def process(
+        self,
+        updated: Sequence[Request],
+        logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]],
+        scheduler: Scheduler,
+    ) -> list[RequestOutput]:
+        outs = []
+        for req in updated:
+            st = self.states.get(req.request_id)
+            if st is None:
+                continue
+            new_tokens = req.token_ids[req.num_prompt_tokens + st.sent_tokens :]
+            for t in new_tokens:
+                st.text += st.detok.step(t)
+            if req.is_finished:
+                st.text += st.detok.flush()
+            if st.stops and not req.is_finished:
+                self._check_stop_strings(st, len(new_tokens), scheduler)
+            outs.append(self._emit(st, new_tokens, logprobs.get(req.request_id)))
+        return outs
+
+    def _check_stop_strings(self, st: _OutputState, num_new: int, scheduler: Scheduler) -> None:
+        # Only the tail can hold a new match: the new text plus a stop string's length before it.
+        window_start = max(0, st.sent_chars - max(len(s) for s in st.stops))
+        best: tuple[int, str] | None = None
+        for s in st.stops:
+            idx = st.text.find(s, window_start)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, s)
+        if best is None:
+            return
+        idx, s = best
+        keep = idx + len(s) if st.req.sampling_params.include_stop_str_in_output else idx
+        st.text = st.text[:keep]
+        scheduler.finish(st.req, RequestStatus.FINISHED_STOPPED, s)
+
+    def _emit(
+        self,
+        st: _OutputState,
+        new_tokens: list[int],
+        logprobs: list[tuple[float, list[tuple[int, float]]]] | None,
+    ) -> RequestOutput:
+        req = st.req
+        finished = req.is_finished
+        upto = len(st.text) if finished else max(st.sent_chars, len(st.text) - st.holdback)
+        delta = st.text[st.sent_chars : upto]
+        st.sent_chars = upto
+        st.sent_tokens += len(new_tokens)
+        lp = None
+        if logprobs is not None:
+            lp = [TokenLogprob(t, v, top) for t, (v, top) in zip(new_tokens, logprobs)]
+        if finished:
+            self.states.pop(req.request_id, None)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=st.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    index=0,
+                    text=delta,
+                    token_ids=new_tokens,
+                    finish_reason=req.finish_reason if finished else None,
+                    stop_reason=req.stop_reason if finished else None,
+                    logprobs=lp,
+                )
+            ],
+            finished=finished,
+            num_cached_tokens=req.num_cached_tokens,
+            arrival_time=req.arrival_time,
+            first_token_time=req.first_token_time,
+            finished_time=req.finished_time,
+        )
+
+    def aborted(self, req: Request) -> RequestOutput:
+        st = self.states.pop(req.request_id, None)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=st.prompt if st else None,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason="abort")],
+            finished=True,
+            num_cached_tokens=req.num_cached_tokens,
+            arrival_time=req.arrival_time,
+            first_token_time=req.first_token_time,
+            finished_time=req.finished_time,
+        )
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        torch.manual_seed(config.seed)
+        device = torch.device(config.device)
+        dtype = _DTYPES[config.dtype]
+        backend = get_attention_backend(config.attention_backend, device.type)
+        self.loaded: LoadedModel = load_model(config.model, dtype=dtype, device=device, backend=backend)
+        mcfg = self.loaded.config
+        sched_cfg = config.scheduler
+        if sched_cfg.max_model_len is None:
+            sched_cfg = dataclasses.replace(sched_cfg, max_model_len=mcfg.max_position_embeddings)
+        elif sched_cfg.max_model_len > mcfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {sched_cfg.max_model_len} exceeds the model's "
+                f"max_position_embeddings {mcfg.max_position_embeddings}"
+            )
+        self.config = dataclasses.replace(config, scheduler=sched_cfg)
+        self.max_model_len: int = sched_cfg.max_model_len  # type: ignore[assignment]
+        self.tokenizer: Tokenizer = self.loaded.tokenizer
+        # The checkpoint's own EOS ids and the tokenizer's: generation stops on either, as in transformers.
+        self.eos_token_ids = self.loaded.eos_token_ids
+
+        cache = config.cache
+        per_token = kv_bytes_per_token(mcfg, dtype)
+        block_bytes = per_token * cache.block_size
+        if cache.num_blocks is not None:
+            num_blocks = cache.num_blocks
+        else:
+            num_blocks = (cache.kv_cache_memory_bytes or self._default_kv_bytes(device)) // block_bytes
+        min_blocks = -(-self.max_model_len // cache.block_size)
+        if num_blocks < min_blocks:
+            raise ValueError(
+                f"the KV cache ({num_blocks} blocks of {cache.block_size} tokens) cannot hold one request of "
+                f"max_model_len {self.max_model_len} tokens; give it at least {min_blocks} blocks "
+                f"({min_blocks * block_bytes} bytes) or lower max_model_len"
+            )
+        num_host_blocks = cache.swap_space_bytes // block_bytes
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, num_host_blocks)
+        self.runner = ModelRunner(
+            self.loaded.model,
+            mcfg,
+            backend,
+            num_blocks=num_blocks,
+            block_size=cache.block_size,
+            num_host_blocks=num_host_blocks,
+            dtype=dtype,
+            device=device,
+        )
+        self.cost_model = PreemptionCostModel(
+            kv_bytes_per_token=per_token,
+            host_copy_bytes_per_s=self.runner.measure_host_copy_bandwidth(),
+            prefill_tokens_per_s=self._measure_prefill_rate(),
+            forced=sched_cfg.preemption_mode,
+        )
+        self.scheduler = Scheduler(sched_cfg, self.kv, self.cost_model)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.num_blocks = num_blocks
+        self.last_step: StepStats | None = None
+
+    @staticmethod
+    def _default_kv_bytes(device: torch.device) -> int:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return int(free * _DEFAULT_GPU_KV_FRACTION)
+        return _DEFAULT_CPU_KV_BYTES
+
+    def _measure_prefill_rate(self, num_tokens: int = 128) -> float:
+        """Tokens/s of one prefill through block 0 (free at start-up; its contents are overwritten later)."""
+        from chunkwise.sched.output import ScheduledRequest, SchedulerOutput
+
+        bs = self.kv.block_size
+        n = min(num_tokens, bs * self.kv.pool.num_blocks, self.max_model_len)
+        table = list(range(-(-n // bs)))
+        sr = ScheduledRequest(
+            "__warmup__", [0] * n, 0, table, samples=False, sampling_params=SamplingParams()
+        )
+        so = SchedulerOutput(scheduled=[sr], num_batched_tokens=n)
+        self.runner.execute(so)  # warm-up
+        t0 = time.perf_counter()
+        self.runner.execute(so)
+        return n / max(time.perf_counter() - t0, 1e-9)
+
+    # -- requests ---------------------------------------------------------------------------------------
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        route: str = "",
+        cache_salt: str | None = None,
+    ) -> tuple[Request, str | None]:
+        """Validate and tokenize; raises ValueError with a clear message for bad input."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            text: str | None = prompt
+            ids = self.tokenizer.encode(prompt)
+        else:
+            text = None
+            ids = list(prompt)
+            if not ids:
+                raise ValueError("prompt is empty")
+            vocab = self.loaded.config.vocab_size
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens; max_model_len is {self.max_model_len}, "
+                "which must leave room for at least one generated token"
+            )
+        room = self.max_model_len - len(ids)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})"
+            )
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            sampling_params=params,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            max_tokens=params.max_tokens if params.max_tokens is not None else room,
+            eos_token_ids=self.eos_token_ids,
+            route=route,
+            cache_salt=cache_salt,
+        )
+        return req, text
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        route: str = "",
+        cache_salt: str | None = None,
+    ) -> Request:
+        req, text = self.make_request(request_id, prompt, params, arrival_time, route, cache_salt)
+        self.scheduler.add_request(req)
+        self.outputs.add(req, text)
+        return req
+
+    def abort(self, request_ids: Sequence[str]) -> list[RequestOutput]:
+        return [self.outputs.aborted(r) for r in self.scheduler.abort(request_ids)]
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats
+
+    # -- the step loop ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        so = self.scheduler.schedule()
+        schedule_s = time.perf_counter() - t0
+        result = self.runner.execute(so)
+        updated = self.scheduler.update_from_output(so, result.sampled)
+        outs = self.outputs.process(updated, result.logprobs, self.scheduler)
+        step_s = time.perf_counter() - t0
+        if so.num_prefill_tokens >= so.num_batched_tokens // 2 and so.num_prefill_tokens > 0:
+            self.cost_model.observe_prefill(so.num_batched_tokens, result.forward_seconds)
+        self.last_step = StepStats(
+            step_seconds=step_s,
+            schedule_seconds=schedule_s,
+            forward_seconds=result.forward_seconds,
+            num_batched_tokens=so.num_batched_tokens,
+            num_prefill_tokens=so.num_prefill_tokens,
+            num_decode_rows=sum(1 for s in so.scheduled if len(s.token_ids) == 1),
+        )
+        return outs
+
+
+def _merge(acc: RequestOutput, delta: RequestOutput) -> None:
+    a, d = acc.outputs[0], delta.outputs[0]
+    a.text += d.text
+    a.token_ids.extend(d.token_ids)
+    if d.logprobs is not None:
+        a.logprobs = (a.logprobs or []) + d.logprobs
+    a.finish_reason, a.stop_reason = d.finish_reason, d.stop_reason
+    acc.finished = delta.finished
+    acc.first_token_time = delta.first_token_time
+    acc.finished_time = delta.finished_time
+
+
+class LLM:
+    """The offline API: `LLM(model="tiny", **engine_args).generate(prompts, sampling_params)`."""
+
+    def __init__(self, model: str = "tiny", **engine_args: object) -> None:
+        self.engine = EngineCore(engine_config_from_kwargs(model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        prompt_list: list[str | Sequence[int]] = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompt_list)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompt_list):
+                raise ValueError(f"{len(prompt_list)} prompts but {len(params)} sampling params")
+        # Validate everything before queueing anything, so one bad prompt leaves no half-run batch.
+        reqs = [
+            self.engine.make_request(f"offline-{next(self._ids)}", p, sp)
+            for p, sp in zip(prompt_list, params)
+        ]
+        results: dict[str, RequestOutput] = {}
+        for req, text in reqs:
+            self.engine.scheduler.add_request(req)
+            self.engine.outputs.add(req, text)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.request_id in results:
+                    _merge(results[out.request_id], out)
+                else:
+                    results[out.request_id] = out
+        return [results[req.request_id] for req, _ in reqs]
+
+
+class RequestStream:
+    """One request's deltas from AsyncEngine, as an async iterator.
+
+    `close()` aborts the request unless it already finished (its KV blocks are freed within a step); it is
+    idempotent, and callers call it in a `finally` so that a client disconnect, a cancelled task or an error
+    anywhere in between never leaves a request generating for nobody.
+    """
+
+    def __init__(
+        self, engine: AsyncEngine, request: Request, q: asyncio.Queue[RequestOutput | Exception]
+    ) -> None:
+        self.engine = engine
+        self.request_id = request.request_id
+        self.prompt_token_ids: list[int] = request.prompt_token_ids
+        self._q = q
+        self.finished = False
+        self._closed = False
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished or self._closed:
+            raise StopAsyncIteration
+        item = await self._q.get()
+        if isinstance(item, Exception):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if not self.finished:
+                self.engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    """Runs EngineCore's step loop on its own thread and streams each request's deltas to asyncio.
+
+    The step loop never waits on HTTP work: requests and aborts reach it through a thread-safe inbox that it
+    drains between steps, and outputs go back to each request's asyncio queue with call_soon_threadsafe.
+    HTTP handlers never wait on a step either: `add_request` validates, runs the admission (load-shedding)
+    check and queues without blocking.
+
+    After each step (and after draining the inbox) the loop publishes, under one lock:
+    - a `LoadSnapshot` for load shedding: requests waiting in the scheduler (waiting + swapped), their
+      uncomputed tokens and estimated remaining outputs, and the measured service rate (tokens/s, an EMA).
+      `load()` adds the requests accepted but not yet seen by the loop, so a burst cannot overshoot the bound;
+    - a copy of the scheduler's stats with the gauges (running, waiting, swapped, KV usage) refreshed, so an
+      abort while idle shows at once (`scheduler_stats()`).
+    Observers (`add_observer`, e.g. metrics) are called on the loop thread with each step's StepStats (None
+    for outputs produced between steps, such as aborts), its outputs, and the requests that finished.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.core = EngineCore(config)
+        # An add is (request, prompt text); an abort is the request id.
+        self._inbox: queue.SimpleQueue[tuple[Request, str | None] | str] = queue.SimpleQueue()
+        self._streams: dict[
+            str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | Exception]]
+        ] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="chunkwise-engine", daemon=True)
+        self.error: BaseException | None = None
+        self._ids = itertools.count()
+        self._observers: list[Callable[[StepStats | None, list[RequestOutput], list[Request]], None]] = []
+        # Loop-thread state: live requests (for observers' timings), the routes seen, the service rate.
+        self._requests: dict[str, Request] = {}
+        self._routes: set[str] = {""}
+        self._drained: list[str] = []
+        self._rate = ServiceRate(self.core.cost_model.prefill_tokens_per_s)
+        self._cold_start_output_tokens = self.core.config.scheduler.cold_start_output_tokens
+        # Published by the loop thread, read by HTTP handlers; all under _lock.
+        self._load = LoadSnapshot(service_tokens_per_s=self._rate.tokens_per_s)
+        self._stats = copy.copy(self.core.stats)
+        self._estimates: dict[str, int] = {}
+        # Accepted by add_request, not yet drained by the loop: request id -> (prompt tokens, output estimate).
+        self._pending: dict[str, tuple[int, int]] = {}
+        self._pending_prefill = 0
+        self._pending_decode = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        # Whoever still waits on a stream hears that no more output will come.
+        self._fail_streams(RuntimeError("the engine was shut down"))
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.core.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self.error is None and not self._stopping
+
+    @property
+    def num_unfinished(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def add_observer(
+        self, observer: Callable[[StepStats | None, list[RequestOutput], list[Request]], None]
+    ) -> None:
+        """Call `observer(step, outputs, finished_requests)` on the loop thread after each step. It must be
+        quick and must not block; an exception it raises is logged and otherwise ignored."""
+        self._observers = [*self._observers, observer]
+
+    def load(self) -> LoadSnapshot:
+        """The load an admission check sees now: the loop's last snapshot plus requests not yet drained."""
+        with self._lock:
+            return self._load_locked()
+
+    def _load_locked(self) -> LoadSnapshot:
+        return self._load.plus(len(self._pending), self._pending_prefill, self._pending_decode)
+
+    def scheduler_stats(self) -> SchedulerStats:
+        """A copy of the scheduler's counters and gauges as of the loop's last step (or inbox drain)."""
+        with self._lock:
+            return copy.copy(self._stats)
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        route: str = "",
+        cache_salt: str | None = None,
+        shedding: SheddingPolicy | None = None,
+    ) -> RequestStream:
+        """Validate, check admission and queue one request; never blocks on the step loop.
+
+        Raises ValueError for bad input and `Overloaded` when `shedding` refuses it, in both cases before
+        anything is queued; RuntimeError when the engine is not running."""
+        if self.error is not None or self._stopping:
+            raise RuntimeError("the engine is not running")
+        rid = request_id or f"req-{next(self._ids)}"
+        req, text = self.core.make_request(rid, prompt, params, route=route, cache_salt=cache_salt)
+        q: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if rid in self._streams or rid in self._pending:
+                raise ValueError(f"request id {rid!r} is already in use")
+            if params.max_tokens is not None:
+                decode = req.max_tokens
+            else:
+                decode = min(req.max_tokens, self._estimates.get(route, self._cold_start_output_tokens))
+            if shedding is not None:
+                decision = decide(shedding, self._load_locked())
+                if not decision.admitted:
+                    raise Overloaded(decision)
+            self._streams[rid] = (loop, q)
+            self._pending[rid] = (req.num_prompt_tokens, decode)
+            self._pending_prefill += req.num_prompt_tokens
+            self._pending_decode += decode
+            # Queued under the lock, so the loop cannot drain it before it is counted as pending.
+            self._inbox.put((req, text))
+        self._wake.set()
+        return RequestStream(self, req, q)
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        route: str = "",
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield deltas for one request. Raises ValueError for bad input before anything is queued.
+        Leaving the iterator early (a client disconnect) aborts the request."""
+        stream = self.add_request(prompt, params, request_id, route=route, cache_salt=cache_salt)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(request_id)
+        self._wake.set()
+
+    def abort_all(self) -> int:
+        """Abort every request in flight; returns how many."""
+        with self._lock:
+            rids = list(self._streams)
+        for rid in rids:
+            self.abort(rid)
+        return len(rids)
+
+    def _deliver(self, out: RequestOutput | Exception, rid: str) -> None:
+        with self._lock:
+            entry = self._streams.get(rid)
+            if entry is not None and (isinstance(out, Exception) or out.finished):
+                del self._streams[rid]
+        if entry is not None:
+            loop, q = entry
+            # A closed event loop raises RuntimeError: nobody is listening any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(q.put_nowait, out)
+
+    def _fail_streams(self, error: Exception) -> None:
+        with self._lock:
+            streams = list(self._streams.values())
+            self._streams.clear()
+            self._pending.clear()
+            self._pending_prefill = self._pending_decode = 0
+        for loop, q in streams:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(q.put_nowait, error)
+
+    def _drain_inbox(self) -> bool:
+        """Apply queued adds and aborts; returns whether there were any."""
+        core = self.core
+        any_item = False
+        aborted: list[RequestOutput] = []
+        finished: list[Request] = []
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            any_item = True
+            if not isinstance(item, str):
+                req, text = item
+                self._drained.append(req.request_id)
+                try:
+                    core.scheduler.add_request(req)
+                    core.outputs.add(req, text)
+                except ValueError as e:
+                    self._deliver(e, req.request_id)
+                    continue
+                self._requests[req.request_id] = req
+                self._routes.add(req.route)
+            else:
+                rid = item
+                for out in core.abort([rid]):
+                    self._deliver(out, out.request_id)
+                    aborted.append(out)
+                    done = self._requests.pop(out.request_id, None)
+                    if done is not None:
+                        finished.append(done)
+                with self._lock:
+                    self._streams.pop(rid, None)
+        if aborted:
+            self._notify(None, aborted, finished)
+        return any_item
+
+    def _publish(self) -> None:
+        core = self.core
+        sched = core.scheduler
+        num = prefill = decode = 0
+        for r in itertools.chain(sched.waiting, sched.swapped):
+            num += 1
+            prefill += r.num_tokens - r.num_computed_tokens
+            decode += max(0, r.output_length_estimate - r.num_output_tokens)
+        stats = copy.copy(sched.stats)
+        stats.num_running = len(sched.running)
+        stats.num_waiting = len(sched.waiting)
+        stats.num_swapped = len(sched.swapped)
+        stats.kv_usage = core.kv.pool.usage
+        estimates = {route: sched.estimator.estimate(route) for route in self._routes}
+        load = LoadSnapshot(num, prefill, decode, self._rate.tokens_per_s)
+        drained, self._drained = self._drained, []
+        with self._lock:
+            for rid in drained:
+                p = self._pending.pop(rid, None)
+                if p is not None:
+                    self._pending_prefill -= p[0]
+                    self._pending_decode -= p[1]
+            self._load = load
+            self._stats = stats
+            self._estimates = estimates
+
+    def _notify(self, step: StepStats | None, outs: list[RequestOutput], finished: list[Request]) -> None:
+        for observer in self._observers:
+            try:
+                observer(step, outs, finished)
+            except Exception:
+                logging.getLogger(__name__).exception("engine observer %r failed", observer)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopping:
+                if self._drain_inbox():
+                    self._publish()
+                if not self.core.has_unfinished():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                outs = self.core.step()
+                step = self.core.last_step
+                if step is not None:
+                    self._rate.observe(step.num_batched_tokens, step.step_seconds)
+                finished: list[Request] = []
+                for out in outs:
+                    self._deliver(out, out.request_id)
+                    if out.finished:
+                        done = self._requests.pop(out.request_id, None)
+                        if done is not None:
+                            finished.append(done)
+                self._publish()
+                self._notify(step, outs, finished)
+        except BaseException as e:  # the engine thread must not die silently
+            self.error = e
+            self._fail_streams(RuntimeError(f"engine failed: {e!r}"))
+            raise

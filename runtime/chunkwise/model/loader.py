@@ -1,0 +1,325 @@
+"""Build a model from a preset name or a Hugging Face directory. Nothing is ever downloaded.
+
+An HF directory holds config.json, one or more *.safetensors files and (usually) tokenizer.json. Every
+mismatch between what the config describes and what the weights hold is an error naming the tensors, so
+a wrong checkpoint fails at start-up rather than serving noise.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from chunkwise.attention.backend import AttentionBackend
+from chunkwise.config import ModelConfig
+from chunkwise.model.llama import LlamaForCausalLM
+from chunkwise.model.presets import PRESET_SEEDS, PRESETS, init_random_weights
+from chunkwise.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+SUPPORTED_ROPE_TYPES = (None, "default")
+# Checkpoints saved by older transformers versions carry the rotary table; we compute it.
+IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
+# How many names an error lists before it summarises.
+MAX_NAMES_IN_ERROR = 10
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    config: ModelConfig
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer
+    chat_template: str | None
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The ids that end generation: the model config's and the tokenizer's, as HF's generate uses."""
+        return tuple(dict.fromkeys((*self.config.eos_token_ids, *self.tokenizer.eos_token_ids)))
+
+
+def load_model(
+    name_or_path: str, *, dtype: torch.dtype, device: str | torch.device, backend: AttentionBackend
+) -> LoadedModel:
+    if name_or_path in PRESETS:
+        return _load_preset(name_or_path, dtype=dtype, device=device, backend=backend)
+    path = Path(name_or_path)
+    if not path.is_dir():
+        raise ValueError(
+            f"model {name_or_path!r} is neither a built-in preset ({', '.join(sorted(PRESETS))}) nor an "
+            "existing directory (chunkwise never downloads; give the path of a Hugging Face model directory)"
+        )
+    return _load_hf_dir(path, name=name_or_path, dtype=dtype, device=device, backend=backend)
+
+
+def _load_preset(
+    name: str, *, dtype: torch.dtype, device: str | torch.device, backend: AttentionBackend
+) -> LoadedModel:
+    config = PRESETS[name]
+    # Built and filled on the CPU in fp32, then moved: the same weights whatever the target. Built on
+    # the meta device first so nn.Linear's own init (a second of CPU for `small`) is skipped.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, backend)
+    model = model.to_empty(device="cpu")
+    model.tie_weights()
+    init_random_weights(model, PRESET_SEEDS[name], config.hidden_size)
+    model = model.to(device=device, dtype=dtype)
+    _freeze(model)
+    tokenizer = ByteTokenizer()
+    return LoadedModel(name, config, model, tokenizer, tokenizer.chat_template)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"malformed JSON in {path}: {e}") from e
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+
+
+def _load_hf_dir(
+    path: Path, *, name: str, dtype: torch.dtype, device: str | torch.device, backend: AttentionBackend
+) -> LoadedModel:
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"{path} has no config.json; it is not a Hugging Face model directory")
+    raw = _read_json(config_path)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_path} must hold a JSON object")
+    config = model_config_from_hf(raw)
+
+    # generation_config.json may name more stop ids than config.json (Llama 3 instruct does).
+    gen_path = path / "generation_config.json"
+    if gen_path.is_file():
+        gen = _read_json(gen_path)
+        if isinstance(gen, dict):
+            extra = _eos_ids(gen.get("eos_token_id"), gen_path)
+            if extra:
+                merged = tuple(dict.fromkeys((*config.eos_token_ids, *extra)))
+                config = replace(config, eos_token_ids=merged)
+
+    weight_files = sorted(path.glob("*.safetensors"))
+    if not weight_files:
+        hint = (
+            " (PyTorch .bin checkpoints are not supported; convert to safetensors)"
+            if any(path.glob("*.bin"))
+            else ""
+        )
+        raise ValueError(f"{path} has no *.safetensors weight files{hint}")
+
+    tokenizer: Tokenizer
+    if (path / "tokenizer.json").is_file():
+        tokenizer = HFTokenizer.from_dir(path, extra_eos_token_ids=config.eos_token_ids)
+    elif config.vocab_size >= ByteTokenizer.VOCAB_SIZE:
+        tokenizer = ByteTokenizer()
+    else:
+        raise ValueError(
+            f"{path} has no tokenizer.json, and its vocab_size ({config.vocab_size}) is too small for the "
+            f"built-in byte tokenizer ({ByteTokenizer.VOCAB_SIZE} ids)"
+        )
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, backend)
+    state = _read_safetensors(weight_files, model, config, dtype=dtype, device=device)
+    model.load_state_dict(state, strict=False, assign=True)
+    # assign=True replaced the embedding's Parameter object, so the tie must be made again.
+    model.tie_weights()
+    _freeze(model)
+    return LoadedModel(name, config, model, tokenizer, tokenizer.chat_template)
+
+
+def _freeze(model: torch.nn.Module) -> None:
+    model.eval()
+    model.requires_grad_(False)
+
+
+def _name_list(names: set[str]) -> str:
+    ordered = sorted(names)
+    shown = ", ".join(ordered[:MAX_NAMES_IN_ERROR])
+    more = len(ordered) - MAX_NAMES_IN_ERROR
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+def _read_safetensors(
+    files: list[Path],
+    model: LlamaForCausalLM,
+    config: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    device: str | torch.device,
+) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    # named_parameters() lists a tied weight once, under the embedding's name.
+    expected = {name: p.shape for name, p in model.named_parameters()}
+    where: dict[str, Path] = {}
+    ignored: set[str] = set()
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as st:
+                keys = list(st.keys())
+        except Exception as e:
+            raise ValueError(f"cannot read safetensors file {f}: {e}") from e
+        for key in keys:
+            if key.endswith(IGNORED_WEIGHT_SUFFIXES) or (
+                config.tie_word_embeddings and key == "lm_head.weight"
+            ):
+                ignored.add(key)
+                continue
+            if key in where:
+                raise ValueError(f"weight {key!r} appears in both {where[key].name} and {f.name}")
+            where[key] = f
+    missing = expected.keys() - where.keys()
+    unexpected = where.keys() - expected.keys()
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing weights: {_name_list(set(missing))}")
+        if unexpected:
+            parts.append(f"unexpected weights: {_name_list(set(unexpected))}")
+        raise ValueError(f"checkpoint does not match its config.json ({'; '.join(parts)})")
+
+    state: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for key, f in where.items():
+        by_file.setdefault(f, []).append(key)
+    for f, keys in by_file.items():
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            for key in keys:
+                tensor = st.get_tensor(key)
+                if tuple(tensor.shape) != tuple(expected[key]):
+                    raise ValueError(
+                        f"weight {key!r} in {f.name} has shape {tuple(tensor.shape)}, but config.json "
+                        f"implies {tuple(expected[key])}"
+                    )
+                state[key] = tensor.to(device=device, dtype=dtype)
+    return state
+
+
+def _eos_ids(value: Any, source: Path | str) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return tuple(value)
+    raise ValueError(f"eos_token_id in {source} must be an int or a list of ints, got {value!r}")
+
+
+def _int_field(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
+    value = cfg.get(key)
+    if value is None:
+        if default is None:
+            raise ValueError(f"config.json is missing the required field {key!r}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"config.json field {key!r} must be an integer, got {value!r}")
+    return value
+
+
+def _float_field(cfg: dict[str, Any], key: str, default: float) -> float:
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"config.json field {key!r} must be a number, got {value!r}")
+    return float(value)
+
+
+def _rope(cfg: dict[str, Any]) -> float:
+    """rope_theta, refusing any rope scaling we do not implement.
+
+    transformers 5 writes {"rope_parameters": {"rope_theta": ..., "rope_type": "default"}}; earlier
+    versions write a top-level rope_theta and an optional rope_scaling dict ("type" or "rope_type").
+    """
+    theta = _float_field(cfg, "rope_theta", 10000.0)
+    for key in ("rope_parameters", "rope_scaling"):
+        params = cfg.get(key)
+        if params is None:
+            continue
+        if not isinstance(params, dict):
+            raise ValueError(f"config.json field {key!r} must be an object, got {params!r}")
+        rope_type = params.get("rope_type", params.get("type"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope scaling type {rope_type!r} (config.json {key}) is not supported; only the default "
+                "rotary embedding is"
+            )
+        if params.get("rope_theta") is not None:
+            theta = _float_field(params, "rope_theta", theta)
+    return theta
+
+
+def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    """Map a Hugging Face config.json (Llama, Mistral or Qwen2) onto ModelConfig; raise on what we cannot
+    run exactly."""
+    architectures = cfg.get("architectures") or []
+    if not isinstance(architectures, list):
+        raise ValueError(f"config.json field 'architectures' must be a list, got {architectures!r}")
+    families = [SUPPORTED_ARCHITECTURES[a] for a in architectures if a in SUPPORTED_ARCHITECTURES]
+    if not architectures and cfg.get("model_type") in SUPPORTED_ARCHITECTURES.values():
+        families = [cfg["model_type"]]
+    if not families:
+        raise ValueError(
+            f"unsupported architecture {architectures or cfg.get('model_type')!r}; chunkwise runs "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    family = families[0]
+
+    hidden_act = cfg.get("hidden_act", "silu")
+    if hidden_act != "silu":
+        raise ValueError(f"hidden_act {hidden_act!r} is not supported (only 'silu')")
+    if cfg.get("mlp_bias"):
+        raise ValueError("mlp_bias=true is not supported")
+    if family == "qwen2":
+        # Qwen2 always has q/k/v biases; the config has no switch for them.
+        attention_bias = True
+    else:
+        if cfg.get("attention_bias"):
+            # Llama's attention_bias also puts a bias on o_proj, which ModelConfig cannot express.
+            raise ValueError("attention_bias=true is not supported for Llama/Mistral checkpoints")
+        attention_bias = False
+
+    hidden = _int_field(cfg, "hidden_size")
+    heads = _int_field(cfg, "num_attention_heads")
+    if heads <= 0:
+        raise ValueError(f"num_attention_heads must be positive, got {heads}")
+    head_dim = _int_field(cfg, "head_dim", hidden // heads)
+    max_pos = _int_field(cfg, "max_position_embeddings", 2048)
+    # We attend over the full context. A sliding window changes nothing until the context outgrows it,
+    # so cap the usable length there instead of refusing the checkpoint.
+    # The defaults are those of the transformers config classes, which apply when the key is absent.
+    uses_window = cfg.get("use_sliding_window", False) if family == "qwen2" else True
+    window = cfg.get("sliding_window", 4096 if family == "mistral" else None)
+    if uses_window and isinstance(window, int) and not isinstance(window, bool) and window > 0:
+        max_pos = min(max_pos, window)
+
+    bos = cfg.get("bos_token_id")
+    if bos is not None and (isinstance(bos, bool) or not isinstance(bos, int)):
+        raise ValueError(f"config.json field 'bos_token_id' must be an integer, got {bos!r}")
+
+    return ModelConfig(
+        vocab_size=_int_field(cfg, "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=_int_field(cfg, "intermediate_size"),
+        num_hidden_layers=_int_field(cfg, "num_hidden_layers"),
+        num_attention_heads=heads,
+        num_key_value_heads=_int_field(cfg, "num_key_value_heads", heads),
+        head_dim=head_dim,
+        max_position_embeddings=max_pos,
+        rms_norm_eps=_float_field(cfg, "rms_norm_eps", 1e-6),
+        rope_theta=_rope(cfg),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=attention_bias,
+        bos_token_id=bos,
+        eos_token_ids=_eos_ids(cfg.get("eos_token_id"), "config.json"),
+    )

@@ -1,0 +1,184 @@
+"""SchedulerOutput -> tensors -> forward -> sample. Knows nothing of policies; owns the KV tensors."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from chunkwise.attention.backend import AttentionBackend, AttentionMetadata, kv_cache_shape
+from chunkwise.config import ModelConfig
+from chunkwise.model.llama import LlamaForCausalLM
+from chunkwise.sampler import Sampler, SamplingBatch, make_generator
+from chunkwise.sched.output import SchedulerOutput
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * itemsize
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    # Per sampled request, per token: (chosen logprob, [(id, logprob) of the top alternatives]).
+    logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] = field(default_factory=dict)
+    forward_seconds: float = 0.0
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        *,
+        num_blocks: int,
+        block_size: int,
+        num_host_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.backend = backend
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = device
+        shape = kv_cache_shape(num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)
+        ]
+        host_shape = kv_cache_shape(num_host_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        pin = device.type == "cuda"
+        self.host_caches = [
+            torch.zeros(host_shape, dtype=dtype, pin_memory=pin) for _ in range(config.num_hidden_layers)
+        ]
+        self.sampler = Sampler()
+        # Per-request sampling state that must persist across steps: a seeded request's generator.
+        self._generators: dict[str, torch.Generator] = {}
+
+    # -- KV movement ------------------------------------------------------------------------------------
+    def _copy_blocks(
+        self, src: list[torch.Tensor], dst: list[torch.Tensor], pairs: list[tuple[int, int]]
+    ) -> None:
+        if not pairs:
+            return
+        s = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=src[0].device)
+        d = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dst[0].device)
+        for src_layer, dst_layer in zip(src, dst):
+            dst_layer[:, d] = src_layer[:, s].to(dst_layer.device)
+
+    def measure_host_copy_bandwidth(self, num_blocks: int = 8, repeats: int = 3) -> float:
+        """Bytes/s of a device->host->device round trip of `num_blocks` blocks, as swap would move them."""
+        n = min(num_blocks, self.kv_caches[0].shape[1], self.host_caches[0].shape[1])
+        if n == 0:
+            return 1.0
+        pairs = [(i, i) for i in range(n)]
+        moved = sum(t[:, :n].numel() * t.element_size() for t in self.kv_caches) * 2
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            self._copy_blocks(self.kv_caches, self.host_caches, pairs)
+            self._copy_blocks(self.host_caches, self.kv_caches, pairs)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        return moved / max(best, 1e-9)
+
+    # -- one step ---------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in so.finished_req_ids:
+            self._generators.pop(rid, None)
+        # Out before in: a block swapped out this step may be the target of a swap-in.
+        self._copy_blocks(self.kv_caches, self.host_caches, so.swap_out)
+        self._copy_blocks(self.host_caches, self.kv_caches, so.swap_in)
+        if not so.scheduled:
+            return ModelRunnerOutput()
+
+        t0 = time.perf_counter()
+        input_ids, positions, meta, sample_rows = self._prepare(so)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        sampling = [so.scheduled[i] for i in sample_rows]
+        out = ModelRunnerOutput()
+        if sampling:
+            last = (
+                meta.query_start_loc[1:][torch.tensor(sample_rows, dtype=torch.long, device=self.device)] - 1
+            )
+            logits = self.model.compute_logits(hidden[last])
+            gens: list[torch.Generator | None] = []
+            for sr in sampling:
+                seed = sr.sampling_params.seed
+                if seed is None or sr.sampling_params.greedy:
+                    gens.append(None)
+                    continue
+                gen = self._generators.get(sr.req_id)
+                if gen is None:
+                    gen = self._generators[sr.req_id] = make_generator(seed, self.device)
+                gens.append(gen)
+            batch = SamplingBatch.build(
+                [sr.sampling_params for sr in sampling],
+                [sr.output_token_ids or [] for sr in sampling],
+                gens,
+                self.device,
+            )
+            result = self.sampler(logits, batch)
+            tokens = result.token_ids.tolist()
+            chosen = result.logprobs.tolist() if result.logprobs is not None else None
+            top_ids = top_vals = None
+            if result.top_logprobs is not None:
+                top_ids, top_vals = (t.tolist() for t in result.top_logprobs)
+            for row, (sr, tok) in enumerate(zip(sampling, tokens)):
+                out.sampled[sr.req_id] = [tok]
+                k = sr.sampling_params.logprobs
+                if k is not None and chosen is not None:
+                    top = list(zip(top_ids[row][:k], top_vals[row][:k])) if k and top_ids and top_vals else []
+                    out.logprobs[sr.req_id] = [(chosen[row], top)]
+        out.forward_seconds = time.perf_counter() - t0
+        return out
+
+    def _prepare(
+        self, so: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos_parts = []
+        slot_parts = []
+        qsl = [0]
+        seq_lens = []
+        sample_rows = []
+        max_blocks = 0
+        for i, sr in enumerate(so.scheduled):
+            n = len(sr.token_ids)
+            ids.extend(sr.token_ids)
+            pos = np.arange(sr.start_pos, sr.start_pos + n)
+            table = np.asarray(sr.block_table, dtype=np.int64)
+            pos_parts.append(pos)
+            slot_parts.append(table[pos // bs] * bs + pos % bs)
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(sr.start_pos + n)
+            max_blocks = max(max_blocks, -(-(sr.start_pos + n) // bs))
+            if sr.samples:
+                sample_rows.append(i)
+        tables = np.zeros((len(so.scheduled), max_blocks), dtype=np.int64)
+        for i, sr in enumerate(so.scheduled):
+            nb = -(-seq_lens[i] // bs)
+            tables[i, :nb] = sr.block_table[:nb]
+        dev = self.device
+        query_lens = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens))]
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.long, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(dev),
+            query_lens_host=query_lens,
+            seq_lens_host=seq_lens,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions = torch.from_numpy(np.concatenate(pos_parts)).to(dev)
+        return input_ids, positions, meta, sample_rows

@@ -1,0 +1,199 @@
+"""The torch attention backend against a dense per-request reference over the same keys and values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from chunkwise.attention import get_attention_backend
+from chunkwise.attention.backend import AttentionMetadata, kv_cache_shape
+from chunkwise.attention.torch_ref import TorchAttentionBackend
+
+
+def build_batch(
+    requests: list[tuple[int, int]],
+    *,
+    block_size: int,
+    num_blocks: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+) -> tuple[
+    AttentionMetadata, list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor
+]:
+    """requests: (tokens already in the cache, tokens in this step). Returns the metadata, each request's
+    full context keys/values [seq_len, H, D], and the slots of every context position (all requests)
+    with the keys/values to write there."""
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables: list[list[int]] = []
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    all_slots: list[torch.Tensor] = []
+    step_slots: list[torch.Tensor] = []
+    for computed, new in requests:
+        seq_len = computed + new
+        blocks = [perm.pop() for _ in range(math.ceil(seq_len / block_size))]
+        tables.append(blocks)
+        pos = torch.arange(seq_len)
+        slots = torch.tensor(blocks, dtype=torch.long)[pos // block_size] * block_size + pos % block_size
+        all_slots.append(slots)
+        step_slots.append(slots[computed:])
+        keys.append(torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype))
+        values.append(torch.randn(seq_len, num_kv_heads, head_dim, generator=gen).to(dtype))
+    width = max(len(t) for t in tables)
+    query_lens = [new for _, new in requests]
+    seq_lens = [c + n for c, n in requests]
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.long),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.long),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long),
+        slot_mapping=torch.cat(step_slots),
+        query_lens_host=query_lens,
+        seq_lens_host=seq_lens,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+    return meta, keys, values, torch.cat(all_slots), torch.cat(keys), torch.cat(values)
+
+
+def dense_reference(
+    query: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    query_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """Per request, in float64: repeat KV heads, full causal mask with the queries at the context's end."""
+    out = []
+    start = 0
+    num_heads = query.shape[1]
+    for k, v, n in zip(keys, values, query_lens):
+        seq_len = k.shape[0]
+        group = num_heads // k.shape[1]
+        q = query[start : start + n].double()
+        kk = k.double().repeat_interleave(group, dim=1)
+        vv = v.double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, kk) * scale
+        q_pos = torch.arange(seq_len - n, seq_len)[:, None]
+        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > q_pos, float("-inf"))
+        out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv))
+        start += n
+    return torch.cat(out)
+
+
+# (computed, new): fresh prefills, chunks starting mid-block and crossing blocks, decodes at and just
+# past block boundaries, a one-token prompt, and decode rows of very different lengths.
+MIXED = [(0, 7), (13, 1), (5, 9), (16, 1), (0, 1), (20, 12), (3, 1), (97, 1), (31, 1), (40, 1)]
+
+
+def run_case(requests, *, num_heads, num_kv_heads, block_size, dtype, backend=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    head_dim = 16
+    backend = backend or TorchAttentionBackend()
+    num_blocks = sum(math.ceil((c + n) / block_size) for c, n in requests) + 7
+    meta, keys, values, slots, k_all, v_all = build_batch(
+        requests,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        gen=gen,
+    )
+    # NaN everywhere no request wrote: reading any slot past a context would poison the output.
+    cache = torch.full(
+        kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype
+    )
+    backend.write_kv(k_all, v_all, cache, slots)
+    query = torch.randn(meta.num_tokens, num_heads, head_dim, generator=gen).to(dtype)
+    scale = head_dim**-0.5
+    out = backend.attend(query, cache, meta, scale)
+    ref = dense_reference(query, keys, values, meta.query_lens_host, scale)
+    return out, ref
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (8, 2)])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_mixed_batch_fp32(num_heads, num_kv_heads, block_size):
+    out, ref = run_case(
+        MIXED, num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=block_size, dtype=torch.float32
+    )
+    assert out.dtype == torch.float32
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_mixed_batch_half(dtype):
+    out, ref = run_case(MIXED, num_heads=8, num_kv_heads=2, block_size=16, dtype=dtype, seed=1)
+    assert out.dtype == dtype
+    # The backend accumulates in fp32; what is left is the rounding of the output itself.
+    tol = 2e-3 if dtype == torch.float16 else 1e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+def test_decode_only_and_prefill_only_batches():
+    decodes = [(c, 1) for c in (0, 1, 15, 16, 17, 63, 64, 200)]
+    out, ref = run_case(decodes, num_heads=4, num_kv_heads=2, block_size=16, dtype=torch.float32, seed=2)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    prefills = [(0, 33), (17, 16), (48, 2)]
+    out, ref = run_case(prefills, num_heads=4, num_kv_heads=2, block_size=16, dtype=torch.float32, seed=3)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_rows_split_into_many_groups():
+    # A tiny gather budget forces one group per row, and the mixed lengths force length groups anyway.
+    for budget in (1, 16 * 2 * 50):
+        backend = TorchAttentionBackend(decode_gather_elements=budget)
+        out, ref = run_case(
+            MIXED, num_heads=4, num_kv_heads=2, block_size=4, dtype=torch.float32, backend=backend, seed=4
+        )
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_zero_length_query_rows_are_skipped():
+    # A request scheduled for no tokens this step contributes no rows and must not disturb the others.
+    requests = [(5, 3), (9, 0), (12, 1)]
+    gen = torch.Generator().manual_seed(5)
+    meta, keys, values, slots, k_all, v_all = build_batch(
+        requests, block_size=4, num_blocks=16, num_kv_heads=2, head_dim=16, dtype=torch.float32, gen=gen
+    )
+    cache = torch.zeros(kv_cache_shape(16, 4, 2, 16))
+    backend = TorchAttentionBackend()
+    backend.write_kv(k_all, v_all, cache, slots)
+    query = torch.randn(meta.num_tokens, 4, 16, generator=gen)
+    out = backend.attend(query, cache, meta, 0.25)
+    keep = [0, 2]
+    ref = dense_reference(query, [keys[i] for i in keep], [values[i] for i in keep], [3, 1], 0.25)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_write_kv_places_each_token_in_its_slot():
+    backend = TorchAttentionBackend()
+    block_size, num_kv_heads, head_dim = 4, 2, 8
+    cache = torch.zeros(kv_cache_shape(6, block_size, num_kv_heads, head_dim), dtype=torch.float16)
+    slots = torch.tensor([21, 3, 8, 9, 0])
+    key = torch.randn(5, num_kv_heads, head_dim)
+    value = torch.randn(5, num_kv_heads, head_dim)
+    backend.write_kv(key, value, cache, slots)
+    for t, slot in enumerate(slots.tolist()):
+        block, offset = divmod(slot, block_size)
+        assert torch.equal(cache[0, block, offset], key[t].half())
+        assert torch.equal(cache[1, block, offset], value[t].half())
+    written = torch.zeros(6 * block_size, dtype=torch.bool)
+    written[slots] = True
+    untouched = cache.view(2, 6 * block_size, -1)[:, ~written]
+    assert torch.count_nonzero(untouched) == 0
+
+
+def test_get_attention_backend():
+    assert get_attention_backend("torch", "cpu").name == "torch"
+    assert get_attention_backend("auto", "cpu").name == "torch"
+    assert get_attention_backend("auto", "cuda").name == "torch"
+    with pytest.raises(ValueError, match="Triton attention backend is not built yet"):
+        get_attention_backend("triton", "cuda")
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        get_attention_backend("flash", "cpu")

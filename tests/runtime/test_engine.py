@@ -1,0 +1,208 @@
+"""The engine on the built-in tiny model: per-request sampling, bad input, no leaks, streaming, abort."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from chunkwise import LLM, SamplingParams
+from chunkwise.config import engine_config_from_kwargs
+from chunkwise.engine import AsyncEngine, EngineCore
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("tiny", max_num_batched_tokens=64, max_model_len=256, block_size=8)
+
+
+PROMPTS = ["the quick brown fox", "jumps over", "a lazy dog and then some more words", "x"]
+
+
+def test_greedy_rows_are_unaffected_by_sampling_companions(llm: LLM) -> None:
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    solo = [llm.generate([p], greedy)[0].outputs[0].token_ids for p in PROMPTS]
+    wild = [
+        SamplingParams(max_tokens=20, temperature=2.0, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=1.5, top_k=3, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=1.0, top_p=0.5, presence_penalty=1.5, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.7, frequency_penalty=2.0, ignore_eos=True),
+    ]
+    mixed_prompts = [q for p in PROMPTS for q in (p, p + " companion")]
+    mixed_params = [sp for i in range(len(PROMPTS)) for sp in (greedy, wild[i])]
+    outs = llm.generate(mixed_prompts, mixed_params)
+    assert [outs[2 * i].outputs[0].token_ids for i in range(len(PROMPTS))] == solo
+
+
+def test_seeded_request_is_reproducible_whatever_its_companions(llm: LLM) -> None:
+    seeded = SamplingParams(max_tokens=24, temperature=1.0, seed=1234, ignore_eos=True)
+    alone = llm.generate(["seeded prompt"], seeded)[0].outputs[0].token_ids
+    others = [SamplingParams(max_tokens=n, temperature=1.3, ignore_eos=True) for n in (5, 30, 12)]
+    outs = llm.generate(
+        ["noise a", "seeded prompt", "noise bb", "noise ccc"], [others[0], seeded, *others[1:]]
+    )
+    assert outs[1].outputs[0].token_ids == alone
+    # A different seed gives a different sequence, so the equality above is not vacuous.
+    other_seed = SamplingParams(max_tokens=24, temperature=1.0, seed=4321, ignore_eos=True)
+    assert llm.generate(["seeded prompt"], other_seed)[0].outputs[0].token_ids != alone
+
+
+def test_offline_api_contract(llm: LLM) -> None:
+    outs = llm.generate(["one", "two two"], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [5, 5]
+    assert all(o.outputs[0].finish_reason == "length" and o.finished for o in outs)
+    assert outs[0].prompt == "one" and outs[0].prompt_token_ids == llm.get_tokenizer().encode("one")
+    assert outs[0].outputs[0].text == llm.get_tokenizer().decode(outs[0].outputs[0].token_ids)
+    by_ids = llm.generate(
+        [outs[0].prompt_token_ids], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    )
+    assert by_ids[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+def test_stop_string_and_stop_token(llm: LLM) -> None:
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    full = llm.generate(["stop here"], greedy)[0].outputs[0]
+    tok = llm.get_tokenizer()
+    # A stop string taken from the middle of the greedy text ends the output just before it.
+    text = full.text
+    # Random bytes decode to replacement characters here and there; take a clean two-character window.
+    start = next(i for i in range(3, len(text) - 2) if "\ufffd" not in text[i : i + 2])
+    stop = text[start : start + 2]
+    cut = llm.generate(
+        ["stop here"], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop])
+    )[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == text[: text.index(stop)]
+    kept = llm.generate(
+        ["stop here"],
+        SamplingParams(
+            max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop], include_stop_str_in_output=True
+        ),
+    )[0].outputs[0]
+    assert kept.text == text[: text.index(stop) + len(stop)]
+    stop_id = full.token_ids[4]
+    by_id = llm.generate(
+        ["stop here"],
+        SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_id]),
+    )[0].outputs[0]
+    first = full.token_ids.index(stop_id)
+    assert by_id.token_ids == full.token_ids[: first + 1] and by_id.stop_reason == stop_id
+    assert tok.decode(by_id.token_ids) == by_id.text
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "match"),
+    [
+        ("", SamplingParams(), "prompt is empty"),
+        ([], SamplingParams(), "prompt is empty"),
+        ("x" * 300, SamplingParams(), "max_model_len"),
+        ("hi", SamplingParams(max_tokens=255), "exceeds max_model_len"),
+        ([1, 2, 99999], SamplingParams(), "out of range"),
+    ],
+)
+def test_bad_input_is_a_clear_value_error_and_the_engine_keeps_serving(
+    llm: LLM, prompt: object, params: SamplingParams, match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        llm.generate([prompt], params)  # type: ignore[list-item]
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks
+    assert len(llm.generate(["still serving"], SamplingParams(max_tokens=3))[0].outputs[0].token_ids) == 3
+
+
+def test_bad_params_and_models_are_value_errors() -> None:
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="tiny"):
+        LLM("no-such-preset")
+    with pytest.raises(ValueError, match="unknown engine argument"):
+        LLM("tiny", max_num_seq=3)
+    with pytest.raises(ValueError, match="cannot hold one request"):
+        LLM("tiny", num_blocks=2, block_size=4, max_model_len=64)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 60), st.integers(1, 12), st.integers(0, 4), st.integers(-1, 8)),
+        min_size=1,
+        max_size=10,
+    )
+)
+def test_property_random_arrivals_and_aborts_leave_every_block_free(
+    reqs: list[tuple[int, int, int, int]],
+) -> None:
+    engine = _small_engine()
+    step = 0
+    pending = list(enumerate(reqs))
+    produced: dict[str, int] = {}
+    while pending or engine.has_unfinished():
+        for item in list(pending):
+            i, (plen, mt, at, _) = item
+            if at <= step:
+                pending.remove(item)
+                engine.add_request(
+                    str(i),
+                    [3 + (i * 7 + j) % 200 for j in range(plen)],
+                    SamplingParams(max_tokens=mt, ignore_eos=True),
+                )
+                produced[str(i)] = 0
+        engine.abort([str(i) for i, (_, _, _, ab) in enumerate(reqs) if ab == step])
+        for out in engine.step():
+            produced[out.request_id] += len(out.outputs[0].token_ids)
+        engine.kv.pool.check_invariants()
+        step += 1
+        assert step < 500
+    assert engine.kv.num_free_blocks == engine.num_blocks
+    for i, (_, mt, _, ab) in enumerate(reqs):
+        if ab == -1:
+            assert produced[str(i)] == mt
+
+
+_ENGINE: list[EngineCore] = []
+
+
+def _small_engine() -> EngineCore:
+    # One engine for every example (loading is the slow part); each example must leave it empty.
+    if not _ENGINE:
+        _ENGINE.append(
+            EngineCore(
+                engine_config_from_kwargs(
+                    "tiny", num_blocks=24, block_size=4, max_model_len=80, max_num_batched_tokens=24
+                )
+            )
+        )
+    engine = _ENGINE[0]
+    assert not engine.has_unfinished()
+    return engine
+
+
+def test_async_engine_streams_deltas_and_aborts_on_early_exit() -> None:
+    engine = AsyncEngine(engine_config_from_kwargs("tiny", max_model_len=256, block_size=8))
+    engine.start()
+
+    async def main() -> None:
+        sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        deltas = [o async for o in engine.generate("stream me", sp)]
+        assert sum(len(d.outputs[0].token_ids) for d in deltas) == 12
+        assert deltas[-1].finished and deltas[-1].outputs[0].finish_reason == "length"
+        ref = LLM("tiny", max_model_len=256, block_size=8).generate(["stream me"], sp)[0].outputs[0]
+        assert "".join(d.outputs[0].text for d in deltas) == ref.text
+        long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        agen = engine.generate("abandon me", long)
+        async for _ in agen:
+            break
+        await agen.aclose()  # the client went away
+        for _ in range(200):
+            if engine.core.kv.num_free_blocks == engine.core.num_blocks and not engine.core.has_unfinished():
+                break
+            await asyncio.sleep(0.01)
+        assert not engine.core.has_unfinished()
+        assert engine.core.kv.num_free_blocks == engine.core.num_blocks
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()

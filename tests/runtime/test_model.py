@@ -1,0 +1,280 @@
+"""chunkwise's Llama against Hugging Face transformers on random checkpoints saved to disk."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from chunkwise.attention.backend import AttentionMetadata, kv_cache_shape
+from chunkwise.attention.torch_ref import TorchAttentionBackend
+from chunkwise.config import ModelConfig
+from chunkwise.model import PRESETS, LoadedModel, load_model
+from chunkwise.model.llama import LlamaForCausalLM as ChunkwiseLlama
+from chunkwise.tokenizer import ByteTokenizer
+
+BLOCK_SIZE = 4
+
+
+class PagedRequests:
+    """Just enough of a KV cache manager: random non-contiguous blocks per request, flat batches."""
+
+    def __init__(self, config: ModelConfig, num_blocks: int = 128, seed: int = 0, dtype=torch.float32):
+        gen = torch.Generator().manual_seed(seed)
+        self.free = torch.randperm(num_blocks, generator=gen).tolist()
+        self.tables: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+        shape = kv_cache_shape(num_blocks, BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=dtype) for _ in range(config.num_hidden_layers)]
+
+    def batch(
+        self, chunks: list[tuple[str, list[int]]]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        ids, positions, slots, tables, qlens, slens = [], [], [], [], [], []
+        for rid, tokens in chunks:
+            table = self.tables.setdefault(rid, [])
+            start = self.computed.get(rid, 0)
+            end = start + len(tokens)
+            while len(table) * BLOCK_SIZE < end:
+                table.append(self.free.pop())
+            for p in range(start, end):
+                slots.append(table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
+            ids += tokens
+            positions += range(start, end)
+            tables.append(table)
+            qlens.append(len(tokens))
+            slens.append(end)
+            self.computed[rid] = end
+        width = max(len(t) for t in tables)
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()]),
+            seq_lens=torch.tensor(slens),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+            slot_mapping=torch.tensor(slots),
+            query_lens_host=qlens,
+            seq_lens_host=slens,
+            max_query_len=max(qlens),
+            max_seq_len=max(slens),
+        )
+        return torch.tensor(ids), torch.tensor(positions), meta
+
+
+def _randomize_extras(model: torch.nn.Module, seed: int) -> None:
+    """HF initialises norms to 1 and biases to 0; make them random so loading them is tested too."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+
+
+COMMON = dict(
+    vocab_size=300, hidden_size=64, intermediate_size=112, num_hidden_layers=2, max_position_embeddings=256
+)
+HF_MODELS = {
+    "llama-gqa": (LlamaForCausalLM, LlamaConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2)),
+    "llama-mha-tied-theta": (
+        LlamaForCausalLM,
+        LlamaConfig(
+            **COMMON,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+        ),
+    ),
+    "llama-gqa4-headdim": (
+        LlamaForCausalLM,
+        LlamaConfig(
+            **COMMON,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=32,
+            rope_theta=1000.0,
+            rms_norm_eps=1e-5,
+        ),
+    ),
+    "qwen2-bias": (
+        Qwen2ForCausalLM,
+        Qwen2Config(**COMMON, num_attention_heads=4, num_key_value_heads=2, rope_theta=1000000.0),
+    ),
+    "mistral": (
+        MistralForCausalLM,
+        MistralConfig(**COMMON, num_attention_heads=4, num_key_value_heads=1, sliding_window=None),
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(HF_MODELS))
+def hf_pair(request, tmp_path_factory):
+    cls, cfg = HF_MODELS[request.param]
+    torch.manual_seed(0)
+    cfg._attn_implementation = "eager"
+    hf = cls(cfg).eval()
+    _randomize_extras(hf, seed=1)
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    loaded = load_model(str(path), dtype=torch.float32, device="cpu", backend=TorchAttentionBackend())
+    return hf, loaded
+
+
+def hf_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+PROMPT = [256, *range(40, 77)]  # 38 tokens: several blocks, not a multiple of the block size
+
+
+def test_full_prompt_logits_match_hf(hf_pair):
+    hf, loaded = hf_pair
+    paged = PagedRequests(loaded.config)
+    ids, pos, meta = paged.batch([("a", PROMPT)])
+    with torch.no_grad():
+        logits = loaded.model.compute_logits(loaded.model(ids, pos, paged.kv_caches, meta))
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, hf_logits(hf, PROMPT), atol=1e-4, rtol=1e-4)
+
+
+def test_chunked_prefill_then_decode_matches_hf(hf_pair):
+    hf, loaded = hf_pair
+    paged = PagedRequests(loaded.config, seed=3)
+    model = loaded.model
+    last = None
+    with torch.no_grad():
+        for chunk in (PROMPT[:5], PROMPT[5:12], PROMPT[12:13], PROMPT[13:]):
+            ids, pos, meta = paged.batch([("a", chunk)])
+            last = model.compute_logits(model(ids, pos, paged.kv_caches, meta)[-1:])
+        assert last is not None
+        torch.testing.assert_close(last[0], hf_logits(hf, PROMPT)[-1], atol=1e-4, rtol=1e-4)
+        # Two greedy decode steps on the paged cache.
+        seq = list(PROMPT)
+        for _ in range(2):
+            seq.append(int(last.argmax()))
+            ids, pos, meta = paged.batch([("a", seq[-1:])])
+            last = model.compute_logits(model(ids, pos, paged.kv_caches, meta))
+        torch.testing.assert_close(last[0], hf_logits(hf, seq)[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_mixed_batch_prefill_chunk_and_decode_row(hf_pair):
+    hf, loaded = hf_pair
+    paged = PagedRequests(loaded.config, seed=5)
+    model = loaded.model
+    prompt_b = [256, *range(120, 150)]
+    with torch.no_grad():
+        # Step 1: A's whole prompt and B's first chunk.
+        ids, pos, meta = paged.batch([("a", PROMPT), ("b", prompt_b[:9])])
+        hidden = model(ids, pos, paged.kv_caches, meta)
+        next_a = int(model.compute_logits(hidden[len(PROMPT) - 1 : len(PROMPT)]).argmax())
+        # Step 2: B's second chunk, then A's decode row, in one flat batch.
+        ids, pos, meta = paged.batch([("b", prompt_b[9:]), ("a", [next_a])])
+        hidden = model(ids, pos, paged.kv_caches, meta)
+        logits = model.compute_logits(hidden)
+    torch.testing.assert_close(logits[: len(prompt_b) - 9], hf_logits(hf, prompt_b)[9:], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[-1], hf_logits(hf, [*PROMPT, next_a])[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_half_precision_tracks_fp32(hf_pair, tmp_path):
+    hf, _ = hf_pair
+    path = Path(tmp_path) / "ckpt"
+    hf.save_pretrained(path)
+    half = load_model(str(path), dtype=torch.bfloat16, device="cpu", backend=TorchAttentionBackend())
+    assert all(p.dtype == torch.bfloat16 for p in half.model.parameters())
+    paged = PagedRequests(half.config, dtype=torch.bfloat16)
+    ids, pos, meta = paged.batch([("a", PROMPT)])
+    with torch.no_grad():
+        logits = half.model.compute_logits(half.model(ids, pos, paged.kv_caches, meta))
+    assert logits.dtype == torch.float32
+    ref = hf_logits(hf, PROMPT)
+    assert torch.isfinite(logits).all()
+    assert (logits - ref).abs().max() < 0.05 * ref.abs().max() + 0.05
+
+
+def test_tied_embeddings_share_one_tensor(hf_pair):
+    _, loaded = hf_pair
+    model = loaded.model
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    assert tied == loaded.config.tie_word_embeddings
+
+
+def test_state_dict_keys_are_hf_names():
+    config = PRESETS["tiny"]
+    model = ChunkwiseLlama(config, TorchAttentionBackend())
+    keys = set(model.state_dict())
+    assert "model.embed_tokens.weight" in keys
+    assert "lm_head.weight" in keys
+    for i in range(config.num_hidden_layers):
+        for sub in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"):
+            assert f"model.layers.{i}.{sub}.weight" in keys
+        for sub in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            assert f"model.layers.{i}.{sub}.weight" in keys
+        assert f"model.layers.{i}.input_layernorm.weight" in keys
+        assert f"model.layers.{i}.post_attention_layernorm.weight" in keys
+    assert "model.norm.weight" in keys
+
+
+# ---------------------------------------------------------------- presets
+
+
+def _longest_run(tokens: list[int]) -> int:
+    best = run = 1
+    for a, b in itertools.pairwise(tokens):
+        run = run + 1 if a == b else 1
+        best = max(best, run)
+    return best
+
+
+def _greedy(loaded: LoadedModel, prompt: str, steps: int) -> list[int]:
+    paged = PagedRequests(loaded.config, num_blocks=math.ceil((len(prompt) + steps + 2) / BLOCK_SIZE) + 1)
+    out: list[int] = []
+    chunk = ByteTokenizer().encode(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids, pos, meta = paged.batch([("a", chunk)])
+            logits = loaded.model.compute_logits(loaded.model(ids, pos, paged.kv_caches, meta)[-1:])
+            chunk = [int(logits.argmax())]
+            out.append(chunk[0])
+    return out
+
+
+@pytest.mark.parametrize(("name", "steps"), [("tiny", 128), ("small", 32)])
+def test_preset_greedy_output_does_not_get_stuck(name, steps):
+    loaded = load_model(name, dtype=torch.float32, device="cpu", backend=TorchAttentionBackend())
+    for prompt in ("Hello, world! The quick brown fox", "1234567890"):
+        out = _greedy(loaded, prompt, steps)
+        assert _longest_run(out) < 12, out
+        assert len(set(out)) >= steps // 8, out
+
+
+def test_presets_are_deterministic_and_sized():
+    backend = TorchAttentionBackend()
+    a = load_model("tiny", dtype=torch.float32, device="cpu", backend=backend)
+    b = load_model("tiny", dtype=torch.float32, device="cpu", backend=backend)
+    for (name, pa), (_, pb) in zip(a.model.named_parameters(), b.model.named_parameters()):
+        assert torch.equal(pa, pb), name
+    # The byte tokenizer's every id has an embedding, and nothing more.
+    assert a.config.vocab_size == ByteTokenizer().vocab_size == a.tokenizer.vocab_size
+    assert a.config.eos_token_ids == a.tokenizer.eos_token_ids
+    for config in PRESETS.values():
+        assert config.max_position_embeddings >= 4096
+    with torch.device("meta"):
+        small = ChunkwiseLlama(PRESETS["small"], backend)
+    n_params = sum(p.numel() for p in small.parameters())
+    assert 50e6 <= n_params <= 60e6, n_params
+    half = load_model("tiny", dtype=torch.float16, device="cpu", backend=backend)
+    for (name, pa), (_, ph) in zip(a.model.named_parameters(), half.model.named_parameters()):
+        assert ph.dtype == torch.float16
+        assert torch.equal(pa.half(), ph), name
