@@ -83,12 +83,24 @@ class SchedulerConfig:
     preemption_mode: PreemptionMode = "auto"
     # Admission reserves prompt blocks plus blocks for this quantile of observed output lengths.
     output_length_quantile: float = 0.9
+    # "quantile" (default) or "mean": the mean is here to show why it is the wrong choice (benchmarks).
+    output_length_estimator: Literal["quantile", "mean"] = "quantile"
     # Until enough requests have finished to estimate a quantile, admission assumes this many output tokens.
     cold_start_output_tokens: int = 256
     # FIFO with a cap on concurrent long prompts: a prompt of at least this many tokens is "long", and at
     # most `max_long_prefills` long prompts may be prefilling at once.
     long_prompt_threshold: int = 2048
     max_long_prefills: int = 1
+    # A long prompt's chunk is capped at this many tokens per step (None: half the step budget), so the
+    # rest of the budget stays open to short requests: that is what keeps their time to first token
+    # bounded while long prompts prefill.
+    max_long_prefill_chunk: int | None = None
+    # Prefix-aware admission: when the head of the queue does not fit, a request behind it (within
+    # `prefix_lookahead`) whose prompt is at least `prefix_reuse_min_fraction` cached may go first; one
+    # head is passed over at most `max_prefix_bypass` times, so reuse never starves anyone.
+    prefix_lookahead: int = 16
+    prefix_reuse_min_fraction: float = 0.5
+    max_prefix_bypass: int = 4
     # Bound on the waiting queue (load shedding); None means unbounded (offline use).
     max_waiting: int | None = None
 
@@ -99,12 +111,23 @@ class SchedulerConfig:
         _positive("max_long_prefills", self.max_long_prefills)
         _positive("long_prompt_threshold", self.long_prompt_threshold)
         _positive("max_waiting", self.max_waiting)
+        _positive("max_long_prefill_chunk", self.max_long_prefill_chunk)
         if self.batching not in ("continuous", "static"):
             raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
         if self.preemption_mode not in ("auto", "swap", "recompute"):
             raise ValueError(
                 f"preemption_mode must be 'auto', 'swap' or 'recompute', got {self.preemption_mode!r}"
             )
+        if self.output_length_estimator not in ("quantile", "mean"):
+            raise ValueError(
+                f"output_length_estimator must be 'quantile' or 'mean', got {self.output_length_estimator!r}"
+            )
+        if not 0.0 <= self.prefix_reuse_min_fraction <= 1.0:
+            raise ValueError(
+                f"prefix_reuse_min_fraction must be in [0, 1], got {self.prefix_reuse_min_fraction}"
+            )
+        if self.prefix_lookahead < 0 or self.max_prefix_bypass < 0:
+            raise ValueError("prefix_lookahead and max_prefix_bypass must be >= 0")
         if not 0.0 < self.output_length_quantile <= 1.0:
             raise ValueError(f"output_length_quantile must be in (0, 1], got {self.output_length_quantile}")
         if (
@@ -155,8 +178,13 @@ _SCHEDULER_ARGS = {
     "preemption_mode",
     "output_length_quantile",
     "cold_start_output_tokens",
+    "output_length_estimator",
+    "prefix_lookahead",
+    "prefix_reuse_min_fraction",
+    "max_prefix_bypass",
     "long_prompt_threshold",
     "max_long_prefills",
+    "max_long_prefill_chunk",
     "max_waiting",
 }
 _CACHE_ARGS = {

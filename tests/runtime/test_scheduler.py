@@ -191,11 +191,13 @@ def test_long_prompt_cap_lets_short_requests_pass_and_keeps_long_ones_in_order()
     s.add_request(make_req("L1", 60, 1, base=1000))
     s.add_request(make_req("L2", 60, 1, base=2000))
     s.add_request(make_req("s1", 8, 1, base=3000))
-    # L2 is over the cap while L1 prefills; s1 behind it takes the budget L2 would have had.
-    assert plan(run_step(s)) == {"L1": 60, "s1": 4}
+    # A long prompt's chunk is capped at half the budget; L2 is over the cap while L1 prefills, so s1
+    # behind it is admitted into the rest of the step.
+    assert plan(run_step(s)) == {"L1": 32, "s1": 8}
+    assert plan(run_step(s)) == {"L1": 28}
     # L1 has finished prefilling: L2, still ahead of everything that came later, goes next.
-    assert plan(run_step(s)) == {"s1": 4, "L2": 60}
-    run_step(s)
+    assert plan(run_step(s)) == {"L2": 32}
+    assert plan(run_step(s)) == {"L2": 28}
     assert not s.has_unfinished()
 
 

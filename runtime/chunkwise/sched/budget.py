@@ -6,12 +6,23 @@ from chunkwise.request import Request
 
 
 class TokenBudget:
-    def __init__(self, max_num_batched_tokens: int, enable_chunked_prefill: bool) -> None:
+    def __init__(
+        self,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool,
+        long_prompt_threshold: int,
+        max_long_chunk: int | None = None,
+    ) -> None:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.long_prompt_threshold = long_prompt_threshold
+        self.max_long_chunk = max_long_chunk or max(1, max_num_batched_tokens // 2)
 
     def chunk(self, req: Request, wanted: int, remaining: int) -> int:
         """Tokens of req to compute this step, given `remaining` budget. 0 means not this step."""
+        if self.enable_chunked_prefill and req.num_prompt_tokens >= self.long_prompt_threshold:
+            # A long prompt never takes the whole step: short requests keep a share of every step.
+            wanted = min(wanted, self.max_long_chunk)
         if wanted <= remaining:
             return wanted
         # Without chunking a prefill runs whole or waits: that is the convoy the seed warns about.

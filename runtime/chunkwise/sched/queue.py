@@ -53,3 +53,27 @@ class WaitingQueue:
                     continue
                 long_slots -= 1
             yield req
+
+
+class PrefixPreference:
+    """Prefix-aware admission: when memory is tight, prefer requests whose prompt is mostly cached.
+
+    Such a request costs only its uncached suffix, so admitting it ahead of a head that does not fit turns
+    cached blocks into throughput. The bound: a head is passed over at most `max_bypass` times, then the queue
+    waits for it like plain FIFO.
+    """
+
+    def __init__(self, block_size: int, lookahead: int, min_fraction: float, max_bypass: int) -> None:
+        self.block_size = block_size
+        self.lookahead = lookahead
+        self.min_fraction = min_fraction
+        self.max_bypass = max_bypass
+
+    def may_bypass(self, head: Request) -> bool:
+        return self.lookahead > 0 and head.num_bypassed < self.max_bypass
+
+    def prefers(self, req: Request, num_cached_blocks: int) -> bool:
+        return (
+            num_cached_blocks > 0
+            and num_cached_blocks * self.block_size >= self.min_fraction * req.num_tokens
+        )

@@ -22,7 +22,7 @@ from chunkwise.sched.batching import ContinuousBatching, StaticBatching
 from chunkwise.sched.budget import TokenBudget
 from chunkwise.sched.output import ScheduledRequest, SchedulerOutput, SchedulerStats
 from chunkwise.sched.preemption import PreemptionCostModel, VictimPolicy
-from chunkwise.sched.queue import WaitingQueue
+from chunkwise.sched.queue import PrefixPreference, WaitingQueue
 
 
 class Scheduler:
@@ -41,13 +41,23 @@ class Scheduler:
         self.block_size = kv.block_size
         self.cost_model = cost_model
         self.estimator = estimator or OutputLengthEstimator(
-            config.output_length_quantile, config.cold_start_output_tokens
+            config.output_length_quantile,
+            config.cold_start_output_tokens,
+            kind=config.output_length_estimator,
         )
         self.admission = ReservationAdmission(kv.block_size, self.estimator)
-        self.budget = TokenBudget(config.max_num_batched_tokens, config.enable_chunked_prefill)
+        self.budget = TokenBudget(
+            config.max_num_batched_tokens,
+            config.enable_chunked_prefill,
+            config.long_prompt_threshold,
+            config.max_long_prefill_chunk,
+        )
         self.batching = StaticBatching() if config.batching == "static" else ContinuousBatching()
         self.victims = VictimPolicy()
         self.waiting = WaitingQueue(config.long_prompt_threshold, config.max_long_prefills)
+        self.reuse = PrefixPreference(
+            kv.block_size, config.prefix_lookahead, config.prefix_reuse_min_fraction, config.max_prefix_bypass
+        )
         self.swapped: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -172,15 +182,28 @@ class Scheduler:
             max(0, r.reserved_blocks - len(self.kv.block_tables.get(r.request_id, ()))) for r in self.running
         )
         num_long = sum(1 for r in self.running if r.is_prefilling and self.waiting.is_long(r))
+        blocked: Request | None = None  # the head that did not fit, while reuse-heavy requests pass it
+        scanned = 0
         for req in self.waiting.candidates(num_long):
             if len(self.running) >= self.config.max_num_seqs:
                 break
             if budget <= 0 and not self.batching.admits_without_budget:
                 break
+            if blocked is not None:
+                scanned += 1
+                if scanned > self.reuse.lookahead:
+                    break
             cached = self.kv.lookup_prefix(req)
+            if blocked is not None and not self.reuse.prefers(req, len(cached)):
+                continue
             need = self.admission.blocks_needed(req, len(cached))
             if need > self.kv.num_free_blocks - outstanding:
+                if blocked is None and self.reuse.may_bypass(req):
+                    blocked = req
+                    continue
                 break
+            if blocked is not None:
+                blocked.num_bypassed += 1
             num_cached_tokens = len(cached) * self.block_size
             n = self.budget.chunk(req, req.num_tokens - num_cached_tokens, budget)
             if not self.kv.allocate(req, n, cached):
