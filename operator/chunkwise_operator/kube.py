@@ -1,0 +1,201 @@
+"""Thin I/O against the Kubernetes API: read, create-or-patch and delete the children; read and patch the CR.
+
+Children are written with server-side apply under one field manager, so a field the operator stops setting
+(an env var, a node selector) is removed, while fields others own (defaults, other controllers' annotations)
+stay. `apply` reads first and writes only when the live object has drifted from the desired one.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import kubernetes
+
+from chunkwise_operator.spec import GROUP, PLURAL, VERSION
+
+FIELD_MANAGER = "chunkwise-operator"
+APPLY = "application/apply-patch+yaml"
+MERGE = "application/merge-patch+json"
+
+# (apiVersion, kind) -> (typed API class, the suffix of its *_namespaced_<suffix> methods).
+_APIS: dict[tuple[str, str], tuple[Callable[[kubernetes.client.ApiClient], Any], str]] = {
+    ("apps/v1", "Deployment"): (kubernetes.client.AppsV1Api, "deployment"),
+    ("v1", "Service"): (kubernetes.client.CoreV1Api, "service"),
+    ("v1", "ServiceAccount"): (kubernetes.client.CoreV1Api, "service_account"),
+    ("policy/v1", "PodDisruptionBudget"): (kubernetes.client.PolicyV1Api, "pod_disruption_budget"),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): (
+        kubernetes.client.RbacAuthorizationV1Api,
+        "role_binding",
+    ),
+}
+
+ApiException = kubernetes.client.ApiException
+
+
+class Outcome(enum.Enum):
+    CREATED = "created"
+    PATCHED = "patched"
+    UNCHANGED = "unchanged"
+
+
+class ChildConflict(Exception):
+    """An object with a child's name exists but belongs to someone else; it is never taken over."""
+
+
+def drifted(desired: Any, live: Any) -> bool:
+    """True when some field of `desired` is missing from or differs in `live`.
+
+    Extra fields in `live` are not drift: the API server adds defaults and status, other controllers add
+    annotations. Lists compare element by element, so a reordered or shortened list is drift.
+    """
+    if isinstance(desired, Mapping):
+        if not isinstance(live, Mapping):
+            return True
+        return any(key not in live or drifted(value, live[key]) for key, value in desired.items())
+    if isinstance(desired, list):
+        if not isinstance(live, list) or len(desired) != len(live):
+            return True
+        return any(drifted(d, v) for d, v in zip(desired, live))
+    return bool(desired != live)
+
+
+def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return any(isinstance(ref, Mapping) and ref.get("uid") == uid for ref in refs)
+
+
+def controller_owner(obj: Mapping[str, Any]) -> str | None:
+    """The name of the InferenceService controlling `obj`, if one does."""
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if (
+            isinstance(ref, Mapping)
+            and ref.get("controller")
+            and ref.get("apiVersion") == f"{GROUP}/{VERSION}"
+            and ref.get("kind") == "InferenceService"
+        ):
+            name = ref.get("name")
+            return name if isinstance(name, str) else None
+    return None
+
+
+class Kube:
+    def __init__(self, api_client: kubernetes.client.ApiClient) -> None:
+        self._client = api_client
+
+    @classmethod
+    def from_environment(cls) -> Kube:
+        """In-cluster credentials when running in a pod, else the kubeconfig (the same order Kopf uses)."""
+        config = kubernetes.client.Configuration()
+        try:
+            kubernetes.config.load_incluster_config(client_configuration=config)
+        except kubernetes.config.ConfigException:
+            # KUBECONFIG read now, not when the kubernetes package was imported (its default's behaviour).
+            kubernetes.config.load_kube_config(
+                config_file=os.environ.get("KUBECONFIG"), client_configuration=config, persist_config=False
+            )
+        return cls(kubernetes.client.ApiClient(config))
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _call(self, api_version: str, kind: str, verb: str, **kwargs: Any) -> Any:
+        try:
+            api_class, suffix = _APIS[(api_version, kind)]
+        except KeyError:
+            raise ValueError(f"the operator does not manage {api_version} {kind}") from None
+        method = getattr(api_class(self._client), f"{verb}_namespaced_{suffix}")
+        # Raw JSON, not the client's models: the builders and the status code speak plain dicts.
+        response = method(**kwargs, _preload_content=False)
+        data = response.data
+        return json.loads(data) if data else None
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            result: dict[str, Any] = self._call(api_version, kind, "read", name=name, namespace=namespace)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        return result
+
+    def apply(self, desired: Mapping[str, Any], owner_uid: str) -> Outcome:
+        """Create `desired`, or server-side-apply it over a drifted live object owned by `owner_uid`."""
+        api_version, kind = desired["apiVersion"], desired["kind"]
+        meta = desired["metadata"]
+        name, namespace = meta["name"], meta["namespace"]
+        live = self.get(api_version, kind, namespace, name)
+        if live is not None and not owned_by(live, owner_uid):
+            raise ChildConflict(f"{kind} {namespace}/{name} exists and is not owned by this InferenceService")
+        if live is not None and not drifted(desired, live):
+            return Outcome.UNCHANGED
+        try:
+            self._call(
+                api_version,
+                kind,
+                "patch",
+                name=name,
+                namespace=namespace,
+                body=dict(desired),
+                field_manager=FIELD_MANAGER,
+                force=True,
+                _content_type=APPLY,
+            )
+        except ApiException as e:
+            # A real API server creates on apply; emulators that only patch existing objects answer 404.
+            if e.status != 404 or live is not None:
+                raise
+            self._call(
+                api_version,
+                kind,
+                "create",
+                namespace=namespace,
+                body=dict(desired),
+                field_manager=FIELD_MANAGER,
+            )
+        return Outcome.CREATED if live is None else Outcome.PATCHED
+
+    def delete_owned(self, api_version: str, kind: str, namespace: str, name: str, owner_uid: str) -> bool:
+        """Delete the object if it exists and is owned by `owner_uid`; True if a delete was sent."""
+        live = self.get(api_version, kind, namespace, name)
+        if live is None or not owned_by(live, owner_uid):
+            return False
+        try:
+            self._call(
+                api_version, kind, "delete", name=name, namespace=namespace, propagation_policy="Background"
+            )
+        except ApiException as e:
+            if e.status != 404:
+                raise
+            return False
+        return True
+
+    def get_inference_service(self, namespace: str, name: str) -> dict[str, Any] | None:
+        api = kubernetes.client.CustomObjectsApi(self._client)
+        try:
+            response: Any = api.get_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, name, _preload_content=False
+            )
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        result: dict[str, Any] = json.loads(response.data)
+        return result
+
+    def patch_inference_service_status(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
+        api = kubernetes.client.CustomObjectsApi(self._client)
+        api.patch_namespaced_custom_object_status(
+            GROUP,
+            VERSION,
+            namespace,
+            PLURAL,
+            name,
+            {"status": dict(patch)},
+            field_manager=FIELD_MANAGER,
+            _content_type=MERGE,
+            _preload_content=False,
+        )

@@ -1,0 +1,207 @@
+"""The reconcile: parse the spec, apply the children, remove the stale ones, write status, post events.
+
+Glue between the pure modules (spec, manifests, status) and the thin I/O (kube). Kopf calls it from
+main.py. Work for one InferenceService is serialised by a per-object lock, because two Kopf workers touch
+the same object: the CR's own handler and the watch on its Deployments.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, cast
+
+import kopf
+
+from chunkwise_operator import manifests, status
+from chunkwise_operator.kube import ApiException, ChildConflict, Kube, Outcome, controller_owner, owned_by
+from chunkwise_operator.spec import ServiceSpec, SpecError, parse, validate_name
+
+NORMAL = "Normal"
+WARNING = "Warning"
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_service(name: str, spec: Mapping[str, Any] | None) -> ServiceSpec | SpecError:
+    try:
+        validate_name(name)
+        return parse(spec)
+    except SpecError as e:
+        return e
+
+
+class Reconciler:
+    def __init__(self, kube: Kube, clock: Callable[[], str] = utc_now) -> None:
+        self.kube = kube
+        self._clock = clock
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def close(self) -> None:
+        self.kube.close()
+
+    def _lock(self, namespace: str, name: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault((namespace, name), threading.Lock())
+
+    def reconcile(self, body: Mapping[str, Any], logger: Any) -> None:
+        """Bring the children in line with `body`'s spec. Idempotent: create, update and resume all call it.
+
+        An invalid spec is reported (Degraded condition, Warning event) and returns normally: retrying
+        cannot fix it, and the next spec change calls this again. API failures raise Kopf's errors so that
+        Kopf retries with a delay that suits the failure.
+        """
+        meta = body["metadata"]
+        name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
+        generation = meta.get("generation")
+        with self._lock(namespace, name):
+            parsed = parse_service(name, body.get("spec"))
+            if isinstance(parsed, SpecError):
+                logger.warning(f"Invalid spec, children left as they are: {parsed.message}")
+                _event(body, WARNING, parsed.reason, parsed.message)
+                self._refresh(namespace, name, parsed=parsed, generation=generation, failure=None)
+                return
+            try:
+                self._apply_children(body, name, namespace, uid, parsed, logger)
+            except ChildConflict as e:
+                self._fail(body, namespace, name, parsed, generation, status.CHILD_CONFLICT, str(e), logger)
+                raise kopf.TemporaryError(str(e), delay=60) from e
+            except ApiException as e:
+                message = f"the API server refused a child: {e.status} {e.reason}: {_body_message(e)}"
+                if e.status == 403:
+                    self._fail(body, namespace, name, parsed, generation, status.FORBIDDEN, message, logger)
+                    raise kopf.TemporaryError(message, delay=300) from e
+                if e.status in (400, 422):
+                    self._fail(
+                        body, namespace, name, parsed, generation, status.CHILD_REJECTED, message, logger
+                    )
+                    raise kopf.PermanentError(message) from e
+                self._fail(body, namespace, name, parsed, generation, status.API_ERROR, message, logger)
+                raise kopf.TemporaryError(message, delay=15) from e
+            self._refresh(namespace, name, parsed=parsed, generation=generation, failure=None)
+
+    def _apply_children(
+        self, body: Mapping[str, Any], name: str, namespace: str, uid: str, parsed: ServiceSpec, logger: Any
+    ) -> None:
+        for child in manifests.children(name, namespace, parsed):
+            self._apply_one(body, child, uid, logger)
+        for api_version, kind, child_name in manifests.stale_children(name, parsed):
+            if self.kube.delete_owned(api_version, kind, namespace, child_name, uid):
+                logger.info(f"Deleted {kind} {child_name}: the router is disabled")
+                _event(body, NORMAL, "Deleted", f"Deleted {kind} {child_name}")
+
+    def _apply_one(self, owner: Mapping[str, Any], child: dict[str, Any], uid: str, logger: Any) -> Outcome:
+        # Only the owner reference of kopf.adopt(): adopt would also copy the CR's labels onto the
+        # children, making them depend on CR metadata that no handler here watches.
+        kopf.append_owner_reference(child, owner=owner)  # type: ignore[arg-type]
+        outcome = self.kube.apply(child, uid)
+        if outcome is not Outcome.UNCHANGED:
+            kind, child_name = child["kind"], child["metadata"]["name"]
+            verb = "Created" if outcome is Outcome.CREATED else "Updated"
+            logger.info(f"{verb} {kind} {child_name}")
+            _event(owner, NORMAL, verb, f"{verb} {kind} {child_name}")
+        return outcome
+
+    def _fail(
+        self,
+        body: Mapping[str, Any],
+        namespace: str,
+        name: str,
+        parsed: ServiceSpec,
+        generation: int | None,
+        reason: str,
+        message: str,
+        logger: Any,
+    ) -> None:
+        logger.error(f"{reason}: {message}")
+        _event(body, WARNING, reason, message)
+        try:
+            self._refresh(
+                namespace, name, parsed=parsed, generation=generation, failure=status.Failure(reason, message)
+            )
+        except ApiException as e:
+            # The status write can fail for the same reason the children did; Kopf's retry covers both.
+            logger.warning(f"Could not record the failure in status: {e.status} {e.reason}")
+
+    def child_changed(self, event_type: str | None, child: Mapping[str, Any], logger: Any) -> None:
+        """A child Deployment changed: undo drift (or a deletion), then refresh the owner's status."""
+        namespace = (child.get("metadata") or {}).get("namespace")
+        owner_name = controller_owner(child)
+        if owner_name is None or not namespace:
+            return
+        with self._lock(namespace, owner_name):
+            owner = self.kube.get_inference_service(namespace, owner_name)
+            if owner is None or (owner.get("metadata") or {}).get("deletionTimestamp"):
+                return
+            uid = owner["metadata"]["uid"]
+            if not owned_by(child, uid):
+                return  # the child of an earlier object with the same name, awaiting garbage collection
+            parsed = parse_service(owner_name, owner.get("spec"))
+            if isinstance(parsed, ServiceSpec):
+                wanted = {
+                    (c["kind"], c["metadata"]["name"]): c
+                    for c in manifests.children(owner_name, namespace, parsed)
+                }
+                desired = wanted.get((child.get("kind", "Deployment"), child["metadata"]["name"]))
+                if desired is not None:
+                    try:
+                        outcome = self._apply_one(owner, desired, uid, logger)
+                    except (ApiException, ChildConflict) as e:
+                        logger.warning(f"Could not restore {child['metadata']['name']}: {e}")
+                    else:
+                        if outcome is not Outcome.UNCHANGED:
+                            logger.info(
+                                f"Restored {child['metadata']['name']} after {event_type or 'a change'}"
+                            )
+            self._refresh(namespace, owner_name, parsed=parsed, generation=status.KEEP, failure=status.KEEP)
+
+    def _refresh(
+        self,
+        namespace: str,
+        name: str,
+        *,
+        parsed: ServiceSpec | SpecError,
+        generation: int | status.Keep | None,
+        failure: status.Failure | status.Keep | None,
+    ) -> None:
+        current = self.kube.get_inference_service(namespace, name)
+        if current is None:
+            return
+        uid = current["metadata"].get("uid", "")
+
+        def owned_deployment(child_name: str) -> dict[str, Any] | None:
+            obj = self.kube.get("apps/v1", "Deployment", namespace, child_name)
+            return obj if obj is not None and owned_by(obj, uid) else None
+
+        previous = current.get("status") or {}
+        new = status.compute_status(
+            name=name,
+            namespace=namespace,
+            parsed=parsed,
+            runtime=owned_deployment(manifests.runtime_name(name)),
+            router=owned_deployment(manifests.router_name(name)),
+            previous=previous,
+            now=self._clock(),
+            generation=generation,
+            failure=failure,
+        )
+        patch = status.status_patch(previous, new)
+        if patch is not None:
+            self.kube.patch_inference_service_status(namespace, name, patch)
+
+
+def _event(obj: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+    # Kopf posts plain dicts as well as its Body wrappers; its annotation names only the latter.
+    kopf.event(cast(Any, obj), type=type_, reason=reason, message=message)
+
+
+def _body_message(e: ApiException) -> str:
+    try:
+        return str(json.loads(e.body or "{}").get("message", ""))
+    except (ValueError, AttributeError):
+        return str(e.body or "")

@@ -1,0 +1,556 @@
+"""A typed, frozen view of an InferenceService spec, with its defaults and validation.
+
+The CRD's openAPIV3Schema (crds/inferenceservice.yaml) is the user-facing contract and rejects most bad
+specs at admission. This module repeats those checks because the operator must not trust that: the CRD
+installed in a cluster may be older than the operator, schema validation can be off (test emulators), and
+cross-field rules are only expressible as CEL there. Every default here equals the schema's default; a
+test holds the two together.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from decimal import Decimal
+from types import MappingProxyType
+from typing import Any
+
+GROUP = "serving.chunkwise.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+SINGULAR = "inferenceservice"
+SHORT_NAME = "infsvc"
+
+PRESETS = ("tiny", "small")
+PREEMPTION_MODES = ("auto", "swap", "recompute")
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
+ROUTER_POLICIES = ("predicted-completion", "round-robin", "least-loaded", "prefix-affinity")
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+TOLERATION_OPERATORS = ("Exists", "Equal")
+TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+# Children are named `<name>` and `<name>-router`; Services need DNS-1035 labels of at most 63 characters.
+MAX_NAME_LENGTH = 63 - len("-router")
+
+# Kubernetes' own resource.Quantity grammar, as the API server's OpenAPI publishes it.
+QUANTITY_PATTERN = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+# A byte count: an integer with an optional binary or decimal suffix (no milli, no exponent).
+BYTES_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
+_BYTE_SUFFIXES = {
+    "": 1,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "E": 10**18,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
+}
+DNS_LABEL_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+SERVED_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$"
+ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+IMAGE_PATTERN = r"^\S+$"
+
+
+class SpecError(ValueError):
+    """An invalid spec. `reason` is a CamelCase word for conditions and events; `message` says what and where."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where the weights come from. Exactly one source: a built-in preset, a PVC directory, or an image path."""
+
+    source: str  # "preset" | "pvc" | "image"
+    served_name: str
+    preset: str | None = None
+    claim_name: str | None = None
+    # For "pvc": a directory relative to the claim's root ("" is the root); for "image": an absolute path.
+    path: str | None = None
+
+
+@dataclass(frozen=True)
+class Resources:
+    cpu: str = "1"
+    memory: str = "2Gi"
+    gpu: int = 0
+
+
+@dataclass(frozen=True)
+class Speculation:
+    method: str = "none"
+    num_tokens: int = 4
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    # The engine's own defaults (runtime/chunkwise/config.py), so an empty spec runs the engine as shipped.
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 1024
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    preemption_mode: str = "auto"
+    enable_prefix_caching: bool = True
+    speculation: Speculation = field(default_factory=Speculation)
+    queue_delay_slo_seconds: float = 30.0
+    drain_grace_seconds: int = 30
+
+
+@dataclass(frozen=True)
+class AutoscalingTargets:
+    queue_depth_per_replica: float = 8.0
+    preemption_rate_per_second: float = 1.0
+    p99_step_time_seconds: float = 0.5
+    kv_usage_fraction: float = 0.9
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    enabled: bool = False
+    delegated: bool = False
+    min_replicas: int = 1
+    max_replicas: int = 4
+    targets: AutoscalingTargets = field(default_factory=AutoscalingTargets)
+    scale_up_stabilization_seconds: int = 30
+    scale_down_stabilization_seconds: int = 300
+
+
+@dataclass(frozen=True)
+class RouterResources:
+    cpu: str = "250m"
+    memory: str = "256Mi"
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    enabled: bool = False
+    policy: str = "predicted-completion"
+    replicas: int = 1
+    image: str | None = None
+    resources: RouterResources = field(default_factory=RouterResources)
+
+
+@dataclass(frozen=True)
+class Toleration:
+    key: str | None = None
+    operator: str = "Equal"
+    value: str | None = None
+    effect: str | None = None
+    toleration_seconds: int | None = None
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    value: str | None = None
+    # An arbitrary core/v1 EnvVarSource, passed through untouched (read-only view).
+    value_from: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class PodOverrides:
+    node_selector: tuple[tuple[str, str], ...] = ()
+    tolerations: tuple[Toleration, ...] = ()
+    env: tuple[EnvVar, ...] = ()
+    annotations: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    model: ModelSpec
+    image: str
+    image_pull_policy: str | None = None
+    replicas: int = 1
+    resources: Resources = field(default_factory=Resources)
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
+    router: RouterSpec = field(default_factory=RouterSpec)
+    pod: PodOverrides = field(default_factory=PodOverrides)
+
+
+# ---------------------------------------------------------------------------------------------- readers
+
+
+def _section(data: Mapping[str, Any], key: str, path: str, reason: str) -> Mapping[str, Any]:
+    value = data.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise SpecError(reason, f"{path}{key} must be an object, got {value!r}")
+    return value
+
+
+def _int(
+    data: Mapping[str, Any], key: str, path: str, reason: str, default: int | None, lo: int, hi: int
+) -> int | None:
+    value = data.get(key)
+    if value is None:
+        return default
+    # bool is an int in Python; a YAML `true` is never a count.
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise SpecError(reason, f"{path}{key} must be an integer in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def _req_int(
+    data: Mapping[str, Any], key: str, path: str, reason: str, default: int, lo: int, hi: int
+) -> int:
+    value = _int(data, key, path, reason, default, lo, hi)
+    assert value is not None
+    return value
+
+
+def _num(
+    data: Mapping[str, Any], key: str, path: str, reason: str, default: float, lo: float, hi: float
+) -> float:
+    value = data.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise SpecError(reason, f"{path}{key} must be a number in [{lo:g}, {hi:g}], got {value!r}")
+    return float(value)
+
+
+def _bool(data: Mapping[str, Any], key: str, path: str, reason: str, default: bool) -> bool:
+    value = data.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise SpecError(reason, f"{path}{key} must be true or false, got {value!r}")
+    return value
+
+
+def _str(
+    data: Mapping[str, Any],
+    key: str,
+    path: str,
+    reason: str,
+    default: str | None,
+    *,
+    choices: Sequence[str] | None = None,
+    pattern: str | None = None,
+    max_length: int = 4096,
+) -> str | None:
+    value = data.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise SpecError(reason, f"{path}{key} must be a string, got {value!r}")
+    if choices is not None and value not in choices:
+        raise SpecError(reason, f"{path}{key} must be one of {', '.join(choices)}; got {value!r}")
+    if pattern is not None and not re.fullmatch(pattern, value):
+        raise SpecError(reason, f"{path}{key} {value!r} does not match {pattern}")
+    if len(value) > max_length:
+        raise SpecError(reason, f"{path}{key} is longer than {max_length} characters")
+    return value
+
+
+def _quantity(data: Mapping[str, Any], key: str, path: str, reason: str, default: str) -> str:
+    value = data.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise SpecError(reason, f"{path}{key} must be a quantity such as 2, 500m or 8Gi; got {value!r}")
+    text = str(value)
+    if not re.fullmatch(QUANTITY_PATTERN, text):
+        raise SpecError(reason, f"{path}{key} must be a quantity such as 2, 500m or 8Gi; got {value!r}")
+    return text
+
+
+def parse_bytes(value: int | str) -> int:
+    """A byte count from an integer or a quantity string with a binary/decimal suffix ("4Gi", "512M")."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a byte count: {value!r}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"a byte count must be positive, got {value}")
+        return value
+    match = re.fullmatch(BYTES_PATTERN, value)
+    if match is None:
+        raise ValueError(f"not a byte count: {value!r} (use e.g. 4Gi, 512Mi or 1000000)")
+    suffix = match.group(2) or ""
+    number = Decimal(value[: len(value) - len(suffix)]) * _BYTE_SUFFIXES[suffix]
+    if number != number.to_integral_value() or number <= 0:
+        raise ValueError(f"{value!r} is not a positive whole number of bytes")
+    return int(number)
+
+
+def _string_map(data: Mapping[str, Any], key: str, path: str, reason: str) -> tuple[tuple[str, str], ...]:
+    value = data.get(key)
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise SpecError(reason, f"{path}{key} must map strings to strings, got {value!r}")
+    return tuple(sorted(value.items()))
+
+
+# ---------------------------------------------------------------------------------------------- sections
+
+
+def validate_name(name: str) -> None:
+    """The InferenceService's own name must also be a valid name for the Services it gets."""
+    if not re.fullmatch(DNS_LABEL_PATTERN, name) or len(name) > MAX_NAME_LENGTH:
+        raise SpecError(
+            "InvalidName",
+            f"metadata.name {name!r} must be a DNS-1035 label (lowercase letters, digits, '-', starting "
+            f"with a letter) of at most {MAX_NAME_LENGTH} characters, so its Services can be named after it",
+        )
+
+
+def _model(spec: Mapping[str, Any]) -> ModelSpec:
+    reason = "InvalidModelSource"
+    if spec.get("model") is None:
+        raise SpecError(reason, "spec.model is required: give one of preset, pvc or path")
+    data = _section(spec, "model", "spec.", reason)
+    given = [key for key in ("preset", "pvc", "path") if data.get(key) is not None]
+    if len(given) != 1:
+        raise SpecError(
+            reason,
+            "spec.model must give exactly one of preset, pvc or path; "
+            + (f"got {', '.join(given)}" if given else "got none"),
+        )
+    served = _str(
+        data, "servedName", "spec.model.", reason, None, pattern=SERVED_NAME_PATTERN, max_length=256
+    )
+    if given == ["preset"]:
+        preset = _str(data, "preset", "spec.model.", reason, None, choices=PRESETS)
+        assert preset is not None
+        return ModelSpec(source="preset", served_name=served or preset, preset=preset)
+    if given == ["path"]:
+        path = _str(data, "path", "spec.model.", reason, None)
+        assert path is not None
+        if not path.startswith("/") or _bad_path(path):
+            raise SpecError(reason, f"spec.model.path must be an absolute path without '..', got {path!r}")
+        return ModelSpec(source="image", served_name=served or _base_name(path), path=path)
+    pvc = _section(data, "pvc", "spec.model.", reason)
+    claim = _str(
+        pvc, "claimName", "spec.model.pvc.", reason, None, pattern=DNS_SUBDOMAIN_PATTERN, max_length=253
+    )
+    if claim is None:
+        raise SpecError(reason, "spec.model.pvc.claimName is required")
+    sub = _str(pvc, "path", "spec.model.pvc.", reason, "")
+    assert sub is not None
+    if sub.startswith("/") or _bad_path(sub):
+        raise SpecError(
+            reason, f"spec.model.pvc.path must be relative to the claim's root, without '..'; got {sub!r}"
+        )
+    sub = sub.strip("/")
+    return ModelSpec(source="pvc", served_name=served or _base_name(sub or claim), claim_name=claim, path=sub)
+
+
+def _base_name(path: str) -> str:
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    if not re.fullmatch(SERVED_NAME_PATTERN, name):
+        raise SpecError("InvalidModelSource", f"give spec.model.servedName: {path!r} has no usable base name")
+    return name
+
+
+def _bad_path(path: str) -> bool:
+    return ".." in path.split("/") or any(c.isspace() for c in path) or "\x00" in path
+
+
+def _resources(spec: Mapping[str, Any]) -> Resources:
+    reason = "InvalidResources"
+    data = _section(spec, "resources", "spec.", reason)
+    d = Resources()
+    return Resources(
+        cpu=_quantity(data, "cpu", "spec.resources.", reason, d.cpu),
+        memory=_quantity(data, "memory", "spec.resources.", reason, d.memory),
+        gpu=_req_int(data, "gpu", "spec.resources.", reason, d.gpu, 0, 16),
+    )
+
+
+def _engine(spec: Mapping[str, Any]) -> EngineSpec:
+    reason = "InvalidEngine"
+    p = "spec.engine."
+    data = _section(spec, "engine", "spec.", reason)
+    d = EngineSpec()
+    kv: int | None = None
+    raw_kv = data.get("kvCacheMemory")
+    if raw_kv is not None:
+        if not isinstance(raw_kv, (int, str)):
+            raise SpecError(reason, f"{p}kvCacheMemory must be a byte count such as 4Gi, got {raw_kv!r}")
+        try:
+            kv = parse_bytes(raw_kv)
+        except ValueError as e:
+            raise SpecError(reason, f"{p}kvCacheMemory: {e}") from None
+        if kv < 2**20:
+            raise SpecError(reason, f"{p}kvCacheMemory must be at least 1Mi, got {raw_kv!r}")
+    spec_data = _section(data, "speculation", p, reason)
+    sd = Speculation()
+    speculation = Speculation(
+        method=_str(spec_data, "method", p + "speculation.", reason, sd.method, choices=SPECULATIVE_METHODS)
+        or sd.method,
+        num_tokens=_req_int(spec_data, "numTokens", p + "speculation.", reason, sd.num_tokens, 1, 16),
+    )
+    return EngineSpec(
+        max_num_seqs=_req_int(data, "maxNumSeqs", p, reason, d.max_num_seqs, 1, 4096),
+        max_num_batched_tokens=_req_int(
+            data, "maxNumBatchedTokens", p, reason, d.max_num_batched_tokens, 1, 1 << 20
+        ),
+        block_size=_req_int(data, "blockSize", p, reason, d.block_size, 1, 256),
+        kv_cache_memory_bytes=kv,
+        preemption_mode=_str(data, "preemptionMode", p, reason, d.preemption_mode, choices=PREEMPTION_MODES)
+        or d.preemption_mode,
+        enable_prefix_caching=_bool(data, "enablePrefixCaching", p, reason, d.enable_prefix_caching),
+        speculation=speculation,
+        queue_delay_slo_seconds=_num(
+            data, "queueDelaySloSeconds", p, reason, d.queue_delay_slo_seconds, 0, 3600
+        ),
+        drain_grace_seconds=_req_int(data, "drainGraceSeconds", p, reason, d.drain_grace_seconds, 0, 3600),
+    )
+
+
+def _autoscaling(spec: Mapping[str, Any]) -> AutoscalingSpec:
+    reason = "InvalidAutoscaling"
+    p = "spec.autoscaling."
+    data = _section(spec, "autoscaling", "spec.", reason)
+    d = AutoscalingSpec()
+    t = _section(data, "targets", p, reason)
+    td = AutoscalingTargets()
+    tp = p + "targets."
+    targets = AutoscalingTargets(
+        queue_depth_per_replica=_num(
+            t, "queueDepthPerReplica", tp, reason, td.queue_depth_per_replica, 0.1, 1e5
+        ),
+        preemption_rate_per_second=_num(
+            t, "preemptionRatePerSecond", tp, reason, td.preemption_rate_per_second, 0.001, 1e5
+        ),
+        p99_step_time_seconds=_num(t, "p99StepTimeSeconds", tp, reason, td.p99_step_time_seconds, 0.001, 60),
+        kv_usage_fraction=_num(t, "kvUsageFraction", tp, reason, td.kv_usage_fraction, 0.01, 1.0),
+    )
+    result = AutoscalingSpec(
+        enabled=_bool(data, "enabled", p, reason, d.enabled),
+        delegated=_bool(data, "delegated", p, reason, d.delegated),
+        min_replicas=_req_int(data, "minReplicas", p, reason, d.min_replicas, 0, 1000),
+        max_replicas=_req_int(data, "maxReplicas", p, reason, d.max_replicas, 1, 1000),
+        targets=targets,
+        scale_up_stabilization_seconds=_req_int(
+            data, "scaleUpStabilizationSeconds", p, reason, d.scale_up_stabilization_seconds, 0, 3600
+        ),
+        scale_down_stabilization_seconds=_req_int(
+            data, "scaleDownStabilizationSeconds", p, reason, d.scale_down_stabilization_seconds, 0, 3600
+        ),
+    )
+    if result.min_replicas > result.max_replicas:
+        raise SpecError(
+            reason,
+            f"{p}minReplicas ({result.min_replicas}) must not exceed {p}maxReplicas ({result.max_replicas})",
+        )
+    return result
+
+
+def _router(spec: Mapping[str, Any]) -> RouterSpec:
+    reason = "InvalidRouter"
+    p = "spec.router."
+    data = _section(spec, "router", "spec.", reason)
+    d = RouterSpec()
+    res = _section(data, "resources", p, reason)
+    rd = RouterResources()
+    return RouterSpec(
+        enabled=_bool(data, "enabled", p, reason, d.enabled),
+        policy=_str(data, "policy", p, reason, d.policy, choices=ROUTER_POLICIES) or d.policy,
+        replicas=_req_int(data, "replicas", p, reason, d.replicas, 1, 100),
+        image=_str(data, "image", p, reason, None, pattern=IMAGE_PATTERN),
+        resources=RouterResources(
+            cpu=_quantity(res, "cpu", p + "resources.", reason, rd.cpu),
+            memory=_quantity(res, "memory", p + "resources.", reason, rd.memory),
+        ),
+    )
+
+
+def _pod(spec: Mapping[str, Any]) -> PodOverrides:
+    reason = "InvalidPodOverrides"
+    p = "spec.pod."
+    data = _section(spec, "pod", "spec.", reason)
+
+    raw_tolerations = data.get("tolerations") or []
+    if not isinstance(raw_tolerations, list):
+        raise SpecError(reason, f"{p}tolerations must be a list, got {raw_tolerations!r}")
+    tolerations = []
+    for i, item in enumerate(raw_tolerations):
+        tp = f"{p}tolerations[{i}]."
+        if not isinstance(item, Mapping):
+            raise SpecError(reason, f"{tp[:-1]} must be an object, got {item!r}")
+        tol = Toleration(
+            key=_str(item, "key", tp, reason, None),
+            operator=_str(item, "operator", tp, reason, "Equal", choices=TOLERATION_OPERATORS) or "Equal",
+            value=_str(item, "value", tp, reason, None),
+            effect=_str(item, "effect", tp, reason, None, choices=TAINT_EFFECTS),
+            toleration_seconds=_int(item, "tolerationSeconds", tp, reason, None, 0, 2**62),
+        )
+        if tol.operator == "Exists" and tol.value:
+            raise SpecError(reason, f"{tp}value must be empty when operator is Exists")
+        if tol.key is None and tol.operator != "Exists":
+            raise SpecError(reason, f"{tp}operator must be Exists when key is empty")
+        tolerations.append(tol)
+
+    raw_env = data.get("env") or []
+    if not isinstance(raw_env, list):
+        raise SpecError(reason, f"{p}env must be a list, got {raw_env!r}")
+    env = []
+    seen: set[str] = set()
+    for i, item in enumerate(raw_env):
+        ep = f"{p}env[{i}]."
+        if not isinstance(item, Mapping):
+            raise SpecError(reason, f"{ep[:-1]} must be an object, got {item!r}")
+        name = _str(item, "name", ep, reason, None, pattern=ENV_NAME_PATTERN)
+        if name is None:
+            raise SpecError(reason, f"{ep}name is required")
+        if name in seen:
+            raise SpecError(reason, f"{p}env has {name!r} twice")
+        seen.add(name)
+        value = _str(item, "value", ep, reason, None, max_length=1 << 20)
+        value_from = item.get("valueFrom")
+        if value_from is not None and (not isinstance(value_from, Mapping) or value is not None):
+            raise SpecError(reason, f"{ep}valueFrom must be an object and cannot be combined with value")
+        env.append(
+            EnvVar(
+                name=name,
+                value=value,
+                value_from=None if value_from is None else MappingProxyType(dict(value_from)),
+            )
+        )
+
+    return PodOverrides(
+        node_selector=_string_map(data, "nodeSelector", p, reason),
+        tolerations=tuple(tolerations),
+        env=tuple(env),
+        annotations=_string_map(data, "annotations", p, reason),
+    )
+
+
+def parse(spec: Mapping[str, Any] | None) -> ServiceSpec:
+    """The typed view of `spec`, defaults filled in. Raises SpecError with a reason and a message."""
+    if spec is None or not isinstance(spec, Mapping):
+        raise SpecError("InvalidSpec", f"spec must be an object, got {spec!r}")
+    model = _model(spec)
+    image = _str(spec, "image", "spec.", "InvalidImage", None, pattern=IMAGE_PATTERN)
+    if not image:
+        raise SpecError("InvalidImage", "spec.image is required: the chunkwise runtime image to run")
+    return ServiceSpec(
+        model=model,
+        image=image,
+        image_pull_policy=_str(spec, "imagePullPolicy", "spec.", "InvalidImage", None, choices=PULL_POLICIES),
+        replicas=_req_int(spec, "replicas", "spec.", "InvalidReplicas", 1, 0, 1000),
+        resources=_resources(spec),
+        engine=_engine(spec),
+        autoscaling=_autoscaling(spec),
+        router=_router(spec),
+        pod=_pod(spec),
+    )

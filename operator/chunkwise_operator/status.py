@@ -1,0 +1,251 @@
+"""Pure status computation: the CR's status from its spec (or spec error) and its Deployments' status.
+
+Two callers write status: the reconcile (after applying children, for the generation it handled) and the
+watch on child Deployments (readiness changes between reconciles). Both compute the whole managed status
+here from fresh reads, so neither can leave a half-updated view; `status_patch` turns it into a JSON merge
+patch that touches only the keys this module owns.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from chunkwise_operator import manifests
+from chunkwise_operator.spec import ServiceSpec, SpecError
+
+READY = "Ready"
+PROGRESSING = "Progressing"
+DEGRADED = "Degraded"
+CONDITION_TYPES = (READY, PROGRESSING, DEGRADED)
+
+# Everything else under .status (for instance fields a later autoscaler adds) is left alone.
+MANAGED_KEYS = (
+    "observedGeneration",
+    "replicas",
+    "readyReplicas",
+    "selector",
+    "url",
+    "model",
+    "conditions",
+    "autoscaler",
+)
+
+
+# Degraded reasons for a reconcile that failed against the API (spec errors carry their own reasons).
+CHILD_CONFLICT = "ChildConflict"
+FORBIDDEN = "Forbidden"
+CHILD_REJECTED = "ChildRejected"
+API_ERROR = "ApiError"
+FAILURE_REASONS = frozenset({CHILD_CONFLICT, FORBIDDEN, CHILD_REJECTED, API_ERROR})
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A reconcile that could not apply the children; shown as Degraded until a reconcile succeeds."""
+
+    reason: str
+    message: str
+
+
+class Keep(enum.Enum):
+    """Keep the previous value (the child watch knows nothing about the last reconcile's outcome)."""
+
+    KEEP = "keep"
+
+
+KEEP = Keep.KEEP
+
+
+@dataclass(frozen=True)
+class DeploymentState:
+    exists: bool
+    desired: int = 0
+    replicas: int = 0
+    ready: int = 0
+    updated: int = 0
+    rolled_out: bool = False
+
+
+def deployment_state(deployment: Mapping[str, Any] | None) -> DeploymentState:
+    if deployment is None:
+        return DeploymentState(exists=False)
+    spec = deployment.get("spec") or {}
+    status = deployment.get("status") or {}
+    desired = int(spec.get("replicas", 1))
+    generation = (deployment.get("metadata") or {}).get("generation")
+    observed = status.get("observedGeneration")
+    state = DeploymentState(
+        exists=True,
+        desired=desired,
+        replicas=int(status.get("replicas") or 0),
+        ready=int(status.get("readyReplicas") or 0),
+        updated=int(status.get("updatedReplicas") or 0),
+    )
+    # The Deployment controller must have seen the latest template before its counts mean anything.
+    seen = generation is None or (observed is not None and observed >= generation)
+    done = seen and state.updated == desired and state.ready == desired and state.replicas == desired
+    return DeploymentState(**{**state.__dict__, "rolled_out": done})
+
+
+def _condition(ctype: str, status: bool, reason: str, message: str, generation: int | None) -> dict[str, Any]:
+    result: dict[str, Any] = {
+        "type": ctype,
+        "status": "True" if status else "False",
+        "reason": reason,
+        "message": message,
+    }
+    if generation is not None:
+        result["observedGeneration"] = generation
+    return result
+
+
+def _with_times(
+    conditions: list[dict[str, Any]], previous: list[Mapping[str, Any]], now: str
+) -> list[dict[str, Any]]:
+    """lastTransitionTime moves only when a condition's status flips, as the API conventions ask."""
+    before = {c.get("type"): c for c in previous if isinstance(c, Mapping)}
+    result = []
+    for cond in conditions:
+        old = before.get(cond["type"])
+        if old is not None and old.get("status") == cond["status"] and old.get("lastTransitionTime"):
+            cond = {**cond, "lastTransitionTime": old["lastTransitionTime"]}
+        else:
+            cond = {**cond, "lastTransitionTime": now}
+        result.append(cond)
+    return result
+
+
+def compute_status(
+    *,
+    name: str,
+    namespace: str,
+    parsed: ServiceSpec | SpecError,
+    runtime: Mapping[str, Any] | None,
+    router: Mapping[str, Any] | None,
+    previous: Mapping[str, Any],
+    now: str,
+    generation: int | Keep | None = KEEP,
+    failure: Failure | Keep | None = KEEP,
+) -> dict[str, Any]:
+    """The managed part of .status. `generation` is the generation just reconciled, or KEEP."""
+    observed = previous.get("observedGeneration") if generation is KEEP else generation
+    run = deployment_state(runtime)
+    rtr = deployment_state(router)
+    valid = isinstance(parsed, ServiceSpec)
+
+    if failure is KEEP:
+        failure = _previous_failure(previous)
+
+    # With an invalid spec the children keep running as they are: report them as they are.
+    router_expected = parsed.router.enabled if isinstance(parsed, ServiceSpec) else rtr.exists
+    desired = parsed.replicas if isinstance(parsed, ServiceSpec) else run.desired
+
+    if not run.exists:
+        ready = (False, "NoRuntime", "the runtime Deployment does not exist yet")
+    elif desired == 0:
+        ready = (False, "ScaledToZero", "spec.replicas is 0")
+    elif run.ready == 0:
+        ready = (False, "NoReadyReplicas", f"0 of {desired} replicas are ready")
+    elif router_expected and rtr.ready == 0:
+        ready = (False, "RouterUnavailable", "no router replica is ready")
+    else:
+        ready = (True, "Available", f"{run.ready} of {desired} replicas are ready")
+
+    if not valid:
+        progressing = (False, "InvalidSpec", "the spec is invalid; see the Degraded condition")
+    elif not run.exists or (router_expected and not rtr.exists):
+        progressing = (True, "Creating", "creating the runtime" + (" and router" if router_expected else ""))
+    elif not run.rolled_out or run.desired != desired or (router_expected and not rtr.rolled_out):
+        progressing = (
+            True,
+            "RollingOut",
+            f"{run.updated} updated, {run.ready} ready, {run.replicas} running of {desired} replicas",
+        )
+    else:
+        progressing = (False, "Complete", f"all {desired} replicas are updated and ready")
+
+    if isinstance(parsed, SpecError):
+        degraded = (True, parsed.reason, parsed.message)
+    elif failure is not None:
+        degraded = (True, failure.reason, failure.message)
+    else:
+        degraded = (False, "AsExpected", "the spec is valid and its children are applied")
+
+    gen = observed if isinstance(observed, int) else None
+    conditions = [
+        _condition(READY, *ready, gen),
+        _condition(PROGRESSING, *progressing, gen),
+        _condition(DEGRADED, *degraded, gen),
+    ]
+    status: dict[str, Any] = {
+        "replicas": run.replicas,
+        "readyReplicas": run.ready,
+        "selector": manifests.selector_string(name),
+        "conditions": _with_times(conditions, list(previous.get("conditions") or []), now),
+    }
+    if gen is not None:
+        status["observedGeneration"] = gen
+    if isinstance(parsed, ServiceSpec):
+        status["url"] = manifests.service_url(name, namespace, parsed)
+        status["model"] = parsed.model.served_name
+        status["autoscaler"] = _autoscaler(parsed, previous.get("autoscaler"))
+    else:
+        for key in ("url", "model", "autoscaler"):
+            if previous.get(key) is not None:
+                status[key] = previous[key]
+    return status
+
+
+def _previous_failure(previous: Mapping[str, Any]) -> Failure | None:
+    for cond in previous.get("conditions") or []:
+        if (
+            isinstance(cond, Mapping)
+            and cond.get("type") == DEGRADED
+            and cond.get("status") == "True"
+            and cond.get("reason") in FAILURE_REASONS
+        ):
+            return Failure(str(cond["reason"]), str(cond.get("message", "")))
+    return None
+
+
+def _autoscaler(spec: ServiceSpec, previous: Any) -> dict[str, Any]:
+    a = spec.autoscaling
+    if not a.enabled:
+        return {"reason": "Disabled"}
+    if a.delegated:
+        return {"desiredReplicas": spec.replicas, "reason": "Delegated"}
+    # The operator's own autoscaler owns this block once it has decided something; until then, say so.
+    if isinstance(previous, Mapping) and previous.get("reason") not in (None, "Disabled", "Delegated"):
+        return dict(previous)
+    return {"desiredReplicas": spec.replicas, "reason": "AwaitingMetrics"}
+
+
+def _merge_patch(old: Any, new: Any) -> Any:
+    if isinstance(old, Mapping) and isinstance(new, Mapping):
+        patch: dict[str, Any] = {}
+        for key in new:
+            if key not in old:
+                patch[key] = new[key]
+            else:
+                sub = _merge_patch(old[key], new[key])
+                if sub is not _SAME:
+                    patch[key] = sub
+        for key in old:
+            if key not in new:
+                patch[key] = None
+        return patch if patch else _SAME
+    return _SAME if old == new else new
+
+
+_SAME = object()
+
+
+def status_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A JSON merge patch for .status turning `old` into `new` on the managed keys; None if nothing changed."""
+    old_managed = {k: old[k] for k in MANAGED_KEYS if k in old}
+    new_managed = {k: new[k] for k in MANAGED_KEYS if k in new}
+    patch = _merge_patch(old_managed, new_managed)
+    return None if patch is _SAME else patch

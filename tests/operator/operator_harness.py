@@ -1,0 +1,335 @@
+"""Test harness for the operator: kmock's emulator made a little more like an API server, and helpers.
+
+A module with a unique name rather than conftest.py, so test files can import it without depending on which
+conftest.py pytest imported last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import datetime
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kmock as km
+import kopf
+import kubernetes
+import pytest
+import yaml
+
+from chunkwise_operator.spec import GROUP, PLURAL, VERSION
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD_PATH = ROOT / "crds" / "inferenceservice.yaml"
+MERGE = "application/merge-patch+json"
+VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
+NAMESPACE = "default"
+
+
+def _merge(old: Any, patch: Any) -> Any:
+    if isinstance(old, Mapping) and isinstance(patch, Mapping):
+        result = dict(old)
+        for key, value in patch.items():
+            if value is None:
+                result.pop(key, None)
+            else:
+                result[key] = _merge(old.get(key), value)
+        return result
+    return patch
+
+
+class ApiServer(km.KubernetesEmulator):
+    """Adds what kmock leaves out and the operator depends on: uid, generation, names, resourceVersion.
+
+    A real API server gives every object a uid, bumps metadata.generation when the spec changes (also
+    through /scale), names objects created with generateName (Kopf's events) and stamps every write with a
+    new resourceVersion; kmock does none of that. Kopf needs the last one: it skips the watch events older
+    than its own last patch by resourceVersion, and without it replays a stale event as a second creation.
+    """
+
+    _versions = itertools.count(1)
+
+    async def _handle(self, request: Any) -> Any:
+        data = request.data
+        if request.resource is not None and isinstance(data, dict):
+            if request.action in (km.action.CREATE, km.action.UPDATE):
+                data.setdefault("metadata", {})["resourceVersion"] = str(next(self._versions))
+            if request.action == km.action.CREATE:
+                meta = data["metadata"]
+                if not meta.get("name") and meta.get("generateName"):
+                    meta["name"] = meta["generateName"] + uuid.uuid4().hex[:8]
+                meta.setdefault("uid", str(uuid.uuid4()))
+                meta.setdefault("generation", 1)
+                meta.setdefault("creationTimestamp", _now())
+            elif request.action == km.action.UPDATE and request.subresource in (None, "scale"):
+                key = (request.resource, request.namespace, request.name)
+                if "spec" in data and key in self.objects and not self.objects[key].deleted:
+                    current = self.objects[key].raw
+                    if _merge(current.get("spec"), data["spec"]) != current.get("spec"):
+                        generation = (current.get("metadata") or {}).get("generation") or 1
+                        data.setdefault("metadata", {})["generation"] = generation + 1
+        return await super()._handle(request)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Cluster:
+    """The emulator plus helpers that read and write its objects directly (as kubectl would)."""
+
+    DEPLOYMENTS = km.resource("apps/v1/deployments")
+    SERVICES = km.resource("v1/services")
+    SERVICE_ACCOUNTS = km.resource("v1/serviceaccounts")
+    PDBS = km.resource("policy/v1/poddisruptionbudgets")
+    ROLE_BINDINGS = km.resource("rbac.authorization.k8s.io/v1/rolebindings")
+    EVENTS = km.resource("v1/events")
+    ISVCS = km.resource(GROUP, VERSION, PLURAL)
+    CHILD_RESOURCES = (DEPLOYMENTS, SERVICES, SERVICE_ACCOUNTS, PDBS, ROLE_BINDINGS)
+
+    def __init__(self, emulator: ApiServer, url: str) -> None:
+        self.k = emulator
+        self.url = url
+
+    def get(self, resource: km.resource, name: str, namespace: str = NAMESPACE) -> dict[str, Any] | None:
+        key = (resource, namespace, name)
+        if key not in self.k.objects or self.k.objects[key].deleted:
+            return None
+        return copy.deepcopy(dict(self.k.objects[key].raw))
+
+    def children(self) -> list[dict[str, Any]]:
+        result = []
+        for (resource, _namespace, _name), obj in self.k.objects.items():
+            if resource in self.CHILD_RESOURCES and not obj.deleted:
+                result.append(copy.deepcopy(dict(obj.raw)))
+        return result
+
+    def events(self) -> list[dict[str, Any]]:
+        return [
+            copy.deepcopy(dict(obj.raw))
+            for (resource, _ns, _name), obj in self.k.objects.items()
+            if resource == self.EVENTS and not obj.deleted
+        ]
+
+    def watching(self, resource: km.resource) -> bool:
+        return len(self.k[km.action.WATCH, resource]) > 0
+
+    def isvc(self, name: str) -> dict[str, Any] | None:
+        return self.get(self.ISVCS, name)
+
+    # Writes go over HTTP through the real client, so that watchers see them as they would in a cluster.
+
+    def _client(self) -> kubernetes.client.ApiClient:
+        return kubernetes.client.ApiClient(kubernetes.client.Configuration(host=self.url))
+
+    async def create_isvc(self, name: str, spec: Mapping[str, Any]) -> None:
+        def call() -> None:
+            with self._client() as c:
+                kubernetes.client.CustomObjectsApi(c).create_namespaced_custom_object(
+                    GROUP, VERSION, NAMESPACE, PLURAL, inference_service(name, spec)
+                )
+
+        await asyncio.to_thread(call)
+
+    async def patch_isvc(self, name: str, patch: Mapping[str, Any]) -> None:
+        def call() -> None:
+            with self._client() as c:
+                kubernetes.client.CustomObjectsApi(c).patch_namespaced_custom_object(
+                    GROUP, VERSION, NAMESPACE, PLURAL, name, dict(patch), _content_type=MERGE
+                )
+
+        await asyncio.to_thread(call)
+
+    async def scale_isvc(self, name: str, replicas: int) -> None:
+        """What `kubectl scale`, an HPA or KEDA do: write the /scale subresource."""
+
+        def call() -> None:
+            with self._client() as c:
+                kubernetes.client.CustomObjectsApi(c).patch_namespaced_custom_object_scale(
+                    GROUP,
+                    VERSION,
+                    NAMESPACE,
+                    PLURAL,
+                    name,
+                    {"spec": {"replicas": replicas}},
+                    _content_type=MERGE,
+                )
+
+        await asyncio.to_thread(call)
+
+    async def patch_deployment(self, name: str, patch: Mapping[str, Any], status: bool = False) -> None:
+        def call() -> None:
+            with self._client() as c:
+                api = kubernetes.client.AppsV1Api(c)
+                method = api.patch_namespaced_deployment_status if status else api.patch_namespaced_deployment
+                method(name, NAMESPACE, dict(patch), _content_type=MERGE)
+
+        await asyncio.to_thread(call)
+
+    async def create_service(self, name: str) -> None:
+        """A Service nobody owns, as a user might have made by hand."""
+        body = {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": name, "namespace": NAMESPACE},
+            "spec": {"ports": [{"port": 80}]},
+        }
+
+        def call() -> None:
+            with self._client() as c:
+                kubernetes.client.CoreV1Api(c).create_namespaced_service(NAMESPACE, body)
+
+        await asyncio.to_thread(call)
+
+    async def delete_deployment(self, name: str) -> None:
+        def call() -> None:
+            with self._client() as c:
+                kubernetes.client.AppsV1Api(c).delete_namespaced_deployment(name, NAMESPACE)
+
+        await asyncio.to_thread(call)
+
+
+def inference_service(name: str, spec: Mapping[str, Any], namespace: str = NAMESPACE) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "InferenceService",
+        # A fixed uid: kubernetes-client refuses owner references without one, and asserts can name it.
+        "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{name}"},
+        "spec": dict(spec),
+    }
+
+
+async def eventually(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout} s")
+        await asyncio.sleep(0.02)
+
+
+class Operator:
+    """The running operator as a test sees it: what Kopf logged (captured from its thread by caplog)."""
+
+    def __init__(self, caplog: pytest.LogCaptureFixture) -> None:
+        self._caplog = caplog
+
+    def count(self, text: str) -> int:
+        return sum(text in r.getMessage() for r in self._caplog.records)
+
+    def failures(self) -> list[str]:
+        """Kopf's lines for a handler that raised (and so would be retried, or gave up)."""
+        return [
+            r.getMessage()
+            for r in self._caplog.records
+            if r.getMessage().startswith("Handler '") and " failed " in r.getMessage()
+        ]
+
+
+class _KopfThread:
+    """Kopf in its own thread and event loop, stopped by cancelling its task.
+
+    Not in the test's loop: when cancelled, Kopf also cancels every task of its loop that it did not find
+    there at start-up, which in the test's loop would include pytest's own fixture teardown. Cancelling is
+    instant, where Kopf's stop flag waits out a graceful shutdown.
+    """
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.task: asyncio.Task[None] | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kopf", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.task = self.loop.create_task(kopf.operator(standalone=True, clusterwide=True))
+        try:
+            self.loop.run_until_complete(self.task)
+        except asyncio.CancelledError:
+            pass  # stop() cancels the task: the normal way out
+        except BaseException as e:
+            self.error = e
+        finally:
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    async def stop(self) -> None:
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(lambda: self.task is not None and self.task.cancel())
+        # Joined off the test's loop: the emulator there must keep answering while Kopf winds down.
+        await asyncio.to_thread(self._thread.join, 10)
+        assert not self._thread.is_alive(), "Kopf did not stop"
+
+
+@contextlib.asynccontextmanager
+async def running_operator(cluster: Cluster, caplog: pytest.LogCaptureFixture) -> AsyncIterator[Operator]:
+    caplog.set_level(logging.DEBUG, logger="kopf")
+    kopf_thread = _KopfThread()
+    try:
+        # Objects created before Kopf's watch starts would be seen twice (list, then watch).
+        await eventually(
+            lambda: (
+                not kopf_thread.running
+                or (cluster.watching(Cluster.ISVCS) and cluster.watching(Cluster.DEPLOYMENTS))
+            ),
+            what="Kopf watching",
+        )
+        assert kopf_thread.running, f"Kopf stopped at start-up: {kopf_thread.error!r}"
+        yield Operator(caplog)
+    finally:
+        await kopf_thread.stop()
+    if kopf_thread.error is not None:
+        raise kopf_thread.error
+
+
+def crd() -> dict[str, Any]:
+    with CRD_PATH.open() as f:
+        result: dict[str, Any] = yaml.safe_load(f)
+    return result
+
+
+def crd_schema() -> dict[str, Any]:
+    """The openAPIV3Schema of the one served version."""
+    (version,) = crd()["spec"]["versions"]
+    schema: dict[str, Any] = version["schema"]["openAPIV3Schema"]
+    return schema
+
+
+def schema_errors(obj: Mapping[str, Any]) -> list[str]:
+    """What the CRD's structural schema says about `obj` (CEL rules are the API server's, not checked here)."""
+    # OpenAPI v3.0 schemas are closest to JSON Schema draft 4; the x-kubernetes-* keywords are ignored.
+    validator = jsonschema.Draft4Validator(crd_schema())
+    return sorted(
+        f"{'.'.join(str(p) for p in e.absolute_path)}: {e.message}" for e in validator.iter_errors(obj)
+    )
+
+
+def apply_defaults(schema: Mapping[str, Any], value: Any) -> Any:
+    """The API server's defaulting: fill absent properties from `default`, then recurse (defaults included)."""
+    if isinstance(value, dict) and "properties" in schema:
+        result = dict(value)
+        for key, sub in schema["properties"].items():
+            if key not in result and "default" in sub:
+                result[key] = copy.deepcopy(sub["default"])
+            if key in result:
+                result[key] = apply_defaults(sub, result[key])
+        return result
+    if isinstance(value, list) and "items" in schema:
+        return [apply_defaults(schema["items"], item) for item in value]
+    return value

@@ -1,0 +1,108 @@
+"""kube.py: drift detection (pure) and create-or-patch/delete against the emulated API server."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import kmock as km
+import kopf
+import kubernetes
+import pytest
+from operator_harness import NAMESPACE, Cluster
+
+from chunkwise_operator import manifests
+from chunkwise_operator.kube import ChildConflict, Kube, Outcome, controller_owner, drifted, owned_by
+from chunkwise_operator.spec import parse
+
+OWNER = kopf.Body(
+    {
+        "apiVersion": "serving.chunkwise.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "tiny", "namespace": NAMESPACE, "uid": "uid-tiny"},
+    }
+)
+
+
+@pytest.mark.parametrize(
+    ("desired", "live", "expected"),
+    [
+        ({"a": 1}, {"a": 1, "defaulted": "x"}, False),
+        ({"a": {"b": [1, {"c": 2}]}}, {"a": {"b": [1, {"c": 2, "d": 3}]}}, False),
+        ({"a": 1}, {"a": 2}, True),
+        ({"a": 1}, {}, True),
+        ({"a": [1, 2]}, {"a": [1]}, True),
+        ({"a": [1, 2]}, {"a": [2, 1]}, True),
+        ({"a": {"b": 1}}, {"a": "b"}, True),
+        ({"a": ["x"]}, {"a": {"0": "x"}}, True),
+    ],
+)
+def test_drifted(desired: Any, live: Any, expected: bool) -> None:
+    assert drifted(desired, live) is expected
+
+
+def test_ownership_helpers() -> None:
+    child: dict[str, Any] = {"metadata": {}}
+    kopf.append_owner_reference(child, owner=OWNER)
+    assert owned_by(child, "uid-tiny")
+    assert not owned_by(child, "uid-other")
+    assert controller_owner(child) == "tiny"
+    assert (
+        controller_owner({"metadata": {"ownerReferences": [{"kind": "ReplicaSet", "controller": True}]}})
+        is None
+    )
+
+
+@pytest.fixture
+def kube(cluster: Cluster) -> Iterator[Kube]:
+    client = Kube(kubernetes.client.ApiClient(kubernetes.client.Configuration(host=cluster.url)))
+    yield client
+    client.close()
+
+
+def deployment() -> dict[str, Any]:
+    dep = manifests.runtime_deployment("tiny", NAMESPACE, parse({"model": {"preset": "tiny"}, "image": "i"}))
+    kopf.append_owner_reference(dep, owner=OWNER)
+    return dep
+
+
+async def test_apply_creates_then_leaves_alone_then_corrects_drift(cluster: Cluster, kube: Kube) -> None:
+    desired = deployment()
+
+    assert await asyncio.to_thread(kube.apply, copy.deepcopy(desired), "uid-tiny") is Outcome.CREATED
+    live = cluster.get(Cluster.DEPLOYMENTS, "tiny")
+    assert live is not None and live["spec"] == desired["spec"] and not drifted(desired, live)
+    assert await asyncio.to_thread(kube.apply, copy.deepcopy(desired), "uid-tiny") is Outcome.UNCHANGED
+
+    await cluster.patch_deployment("tiny", {"spec": {"replicas": 7}})
+    assert await asyncio.to_thread(kube.apply, copy.deepcopy(desired), "uid-tiny") is Outcome.PATCHED
+    live = cluster.get(Cluster.DEPLOYMENTS, "tiny")
+    assert live is not None and live["spec"]["replicas"] == 1
+    # The write was a server-side apply under the operator's field manager, forced over other managers.
+    patch = list(cluster.k[km.action.UPDATE, Cluster.DEPLOYMENTS])[-1]
+    assert patch.headers["Content-Type"] == "application/apply-patch+yaml"
+    assert patch.params == {"fieldManager": "chunkwise-operator", "force": "true"}
+
+
+async def test_apply_refuses_objects_owned_by_others(cluster: Cluster, kube: Kube) -> None:
+    foreign = deployment()
+    foreign["metadata"]["ownerReferences"] = []
+    await asyncio.to_thread(kube.apply, foreign, "uid-someone")  # created with no owner at all
+    with pytest.raises(ChildConflict, match="Deployment default/tiny exists and is not owned"):
+        await asyncio.to_thread(kube.apply, deployment(), "uid-tiny")
+    assert not await asyncio.to_thread(
+        kube.delete_owned, "apps/v1", "Deployment", NAMESPACE, "tiny", "uid-tiny"
+    )
+    assert cluster.get(Cluster.DEPLOYMENTS, "tiny") is not None
+
+
+async def test_delete_owned(cluster: Cluster, kube: Kube) -> None:
+    await asyncio.to_thread(kube.apply, deployment(), "uid-tiny")
+    assert await asyncio.to_thread(kube.delete_owned, "apps/v1", "Deployment", NAMESPACE, "tiny", "uid-tiny")
+    assert cluster.get(Cluster.DEPLOYMENTS, "tiny") is None
+    assert not await asyncio.to_thread(
+        kube.delete_owned, "apps/v1", "Deployment", NAMESPACE, "tiny", "uid-tiny"
+    )
+    assert await asyncio.to_thread(kube.get, "apps/v1", "Deployment", NAMESPACE, "tiny") is None

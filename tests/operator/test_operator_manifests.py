@@ -1,0 +1,350 @@
+"""manifests.py: exact children for a few specs, and every built object valid for Kubernetes 1.30."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import kopf
+import kubernetes_validate
+import pytest
+
+from chunkwise_operator import manifests
+from chunkwise_operator.spec import ServiceSpec, parse
+
+MINIMAL = {"model": {"preset": "tiny"}, "image": "chunkwise:dev"}
+GPU_ROUTER: dict[str, Any] = {
+    "model": {"pvc": {"claimName": "models", "path": "org/llama"}, "servedName": "llama-8b"},
+    "image": "reg/chunkwise:1",
+    "imagePullPolicy": "IfNotPresent",
+    "replicas": 2,
+    "resources": {"cpu": "8", "memory": "64Gi", "gpu": 1},
+    "engine": {
+        "maxNumSeqs": 128,
+        "maxNumBatchedTokens": 2048,
+        "blockSize": 32,
+        "kvCacheMemory": "40Gi",
+        "preemptionMode": "swap",
+        "enablePrefixCaching": False,
+        "speculation": {"method": "ngram", "numTokens": 3},
+        "queueDelaySloSeconds": 2.5,
+        "drainGraceSeconds": 60,
+    },
+    "autoscaling": {"enabled": True, "delegated": True, "minReplicas": 1, "maxReplicas": 8},
+    "router": {"enabled": True, "policy": "least-loaded", "replicas": 2},
+    "pod": {
+        "nodeSelector": {"pool": "h100"},
+        "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"}],
+        "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}],
+        "annotations": {"prometheus.io/scrape": "false", "team": "ml"},
+    },
+}
+IMAGE_PATH = {
+    "model": {"path": "/opt/model"},
+    "image": "chunkwise:dev",
+    "engine": {"speculation": {"method": "draft"}},
+    "replicas": 0,
+}
+RUNTIME_LABELS = {
+    "app.kubernetes.io/name": "chunkwise",
+    "app.kubernetes.io/instance": "tiny",
+    "app.kubernetes.io/component": "runtime",
+    "app.kubernetes.io/managed-by": "chunkwise-operator",
+    "serving.chunkwise.dev/inferenceservice": "tiny",
+}
+OWNER: dict[str, Any] = {
+    "apiVersion": "serving.chunkwise.dev/v1alpha1",
+    "kind": "InferenceService",
+    "metadata": {"name": "svc", "namespace": "ml", "uid": "0b5c7a9e-1111-2222-3333-444455556666"},
+}
+
+
+def spec(data: dict[str, Any]) -> ServiceSpec:
+    return parse(data)
+
+
+def test_engine_command_minimal() -> None:
+    assert manifests.engine_command(spec(MINIMAL)) == [
+        "chunkwise", "serve",
+        "--model", "tiny",
+        "--served-model-name", "tiny",
+        "--host", "0.0.0.0",
+        "--port", "8000",
+        "--max-num-seqs", "256",
+        "--max-num-batched-tokens", "1024",
+        "--block-size", "16",
+        "--preemption-mode", "auto",
+        "--enable-prefix-caching",
+        "--queue-delay-slo-seconds", "30.0",
+        "--drain-timeout-seconds", "30",
+    ]  # fmt: skip
+
+
+def test_engine_command_every_flag() -> None:
+    assert manifests.engine_command(spec(GPU_ROUTER)) == [
+        "chunkwise", "serve",
+        "--model", "/models/org/llama",
+        "--served-model-name", "llama-8b",
+        "--host", "0.0.0.0",
+        "--port", "8000",
+        "--max-num-seqs", "128",
+        "--max-num-batched-tokens", "2048",
+        "--block-size", "32",
+        "--kv-cache-memory-bytes", str(40 * 2**30),
+        "--preemption-mode", "swap",
+        "--no-enable-prefix-caching",
+        "--speculative-method", "ngram",
+        "--num-speculative-tokens", "3",
+        "--queue-delay-slo-seconds", "2.5",
+        "--drain-timeout-seconds", "60",
+    ]  # fmt: skip
+
+
+def test_engine_command_image_path_and_draft() -> None:
+    argv = manifests.engine_command(spec(IMAGE_PATH))
+    assert argv[2:6] == ["--model", "/opt/model", "--served-model-name", "model"]
+    assert argv[argv.index("--speculative-method") :][:4] == [
+        "--speculative-method",
+        "draft",
+        "--num-speculative-tokens",
+        "4",
+    ]
+
+
+def test_runtime_deployment_minimal_exactly() -> None:
+    assert manifests.runtime_deployment("tiny", "default", spec(MINIMAL)) == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "tiny", "namespace": "default", "labels": RUNTIME_LABELS},
+        "spec": {
+            "replicas": 1,
+            "selector": {
+                "matchLabels": {
+                    "serving.chunkwise.dev/inferenceservice": "tiny",
+                    "app.kubernetes.io/component": "runtime",
+                }
+            },
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {
+                "metadata": {
+                    "labels": RUNTIME_LABELS,
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": "8000",
+                        "prometheus.io/path": "/metrics",
+                    },
+                },
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    # preStop sleep 5 + drain 30 + margin 10
+                    "terminationGracePeriodSeconds": 45,
+                    "containers": [
+                        {
+                            "name": "engine",
+                            "image": "chunkwise:dev",
+                            "command": ["chunkwise"],
+                            "args": manifests.engine_command(spec(MINIMAL))[1:],
+                            "ports": [{"name": "http", "containerPort": 8000, "protocol": "TCP"}],
+                            "resources": {
+                                "requests": {"cpu": "1", "memory": "2Gi"},
+                                "limits": {"memory": "2Gi"},
+                            },
+                            "startupProbe": {
+                                "httpGet": {"path": "/health", "port": "http"},
+                                "periodSeconds": 5,
+                                "timeoutSeconds": 2,
+                                "failureThreshold": 120,
+                            },
+                            "readinessProbe": {
+                                "httpGet": {"path": "/health", "port": "http"},
+                                "periodSeconds": 5,
+                                "timeoutSeconds": 2,
+                                "failureThreshold": 2,
+                            },
+                            "livenessProbe": {
+                                "httpGet": {"path": "/health", "port": "http"},
+                                "periodSeconds": 10,
+                                "timeoutSeconds": 5,
+                                # 3 + the 30 s drain in 10 s periods
+                                "failureThreshold": 6,
+                            },
+                            "lifecycle": {"preStop": {"exec": {"command": ["sleep", "5"]}}},
+                            "securityContext": {"allowPrivilegeEscalation": False},
+                        }
+                    ],
+                },
+            },
+        },
+    }
+
+
+def test_runtime_deployment_gpu_pvc_and_overrides() -> None:
+    dep = manifests.runtime_deployment("llama", "ml", spec(GPU_ROUTER))
+    pod = dep["spec"]["template"]["spec"]
+    (engine,) = pod["containers"]
+    assert dep["spec"]["replicas"] == 2
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    assert engine["resources"] == {
+        "requests": {"cpu": "8", "memory": "64Gi"},
+        "limits": {"memory": "64Gi", "nvidia.com/gpu": "1"},
+    }
+    assert engine["imagePullPolicy"] == "IfNotPresent"
+    assert engine["env"] == [{"name": "HF_HUB_OFFLINE", "value": "1"}]
+    assert engine["volumeMounts"] == [{"name": "model", "mountPath": "/models", "readOnly": True}]
+    assert pod["volumes"] == [
+        {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}
+    ]
+    assert pod["nodeSelector"] == {"pool": "h100"}
+    assert pod["tolerations"] == [
+        {"operator": "Equal", "key": "dedicated", "value": "llm", "effect": "NoSchedule"},
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+    ]
+    assert pod["terminationGracePeriodSeconds"] == 5 + 60 + 10
+    assert engine["livenessProbe"]["failureThreshold"] == 3 + 6
+    # The user's annotations win over the operator's.
+    assert dep["spec"]["template"]["metadata"]["annotations"] == {
+        "prometheus.io/scrape": "false",
+        "prometheus.io/port": "8000",
+        "prometheus.io/path": "/metrics",
+        "team": "ml",
+    }
+
+
+def test_gpu_toleration_is_not_doubled() -> None:
+    data = copy.deepcopy(GPU_ROUTER)
+    data["pod"]["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists"}]
+    pod = manifests.runtime_deployment("llama", "ml", spec(data))["spec"]["template"]["spec"]
+    assert pod["tolerations"] == [{"operator": "Exists", "key": "nvidia.com/gpu"}]
+
+
+def test_runtime_service_and_pdb() -> None:
+    selector = {"serving.chunkwise.dev/inferenceservice": "tiny", "app.kubernetes.io/component": "runtime"}
+    assert manifests.runtime_service("tiny", "default") == {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "tiny", "namespace": "default", "labels": RUNTIME_LABELS},
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector,
+            "ports": [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+    assert manifests.pod_disruption_budget("tiny", "default") == {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": "tiny", "namespace": "default", "labels": RUNTIME_LABELS},
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector}},
+    }
+
+
+def test_router_children() -> None:
+    parsed = spec(GPU_ROUTER)
+    labels = {
+        "app.kubernetes.io/name": "chunkwise",
+        "app.kubernetes.io/instance": "llama",
+        "app.kubernetes.io/component": "router",
+        "app.kubernetes.io/managed-by": "chunkwise-operator",
+        "serving.chunkwise.dev/inferenceservice": "llama",
+    }
+    meta = {"name": "llama-router", "namespace": "ml", "labels": labels}
+    assert manifests.router_command("llama", "ml", parsed) == [
+        "chunkwise", "router", "--host", "0.0.0.0", "--port", "8080",
+        "--policy", "least-loaded", "--kube-service", "llama", "--namespace", "ml",
+    ]  # fmt: skip
+    assert manifests.router_service_account("llama", "ml") == {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": meta,
+    }
+    assert manifests.router_role_binding("llama", "ml") == {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": meta,
+        "roleRef": {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "ClusterRole",
+            "name": "chunkwise-router",
+        },
+        "subjects": [{"kind": "ServiceAccount", "name": "llama-router", "namespace": "ml"}],
+    }
+    dep = manifests.router_deployment("llama", "ml", parsed)
+    pod = dep["spec"]["template"]["spec"]
+    (router,) = pod["containers"]
+    assert dep["metadata"] == meta
+    assert dep["spec"]["replicas"] == 2
+    assert dep["spec"]["selector"] == {
+        "matchLabels": {
+            "serving.chunkwise.dev/inferenceservice": "llama",
+            "app.kubernetes.io/component": "router",
+        }
+    }
+    assert pod["serviceAccountName"] == "llama-router"
+    assert router["image"] == "reg/chunkwise:1"
+    assert [router["command"][0], *router["args"]] == manifests.router_command("llama", "ml", parsed)
+    assert router["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
+    assert router["resources"] == {
+        "requests": {"cpu": "250m", "memory": "256Mi"},
+        "limits": {"memory": "256Mi"},
+    }
+    # GPU placement is for the engine only.
+    assert "nodeSelector" not in pod and "tolerations" not in pod
+    assert manifests.router_service("llama", "ml")["spec"]["ports"] == [
+        {"name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP"}
+    ]
+
+
+def test_children_and_stale_children_follow_router_enabled() -> None:
+    with_router = manifests.children("llama", "ml", spec(GPU_ROUTER))
+    assert [(c["kind"], c["metadata"]["name"]) for c in with_router] == [
+        ("Deployment", "llama"),
+        ("Service", "llama"),
+        ("PodDisruptionBudget", "llama"),
+        ("ServiceAccount", "llama-router"),
+        ("RoleBinding", "llama-router"),
+        ("Deployment", "llama-router"),
+        ("Service", "llama-router"),
+    ]
+    assert manifests.stale_children("llama", spec(GPU_ROUTER)) == []
+    without = manifests.children("tiny", "default", spec(MINIMAL))
+    assert [(c["kind"], c["metadata"]["name"]) for c in without] == [
+        ("Deployment", "tiny"),
+        ("Service", "tiny"),
+        ("PodDisruptionBudget", "tiny"),
+    ]
+    assert manifests.stale_children("tiny", spec(MINIMAL)) == [
+        ("v1", "Service", "tiny-router"),
+        ("apps/v1", "Deployment", "tiny-router"),
+        ("rbac.authorization.k8s.io/v1", "RoleBinding", "tiny-router"),
+        ("v1", "ServiceAccount", "tiny-router"),
+    ]
+
+
+def test_url_and_selector() -> None:
+    assert manifests.service_url("tiny", "default", spec(MINIMAL)) == "http://tiny.default.svc:8000"
+    assert manifests.service_url("llama", "ml", spec(GPU_ROUTER)) == "http://llama-router.ml.svc:8080"
+    assert (
+        manifests.selector_string("tiny")
+        == "app.kubernetes.io/component=runtime,serving.chunkwise.dev/inferenceservice=tiny"
+    )
+
+
+def test_builders_return_fresh_objects() -> None:
+    """Callers add owner references in place; one call's output must not leak into the next."""
+    parsed = spec(MINIMAL)
+    first = manifests.children("tiny", "default", parsed)
+    first[0]["metadata"]["labels"]["x"] = "y"
+    first[0]["spec"]["template"]["spec"]["containers"][0]["args"].append("--oops")
+    assert manifests.children("tiny", "default", parsed) != first
+    assert manifests.children("tiny", "default", parsed) == manifests.children("tiny", "default", parsed)
+
+
+@pytest.mark.parametrize(
+    "variant", [MINIMAL, GPU_ROUTER, IMAGE_PATH], ids=["minimal", "gpu-router", "image-path"]
+)
+def test_every_built_child_validates_for_kubernetes_1_30(variant: dict[str, Any]) -> None:
+    children = manifests.children("svc", "ml", spec(variant))
+    kopf.append_owner_reference(children, owner=kopf.Body(OWNER))  # type: ignore[arg-type]
+    assert len(children) == (7 if variant is GPU_ROUTER else 3)
+    for child in children:
+        assert child["metadata"]["ownerReferences"][0]["uid"] == OWNER["metadata"]["uid"]
+        kubernetes_validate.validate(child, "1.30.0", strict=True)

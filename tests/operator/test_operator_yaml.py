@@ -1,0 +1,326 @@
+"""Every YAML under crds/ and manifests/: valid for Kubernetes 1.30, or checked against its own schema."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from operator_harness import ROOT, crd, schema_errors
+
+from chunkwise_operator import manifests
+from chunkwise_operator.spec import API_VERSION, GROUP, KIND, PLURAL, SHORT_NAME, VERSION, parse
+from chunkwise_operator.status import compute_status
+
+FILES = sorted([*(ROOT / "crds").rglob("*.yaml"), *(ROOT / "manifests").rglob("*.yaml")])
+# Kinds kubernetes-validate cannot know (custom resources, kustomize's config); each gets its own check below.
+CUSTOM = {
+    ("kustomize.config.k8s.io/v1beta1", "Kustomization"),
+    (API_VERSION, KIND),
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("monitoring.coreos.com/v1", "PrometheusRule"),
+    ("keda.sh/v1alpha1", "ScaledObject"),
+}
+
+
+def documents(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+def all_documents() -> list[tuple[str, dict[str, Any]]]:
+    return [(str(path.relative_to(ROOT)), doc) for path in FILES for doc in documents(path)]
+
+
+def find(kind: str, name: str | None = None) -> dict[str, Any]:
+    (doc,) = [d for _, d in all_documents() if d["kind"] == kind and name in (None, d["metadata"]["name"])]
+    return doc
+
+
+def test_the_expected_files_exist() -> None:
+    assert [str(p.relative_to(ROOT)) for p in FILES] == [
+        "crds/inferenceservice.yaml",
+        "crds/kustomization.yaml",
+        "manifests/examples/gpu-service.yaml",
+        "manifests/examples/hpa.yaml",
+        "manifests/examples/keda-scaledobject.yaml",
+        "manifests/examples/service.yaml",
+        "manifests/kustomization.yaml",
+        "manifests/monitoring/kustomization.yaml",
+        "manifests/monitoring/prometheusrule.yaml",
+        "manifests/monitoring/servicemonitor.yaml",
+        "manifests/namespace.yaml",
+        "manifests/operator.yaml",
+        "manifests/rbac.yaml",
+    ]
+
+
+BUILTIN = [(path, doc) for path, doc in all_documents() if (doc["apiVersion"], doc["kind"]) not in CUSTOM]
+
+
+@pytest.mark.parametrize(
+    ("path", "doc"), BUILTIN, ids=[f"{p}:{d['kind']}:{d['metadata']['name']}" for p, d in BUILTIN]
+)
+def test_builtin_kinds_validate_for_kubernetes_1_30(path: str, doc: dict[str, Any]) -> None:
+    assert kubernetes_validate.validate(doc, "1.30.0", strict=True) == "1.30"
+
+
+def test_every_document_is_covered_by_a_check() -> None:
+    kinds = sorted({(d["apiVersion"], d["kind"]) for _, d in all_documents()})
+    assert kinds == sorted(
+        [
+            ("apiextensions.k8s.io/v1", "CustomResourceDefinition"),
+            ("apps/v1", "Deployment"),
+            ("autoscaling/v2", "HorizontalPodAutoscaler"),
+            ("rbac.authorization.k8s.io/v1", "ClusterRole"),
+            ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"),
+            ("v1", "Namespace"),
+            ("v1", "ServiceAccount"),
+            *CUSTOM,
+        ]
+    )
+
+
+def test_crd_contract() -> None:
+    c = crd()
+    assert c["metadata"]["name"] == f"{PLURAL}.{GROUP}"
+    assert c["spec"]["group"] == GROUP
+    assert c["spec"]["scope"] == "Namespaced"
+    names = c["spec"]["names"]
+    assert (names["kind"], names["plural"], names["singular"]) == (KIND, PLURAL, "inferenceservice")
+    assert names["shortNames"] == [SHORT_NAME]
+    assert "isvc" not in names["shortNames"]
+    (version,) = c["spec"]["versions"]
+    assert (version["name"], version["served"], version["storage"]) == (VERSION, True, True)
+    assert version["subresources"] == {
+        "status": {},
+        "scale": {
+            "specReplicasPath": ".spec.replicas",
+            "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector",
+        },
+    }
+    columns = {col["name"]: col["jsonPath"] for col in version["additionalPrinterColumns"]}
+    assert columns["Ready"] == '.status.conditions[?(@.type=="Ready")].status'
+    assert columns["Replicas"] == ".status.replicas"
+    assert columns["Model"] == ".status.model"
+    assert columns["Age"] == ".metadata.creationTimestamp"
+    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert spec["required"] == ["model", "image"]
+    assert spec["properties"]["engine"]["properties"]["preemptionMode"]["enum"] == [
+        "auto",
+        "swap",
+        "recompute",
+    ]
+    assert spec["properties"]["router"]["properties"]["policy"]["enum"] == [
+        "predicted-completion",
+        "round-robin",
+        "least-loaded",
+        "prefix-affinity",
+    ]
+
+
+def test_status_written_by_the_operator_fits_the_crd() -> None:
+    """The API server prunes status fields its schema lacks; everything the operator writes must be declared."""
+    parsed = parse({"model": {"preset": "tiny"}, "image": "i", "autoscaling": {"enabled": True}})
+    status = compute_status(
+        name="tiny",
+        namespace="default",
+        parsed=parsed,
+        runtime=None,
+        router=None,
+        previous={},
+        now="2030-01-01T00:00:00Z",
+        generation=3,
+    )
+    obj = {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": "tiny"},
+        "spec": {"model": {"preset": "tiny"}, "image": "i"},
+        "status": status,
+    }
+    assert schema_errors(obj) == []
+    declared = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    assert set(status) <= set(declared)
+    assert set(status["autoscaler"]) <= set(declared["autoscaler"]["properties"])
+    for cond in status["conditions"]:
+        assert set(cond) <= set(declared["conditions"]["items"]["properties"])
+
+
+@pytest.mark.parametrize("name", ["service.yaml", "gpu-service.yaml"])
+def test_inference_service_examples_match_the_crd_schema(name: str) -> None:
+    (doc,) = documents(ROOT / "manifests" / "examples" / name)
+    assert (doc["apiVersion"], doc["kind"]) == (API_VERSION, KIND)
+    assert schema_errors(doc) == []
+    parse(doc["spec"])
+
+
+def test_the_tiny_example_is_a_cpu_service_and_the_gpu_one_uses_gpus() -> None:
+    tiny = parse(documents(ROOT / "manifests" / "examples" / "service.yaml")[0]["spec"])
+    gpu = parse(documents(ROOT / "manifests" / "examples" / "gpu-service.yaml")[0]["spec"])
+    assert (tiny.model.preset, tiny.resources.gpu) == ("tiny", 0)
+    assert gpu.resources.gpu == 1 and gpu.router.enabled and gpu.autoscaling.delegated
+
+
+def test_schema_rejects_what_it_should() -> None:
+    base = documents(ROOT / "manifests" / "examples" / "service.yaml")[0]
+    bad = {**base, "spec": {**base["spec"], "engine": {"preemptionMode": "lru"}, "replicas": -1}}
+    assert schema_errors(bad) == [
+        "spec.engine.preemptionMode: 'lru' is not one of ['auto', 'swap', 'recompute']",
+        "spec.replicas: -1 is less than the minimum of 0",
+    ]
+
+
+def kustomization_resources(directory: Path) -> list[Path]:
+    (k,) = documents(directory / "kustomization.yaml")
+    assert (k["apiVersion"], k["kind"]) == ("kustomize.config.k8s.io/v1beta1", "Kustomization")
+    result = []
+    for entry in k["resources"]:
+        target = (directory / entry).resolve()
+        if target.is_dir():
+            # Under kustomize's default load restrictions a path outside the directory must be a base.
+            assert (target / "kustomization.yaml").is_file(), entry
+            result += kustomization_resources(target)
+        else:
+            assert target.is_file(), entry
+            assert directory.resolve() in target.parents, f"{entry} is outside {directory}"
+            result.append(target)
+    return result
+
+
+def test_kustomizations_resolve() -> None:
+    installed = kustomization_resources(ROOT / "manifests")
+    assert [str(p.relative_to(ROOT)) for p in installed] == [
+        "crds/inferenceservice.yaml",
+        "manifests/namespace.yaml",
+        "manifests/rbac.yaml",
+        "manifests/operator.yaml",
+    ]
+    monitoring = kustomization_resources(ROOT / "manifests" / "monitoring")
+    assert [p.name for p in monitoring] == ["servicemonitor.yaml", "prometheusrule.yaml"]
+
+
+def test_rbac_is_exactly_what_the_operator_uses() -> None:
+    role = find("ClusterRole", "chunkwise-operator")
+    rules = {
+        (tuple(r["apiGroups"]), tuple(r["resources"]), tuple(r.get("resourceNames", ()))): set(r["verbs"])
+        for r in role["rules"]
+    }
+    assert rules == {
+        ((GROUP,), ("inferenceservices",), ()): {"get", "list", "watch", "patch"},
+        ((GROUP,), ("inferenceservices/status",), ()): {"get", "patch"},
+        ((GROUP,), ("inferenceservices/scale",), ()): {"get", "patch"},
+        (("apps",), ("deployments",), ()): {"get", "list", "watch", "create", "patch", "delete"},
+        (("",), ("services", "serviceaccounts"), ()): {"get", "create", "patch", "delete"},
+        (("policy",), ("poddisruptionbudgets",), ()): {"get", "create", "patch"},
+        (("rbac.authorization.k8s.io",), ("rolebindings",), ()): {"get", "create", "patch", "delete"},
+        (("rbac.authorization.k8s.io",), ("clusterroles",), (manifests.ROUTER_CLUSTER_ROLE,)): {"bind"},
+        (("",), ("pods",), ()): {"get", "list", "watch"},
+        (("",), ("events",), ()): {"create"},
+        (("apiextensions.k8s.io",), ("customresourcedefinitions",), ()): {"list", "watch"},
+        (("",), ("namespaces",), ()): {"list", "watch"},
+    }
+    router = find("ClusterRole", manifests.ROUTER_CLUSTER_ROLE)
+    assert router["rules"] == [
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
+    binding = find("ClusterRoleBinding", "chunkwise-operator")
+    account = find("ServiceAccount", "chunkwise-operator")
+    assert binding["subjects"] == [
+        {
+            "kind": "ServiceAccount",
+            "name": account["metadata"]["name"],
+            "namespace": account["metadata"]["namespace"],
+        }
+    ]
+
+
+def test_operator_deployment_runs_the_package() -> None:
+    dep = find("Deployment", "chunkwise-operator")
+    pod = dep["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert [*container["command"], *container["args"]] == [
+        "kopf",
+        "run",
+        "--standalone",
+        "--all-namespaces",
+        "--liveness=http://0.0.0.0:8080/healthz",
+        "-m",
+        "chunkwise_operator.main",
+    ]
+    assert pod["serviceAccountName"] == "chunkwise-operator"
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
+
+
+def test_service_monitor_selects_the_runtime_services() -> None:
+    sm = find("ServiceMonitor")
+    assert set(sm) == {"apiVersion", "kind", "metadata", "spec"}
+    service = manifests.runtime_service("tiny", "default")
+    selector = sm["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= service["metadata"]["labels"].items()
+    # The router's Service must not be scraped as a replica.
+    assert not selector.items() <= manifests.router_service("tiny", "default")["metadata"]["labels"].items()
+    (endpoint,) = sm["spec"]["endpoints"]
+    assert endpoint["port"] == service["spec"]["ports"][0]["name"]
+    assert endpoint["path"] == manifests.METRICS_PATH
+    assert sm["spec"]["namespaceSelector"] == {"any": True}
+    assert sm["spec"]["targetLabels"] == [manifests.LABEL_SERVICE]
+
+
+ALERTS = {
+    "ChunkwiseStepConvoy": [
+        "chunkwise:step_duration_seconds_bucket",
+        "chunkwise:step_duration_seconds_sum",
+        "chunkwise:step_duration_seconds_count",
+    ],
+    "ChunkwiseAdmissionThrash": ["vllm:num_preemptions_total"],
+    "ChunkwiseUnboundedQueue": ["vllm:num_requests_waiting"],
+    "ChunkwiseCacheHitBlindness": ["vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"],
+}
+
+
+def test_prometheus_rule_alerts_name_the_scheduler_patterns() -> None:
+    rule = find("PrometheusRule")
+    (group,) = rule["spec"]["groups"]
+    alerts = {r["alert"]: r for r in group["rules"]}
+    assert sorted(alerts) == sorted(ALERTS)
+    patterns = {name: r["labels"]["pattern"] for name, r in alerts.items()}
+    assert patterns == {
+        "ChunkwiseStepConvoy": "convoy",
+        "ChunkwiseAdmissionThrash": "admission-thrash",
+        "ChunkwiseUnboundedQueue": "unbounded-queue",
+        "ChunkwiseCacheHitBlindness": "cache-hit-blindness",
+    }
+    for name, r in alerts.items():
+        assert set(r) == {"alert", "expr", "for", "labels", "annotations"}, name
+        assert re.fullmatch(r"\d+[smh]", r["for"]), name
+        assert r["labels"]["severity"] in {"info", "warning", "critical"}
+        assert {"summary", "description"} <= set(r["annotations"])
+        metrics = set(re.findall(r"\b(?:vllm|chunkwise):[a-z_]+", r["expr"]))
+        assert metrics == set(ALERTS[name]), name
+        assert r["expr"].count("(") == r["expr"].count(")"), name
+    # The convoy alert compares the p99 with the mean, not with a fixed number alone.
+    assert "histogram_quantile(0.99" in alerts["ChunkwiseStepConvoy"]["expr"]
+    assert "deriv(" in alerts["ChunkwiseUnboundedQueue"]["expr"]
+
+
+def test_scalers_target_the_scale_subresource() -> None:
+    hpa = find("HorizontalPodAutoscaler")
+    keda = find("ScaledObject")
+    target = {"apiVersion": API_VERSION, "kind": KIND, "name": "llama"}
+    assert hpa["spec"]["scaleTargetRef"] == target
+    assert keda["spec"]["scaleTargetRef"] == target
+    gpu = documents(ROOT / "manifests" / "examples" / "gpu-service.yaml")[0]
+    assert gpu["metadata"]["name"] == "llama" and gpu["spec"]["autoscaling"]["delegated"] is True
+    (trigger,) = keda["spec"]["triggers"]
+    assert trigger["type"] == "prometheus"
+    assert "vllm:num_requests_waiting" in trigger["metadata"]["query"]
+    assert isinstance(trigger["metadata"]["threshold"], str)
+    assert {"minReplicaCount", "maxReplicaCount"} <= set(keda["spec"])
