@@ -146,6 +146,8 @@ class SchedulerConfig:
 class SpecConfig:
     method: SpecMethod | None = None
     num_speculative_tokens: int = 4
+    # False: always draft num_speculative_tokens (capped by the budget); the fixed-depth baseline.
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in (None, "ngram", "draft"):
@@ -195,7 +197,11 @@ _CACHE_ARGS = {
     "swap_space_bytes",
 }
 _ENGINE_ARGS = {"dtype", "device", "seed", "attention_backend"}
-_SPEC_ARGS = {"speculative_method": "method", "num_speculative_tokens": "num_speculative_tokens"}
+_SPEC_ARGS = {
+    "speculative_method": "method",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "adaptive_speculation": "adaptive",
+}
 
 
 def engine_config_from_kwargs(model: str, **kwargs: object) -> EngineConfig:

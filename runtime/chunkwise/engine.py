@@ -32,8 +32,10 @@ from chunkwise.sched.output import SchedulerStats
 from chunkwise.sched.preemption import PreemptionCostModel
 from chunkwise.sched.scheduler import Scheduler
 from chunkwise.sched.shedding import LoadSnapshot, Overloaded, ServiceRate, SheddingPolicy, decide
+from chunkwise.spec.adaptive import AdaptiveDraftLength, StepCostModel
+from chunkwise.spec.ngram import NgramProposer
 from chunkwise.tokenizer import IncrementalDetokenizer, Tokenizer
-from chunkwise.worker.model_runner import ModelRunner, kv_bytes_per_token
+from chunkwise.worker.model_runner import ModelRunner, Proposer, kv_bytes_per_token
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # KV memory when neither blocks nor bytes are given: modest on CPU, most of a GPU's free memory on CUDA.
@@ -203,6 +205,7 @@ class EngineCore:
                 f"({min_blocks * block_bytes} bytes) or lower max_model_len"
             )
         num_host_blocks = cache.swap_space_bytes // block_bytes
+        proposer = self._make_proposer(config)
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, num_host_blocks)
         self.runner = ModelRunner(
             self.loaded.model,
@@ -213,6 +216,7 @@ class EngineCore:
             num_host_blocks=num_host_blocks,
             dtype=dtype,
             device=device,
+            proposer=proposer,
         )
         self.cost_model = PreemptionCostModel(
             kv_bytes_per_token=per_token,
@@ -220,10 +224,45 @@ class EngineCore:
             prefill_tokens_per_s=self._measure_prefill_rate(),
             forced=sched_cfg.preemption_mode,
         )
-        self.scheduler = Scheduler(sched_cfg, self.kv, self.cost_model)
+        self.draft_length: AdaptiveDraftLength | None = None
+        if proposer is not None:
+            self.step_cost = StepCostModel(*self._measure_step_cost())
+            self.draft_length = AdaptiveDraftLength(
+                config.spec.num_speculative_tokens, self.step_cost, adaptive=config.spec.adaptive
+            )
+        self.scheduler = Scheduler(sched_cfg, self.kv, self.cost_model, draft_length=self.draft_length)
         self.outputs = OutputProcessor(self.tokenizer)
         self.num_blocks = num_blocks
         self.last_step: StepStats | None = None
+
+    @staticmethod
+    def _make_proposer(config: EngineConfig) -> Proposer | None:
+        method = config.spec.method
+        if method is None:
+            return None
+        if method == "ngram":
+            return NgramProposer()
+        raise ValueError(f"speculative_method {method!r} is not supported yet; use 'ngram'")
+
+    def _measure_step_cost(self) -> tuple[float, float]:
+        """(fixed seconds per step, seconds per token) from two timed forwards, to seed the adaptive draft length."""
+        from chunkwise.sched.output import ScheduledRequest, SchedulerOutput
+
+        def timed(n: int) -> float:
+            table = list(range(-(-n // self.kv.block_size)))
+            sr = ScheduledRequest(
+                "__warmup__", [0] * n, 0, table, samples=False, sampling_params=SamplingParams()
+            )
+            so = SchedulerOutput(scheduled=[sr], num_batched_tokens=n)
+            self.runner.execute(so)
+            t0 = time.perf_counter()
+            self.runner.execute(so)
+            return time.perf_counter() - t0
+
+        small, large = 1, min(64, self.max_model_len, self.kv.block_size * self.kv.pool.num_blocks)
+        t_small, t_large = timed(small), timed(large)
+        per_token = max((t_large - t_small) / (large - small), 1e-9)
+        return max(t_small - per_token, 1e-6), per_token
 
     @staticmethod
     def _default_kv_bytes(device: torch.device) -> int:
@@ -328,7 +367,12 @@ class EngineCore:
         so = self.scheduler.schedule()
         schedule_s = time.perf_counter() - t0
         result = self.runner.execute(so)
-        updated = self.scheduler.update_from_output(so, result.sampled)
+        updated = self.scheduler.update_from_output(so, result.sampled, result.drafted)
+        if self.draft_length is not None and so.num_batched_tokens:
+            self.step_cost.observe(so.num_batched_tokens, result.forward_seconds)
+            drafted = sum(result.drafted.values())
+            accepted = sum(len(result.sampled[r]) - 1 for r in result.drafted)
+            self.draft_length.observe_acceptance(drafted, accepted)
         outs = self.outputs.process(updated, result.logprobs, self.scheduler)
         step_s = time.perf_counter() - t0
         if so.num_prefill_tokens >= so.num_batched_tokens // 2 and so.num_prefill_tokens > 0:

@@ -64,6 +64,8 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Per-request opt-out of speculative decoding (when the engine runs with a speculative method).
+    speculative: bool = True
 
     if TYPE_CHECKING:
         # The generated __init__ would type `stop` as the normalised tuple; callers may pass what vLLM
@@ -84,6 +86,7 @@ class SamplingParams:
             logprobs: int | None = None,
             include_stop_str_in_output: bool = False,
             skip_special_tokens: bool = True,
+            speculative: bool = True,
         ) -> None: ...
 
     def __post_init__(self) -> None:
@@ -128,7 +131,7 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= _check_int("logprobs", self.logprobs) <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
 
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculative"):
             _check_bool(name, getattr(self, name))
 
     @property

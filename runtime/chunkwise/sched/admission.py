@@ -60,9 +60,11 @@ class OutputLengthEstimator:
 
 
 class ReservationAdmission:
-    def __init__(self, block_size: int, estimator: OutputLengthEstimator) -> None:
+    def __init__(self, block_size: int, estimator: OutputLengthEstimator, spec_tokens: int = 0) -> None:
         self.block_size = block_size
         self.estimator = estimator
+        # Speculative decoding writes up to this many draft tokens' KV past a sequence's end in a step.
+        self.spec_tokens = spec_tokens
 
     def output_estimate(self, req: Request) -> int:
         if req.sampling_params.max_tokens is not None:
@@ -77,6 +79,6 @@ class ReservationAdmission:
         remaining_output = max(0, req.output_length_estimate - req.num_output_tokens)
         return (
             cdiv(req.num_tokens, self.block_size)
-            + cdiv(remaining_output, self.block_size)
+            + cdiv(remaining_output + self.spec_tokens, self.block_size)
             - num_cached_blocks
         )

@@ -19,6 +19,11 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     # Generated tokens so far (a live reference; read only when a penalty needs the counts).
     output_token_ids: list[int] | None = None
+    # Speculative decoding: the runner may append up to this many draft tokens after token_ids and verify
+    # them in this same forward (the scheduler has budgeted and allocated for them).
+    num_spec_tokens: int = 0
+    # The request's whole token history (live reference), for proposers that look back over it.
+    all_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -53,4 +58,7 @@ class SchedulerStats:
     num_prefill_tokens: int = 0  # tokens computed as prefill (recompute included)
     num_decode_tokens: int = 0
     last_output_length_estimate: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_draft_length: int = 0  # k chosen for the last step
     num_long_prefilling: int = 0

@@ -23,6 +23,7 @@ from chunkwise.sched.budget import TokenBudget
 from chunkwise.sched.output import ScheduledRequest, SchedulerOutput, SchedulerStats
 from chunkwise.sched.preemption import PreemptionCostModel, VictimPolicy
 from chunkwise.sched.queue import PrefixPreference, WaitingQueue
+from chunkwise.spec.adaptive import AdaptiveDraftLength
 
 
 class Scheduler:
@@ -32,6 +33,7 @@ class Scheduler:
         kv: KVCacheManager,
         cost_model: PreemptionCostModel,
         estimator: OutputLengthEstimator | None = None,
+        draft_length: AdaptiveDraftLength | None = None,
     ) -> None:
         if config.max_model_len is None:
             raise ValueError("SchedulerConfig.max_model_len must be resolved before building a Scheduler")
@@ -45,7 +47,10 @@ class Scheduler:
             config.cold_start_output_tokens,
             kind=config.output_length_estimator,
         )
-        self.admission = ReservationAdmission(kv.block_size, self.estimator)
+        self.spec = draft_length
+        # Speculation grows a sequence by up to k tokens in a step: admission reserves for that too.
+        spec_tokens = draft_length.max_k if draft_length is not None else 0
+        self.admission = ReservationAdmission(kv.block_size, self.estimator, spec_tokens)
         self.budget = TokenBudget(
             config.max_num_batched_tokens,
             config.enable_chunked_prefill,
@@ -131,12 +136,21 @@ class Scheduler:
         prefills: list[Request] = []
         for r in self.running:
             (decodes if r.num_tokens - r.num_computed_tokens == 1 else prefills).append(r)
+        k_step = 0
+        if self.spec is not None:
+            k_step = self.spec.choose(sum(1 for r in decodes if self._may_speculate(r)), budget)
+            self.stats.spec_draft_length = k_step
         for req in decodes + prefills:
             if budget <= 0:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = self.budget.chunk(req, req.num_tokens - req.num_computed_tokens, budget)
+            want = req.num_tokens - req.num_computed_tokens
+            if k_step and want == 1 and self._may_speculate(req):
+                # Never draft past max_tokens or max_model_len: the verify step may accept every draft.
+                room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+                want += max(0, min(k_step, room))
+            n = self.budget.chunk(req, want, budget)
             if n == 0:
                 continue
             while not self.kv.allocate(req, n):
@@ -260,18 +274,21 @@ class Scheduler:
             if not n:
                 continue
             start = req.num_computed_tokens
-            samples = start + n == req.num_tokens
+            # Past the known tokens means draft positions: the runner fills them in and verifies them.
+            num_spec = max(0, start + n - req.num_tokens)
+            samples = start + n - num_spec == req.num_tokens
             params = req.sampling_params
-            penalised = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
             scheduled.append(
                 ScheduledRequest(
                     req_id=req.request_id,
-                    token_ids=req.token_ids[start : start + n],
+                    token_ids=req.token_ids[start : start + n - num_spec],
                     start_pos=start,
                     block_table=self.kv.block_tables[req.request_id],
                     samples=samples,
                     sampling_params=params,
-                    output_token_ids=req.output_token_ids if penalised and samples else None,
+                    output_token_ids=req.output_token_ids if params.has_penalty and samples else None,
+                    num_spec_tokens=num_spec,
+                    all_token_ids=req.token_ids if num_spec else None,
                 )
             )
             num_tokens += n
@@ -288,6 +305,14 @@ class Scheduler:
             num_preempted=num_preempted,
         )
 
+    @staticmethod
+    def _may_speculate(req: Request) -> bool:
+        # Penalties and logprobs would need per-draft-position bookkeeping, and a seeded sampled request must
+        # consume its random draws identically whatever the (timing-driven) draft length: those decode plainly.
+        p = req.sampling_params
+        seeded_sampling = p.seed is not None and not p.greedy
+        return p.speculative and not p.has_penalty and p.logprobs is None and not seeded_sampling
+
     def _update_gauges(self) -> None:
         s = self.stats
         s.num_running = len(self.running)
@@ -296,19 +321,29 @@ class Scheduler:
         s.kv_usage = self.kv.pool.usage
 
     # -- apply the step's result ------------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, list[int]], drafted: dict[str, int] | None = None
+    ) -> list[Request]:
         """Advance each scheduled request and append what it sampled. Returns requests with new tokens
-        (finished ones included, already released)."""
+        (finished ones included, already released).
+
+        With speculation, sampled holds the accepted drafts and then one token from the target: the KV of the
+        accepted drafts is valid and counts as computed; the rejected drafts' KV is rolled back simply by not
+        counting it (those slots are overwritten by the next tokens)."""
         now = time.monotonic()
         updated = []
         self.stats.num_prefill_tokens += out.num_prefill_tokens
         self.stats.num_decode_tokens += out.num_batched_tokens - out.num_prefill_tokens
+        if drafted:
+            self.stats.spec_num_draft_tokens += sum(drafted.values())
         for sr in out.scheduled:
             req = self.requests.get(sr.req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += len(sr.token_ids)
             tokens = sampled.get(sr.req_id)
+            accepted = len(tokens) - 1 if tokens and sr.num_spec_tokens else 0
+            req.num_computed_tokens += len(sr.token_ids) + accepted
+            self.stats.spec_num_accepted_tokens += accepted
             if not tokens:
                 continue
             if req.first_token_time is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -11,8 +12,10 @@ import torch
 from chunkwise.attention.backend import AttentionBackend, AttentionMetadata, kv_cache_shape
 from chunkwise.config import ModelConfig
 from chunkwise.model.llama import LlamaForCausalLM
-from chunkwise.sampler import Sampler, SamplingBatch, make_generator
-from chunkwise.sched.output import SchedulerOutput
+from chunkwise.sampler import Sampler, SamplingBatch, apply_top_k_top_p, make_generator
+from chunkwise.sampling_params import SamplingParams
+from chunkwise.sched.output import ScheduledRequest, SchedulerOutput
+from chunkwise.spec.verify import verify_greedy, verify_sampled
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -25,7 +28,13 @@ class ModelRunnerOutput:
     sampled: dict[str, list[int]] = field(default_factory=dict)
     # Per sampled request, per token: (chosen logprob, [(id, logprob) of the top alternatives]).
     logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] = field(default_factory=dict)
+    # Draft tokens proposed per speculating request (the accepted ones are in `sampled`, before its last).
+    drafted: dict[str, int] = field(default_factory=dict)
     forward_seconds: float = 0.0
+
+
+class Proposer(Protocol):
+    def propose(self, token_ids: list[int], k: int) -> list[int]: ...
 
 
 class ModelRunner:
@@ -40,8 +49,10 @@ class ModelRunner:
         num_host_blocks: int,
         dtype: torch.dtype,
         device: torch.device,
+        proposer: Proposer | None = None,
     ) -> None:
         self.model = model
+        self.proposer = proposer
         self.config = config
         self.backend = backend
         self.block_size = block_size
@@ -100,48 +111,86 @@ class ModelRunner:
             return ModelRunnerOutput()
 
         t0 = time.perf_counter()
-        input_ids, positions, meta, sample_rows = self._prepare(so)
+        drafts: dict[str, list[int]] = {}
+        if self.proposer is not None:
+            for sr in so.scheduled:
+                if sr.num_spec_tokens and sr.all_token_ids is not None:
+                    d = self.proposer.propose(sr.all_token_ids, sr.num_spec_tokens)
+                    if d:
+                        drafts[sr.req_id] = d
+        input_ids, positions, meta, sample_rows = self._prepare(so, drafts)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        sampling = [so.scheduled[i] for i in sample_rows]
         out = ModelRunnerOutput()
-        if sampling:
-            last = (
-                meta.query_start_loc[1:][torch.tensor(sample_rows, dtype=torch.long, device=self.device)] - 1
-            )
-            logits = self.model.compute_logits(hidden[last])
-            gens: list[torch.Generator | None] = []
-            for sr in sampling:
-                seed = sr.sampling_params.seed
-                if seed is None or sr.sampling_params.greedy:
-                    gens.append(None)
-                    continue
-                gen = self._generators.get(sr.req_id)
-                if gen is None:
-                    gen = self._generators[sr.req_id] = make_generator(seed, self.device)
-                gens.append(gen)
-            batch = SamplingBatch.build(
-                [sr.sampling_params for sr in sampling],
-                [sr.output_token_ids or [] for sr in sampling],
-                gens,
-                self.device,
-            )
-            result = self.sampler(logits, batch)
-            tokens = result.token_ids.tolist()
-            chosen = result.logprobs.tolist() if result.logprobs is not None else None
-            top_ids = top_vals = None
-            if result.top_logprobs is not None:
-                top_ids, top_vals = (t.tolist() for t in result.top_logprobs)
-            for row, (sr, tok) in enumerate(zip(sampling, tokens)):
-                out.sampled[sr.req_id] = [tok]
-                k = sr.sampling_params.logprobs
-                if k is not None and chosen is not None:
-                    top = list(zip(top_ids[row][:k], top_vals[row][:k])) if k and top_ids and top_vals else []
-                    out.logprobs[sr.req_id] = [(chosen[row], top)]
+        plain = [i for i in sample_rows if so.scheduled[i].req_id not in drafts]
+        if plain:
+            self._sample_plain(so, plain, hidden, meta, out)
+        for i in sample_rows:
+            sr = so.scheduled[i]
+            if sr.req_id in drafts:
+                self._verify(sr, drafts[sr.req_id], hidden, int(meta.query_start_loc[i]), out)
         out.forward_seconds = time.perf_counter() - t0
         return out
 
+    def _generator(self, sr: ScheduledRequest) -> torch.Generator | None:
+        seed = sr.sampling_params.seed
+        if seed is None or sr.sampling_params.greedy:
+            return None
+        gen = self._generators.get(sr.req_id)
+        if gen is None:
+            gen = self._generators[sr.req_id] = make_generator(seed, self.device)
+        return gen
+
+    def _sample_plain(
+        self,
+        so: SchedulerOutput,
+        rows: list[int],
+        hidden: torch.Tensor,
+        meta: AttentionMetadata,
+        out: ModelRunnerOutput,
+    ) -> None:
+        sampling = [so.scheduled[i] for i in rows]
+        last = meta.query_start_loc[1:][torch.tensor(rows, dtype=torch.long, device=self.device)] - 1
+        logits = self.model.compute_logits(hidden[last])
+        batch = SamplingBatch.build(
+            [sr.sampling_params for sr in sampling],
+            [sr.output_token_ids or [] for sr in sampling],
+            [self._generator(sr) for sr in sampling],
+            self.device,
+        )
+        result = self.sampler(logits, batch)
+        tokens = result.token_ids.tolist()
+        chosen = result.logprobs.tolist() if result.logprobs is not None else None
+        top_ids = top_vals = None
+        if result.top_logprobs is not None:
+            top_ids, top_vals = (t.tolist() for t in result.top_logprobs)
+        for row, (sr, tok) in enumerate(zip(sampling, tokens)):
+            out.sampled[sr.req_id] = [tok]
+            k = sr.sampling_params.logprobs
+            if k is not None and chosen is not None:
+                top = list(zip(top_ids[row][:k], top_vals[row][:k])) if k and top_ids and top_vals else []
+                out.logprobs[sr.req_id] = [(chosen[row], top)]
+
+    def _verify(
+        self,
+        sr: ScheduledRequest,
+        drafts: list[int],
+        hidden: torch.Tensor,
+        start: int,
+        out: ModelRunnerOutput,
+    ) -> None:
+        """One forward scored the last known token and every draft: keep what the target agrees with."""
+        # Row j predicts the token after position start_pos + j: rows 0..k-1 judge the drafts, row k is the bonus.
+        logits = self.model.compute_logits(hidden[start : start + 1 + len(drafts)])
+        params = sr.sampling_params
+        if params.greedy:
+            tokens = verify_greedy(logits.argmax(dim=-1).tolist(), drafts)
+        else:
+            tokens = verify_sampled(_target_probs(logits, params), drafts, None, self._generator(sr))
+        out.sampled[sr.req_id] = tokens
+        out.drafted[sr.req_id] = len(drafts)
+
     def _prepare(
-        self, so: SchedulerOutput
+        self, so: SchedulerOutput, drafts: dict[str, list[int]]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
         ids: list[int] = []
@@ -152,8 +201,10 @@ class ModelRunner:
         sample_rows = []
         max_blocks = 0
         for i, sr in enumerate(so.scheduled):
-            n = len(sr.token_ids)
-            ids.extend(sr.token_ids)
+            d = drafts.get(sr.req_id)
+            tokens = sr.token_ids + d if d else sr.token_ids
+            n = len(tokens)
+            ids.extend(tokens)
             pos = np.arange(sr.start_pos, sr.start_pos + n)
             table = np.asarray(sr.block_table, dtype=np.int64)
             pos_parts.append(pos)
@@ -182,3 +233,14 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.from_numpy(np.concatenate(pos_parts)).to(dev)
         return input_ids, positions, meta, sample_rows
+
+
+def _target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled row draws from: temperature, then top-k and top-p, as the sampler does."""
+    scaled = (logits.float() - logits.float().amax(dim=-1, keepdim=True)) / params.temperature
+    if params.top_k > 0 or params.top_p < 1.0:
+        n = scaled.shape[0]
+        top_k = torch.full((n,), params.top_k, dtype=torch.long, device=scaled.device)
+        top_p = torch.full((n,), params.top_p, dtype=torch.float32, device=scaled.device)
+        scaled = apply_top_k_top_p(scaled, top_k, top_p)
+    return scaled.softmax(dim=-1)
