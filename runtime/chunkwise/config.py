@@ -148,6 +148,8 @@ class SpecConfig:
     num_speculative_tokens: int = 4
     # False: always draft num_speculative_tokens (capped by the budget); the fixed-depth baseline.
     adaptive: bool = True
+    # The draft model for method "draft": a built-in preset or a local Hugging Face directory.
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in (None, "ngram", "draft"):
@@ -201,6 +203,7 @@ _SPEC_ARGS = {
     "speculative_method": "method",
     "num_speculative_tokens": "num_speculative_tokens",
     "adaptive_speculation": "adaptive",
+    "speculative_model": "draft_model",
 }
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from chunkwise.attention import get_attention_backend
+from chunkwise.attention.backend import AttentionBackend
 from chunkwise.cache.kv_cache_manager import KVCacheManager
 from chunkwise.config import EngineConfig, engine_config_from_kwargs
 from chunkwise.model.loader import LoadedModel, load_model
@@ -33,6 +34,7 @@ from chunkwise.sched.preemption import PreemptionCostModel
 from chunkwise.sched.scheduler import Scheduler
 from chunkwise.sched.shedding import LoadSnapshot, Overloaded, ServiceRate, SheddingPolicy, decide
 from chunkwise.spec.adaptive import AdaptiveDraftLength, StepCostModel
+from chunkwise.spec.draft import DraftModelProposer
 from chunkwise.spec.ngram import NgramProposer
 from chunkwise.tokenizer import IncrementalDetokenizer, Tokenizer
 from chunkwise.worker.model_runner import ModelRunner, Proposer, kv_bytes_per_token
@@ -205,7 +207,7 @@ class EngineCore:
                 f"({min_blocks * block_bytes} bytes) or lower max_model_len"
             )
         num_host_blocks = cache.swap_space_bytes // block_bytes
-        proposer = self._make_proposer(config)
+        proposer = self._make_proposer(config, num_blocks, dtype, device, backend)
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, num_host_blocks)
         self.runner = ModelRunner(
             self.loaded.model,
@@ -235,14 +237,38 @@ class EngineCore:
         self.num_blocks = num_blocks
         self.last_step: StepStats | None = None
 
-    @staticmethod
-    def _make_proposer(config: EngineConfig) -> Proposer | None:
-        method = config.spec.method
-        if method is None:
+    def _make_proposer(
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        backend: AttentionBackend,
+    ) -> Proposer | None:
+        spec = config.spec
+        if spec.method is None:
             return None
-        if method == "ngram":
+        if spec.method == "ngram":
             return NgramProposer()
-        raise ValueError(f"speculative_method {method!r} is not supported yet; use 'ngram'")
+        if not spec.draft_model:
+            raise ValueError(
+                "speculative_method='draft' needs speculative_model (a preset or a HF directory)"
+            )
+        draft = load_model(spec.draft_model, dtype=dtype, device=device, backend=backend)
+        target_vocab = self.loaded.config.vocab_size
+        if draft.config.vocab_size != target_vocab:
+            raise ValueError(
+                f"the draft model {spec.draft_model!r} has vocab_size {draft.config.vocab_size}, "
+                f"the target {target_vocab}: they must share a tokenizer"
+            )
+        if draft.config.max_position_embeddings < self.max_model_len:
+            raise ValueError(
+                f"the draft model supports {draft.config.max_position_embeddings} positions, "
+                f"fewer than max_model_len {self.max_model_len}"
+            )
+        return DraftModelProposer(
+            draft.model, num_blocks=num_blocks, block_size=config.cache.block_size, dtype=dtype, device=device
+        )
 
     def _measure_step_cost(self) -> tuple[float, float]:
         """(fixed seconds per step, seconds per token) from two timed forwards, to seed the adaptive draft length."""

@@ -66,7 +66,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-long-prefills", type=int, default=None, help="long prompts prefilling at once (1)")
     g.add_argument("--speculative-method", choices=["ngram", "draft"], default=None)
-    g.add_argument("--num-speculative-tokens", type=int, default=None)
+    g.add_argument("--num-speculative-tokens", type=int, default=None, help="most draft tokens per step (4)")
+    g.add_argument(
+        "--speculative-model",
+        default=None,
+        help="draft model for --speculative-method draft (preset or HF dir)",
+    )
+    g.add_argument(
+        "--adaptive-speculation",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="adapt the draft length to load (default: on; off drafts a fixed k)",
+    )
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default=None)
 
 
@@ -90,6 +101,8 @@ _FLAGS = (
     "max_long_prefills",
     "speculative_method",
     "num_speculative_tokens",
+    "speculative_model",
+    "adaptive_speculation",
     "attention_backend",
 )
 

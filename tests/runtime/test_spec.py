@@ -21,10 +21,10 @@ from tests.runtime.hf_models import hf_greedy, save_random_llama
 
 def test_ngram_proposes_what_followed_the_latest_earlier_match():
     p = NgramProposer(min_n=1, max_n=3)
-    assert p.propose([1, 2, 3, 4, 9, 1, 2, 3], 3) == [4, 9, 1]
-    assert p.propose([5, 6, 7, 5, 6, 8, 5, 6], 2) == [8, 5]  # the most recent match of [5, 6]
-    assert p.propose([1, 2, 3], 4) == []
-    assert p.propose([1, 2, 1], 0) == []
+    assert p.lookup([1, 2, 3, 4, 9, 1, 2, 3], 3) == [4, 9, 1]
+    assert p.lookup([5, 6, 7, 5, 6, 8, 5, 6], 2) == [8, 5]  # the most recent match of [5, 6]
+    assert p.lookup([1, 2, 3], 4) == []
+    assert p.lookup([1, 2, 1], 0) == []
 
 
 def test_verify_greedy_accepts_the_matching_run_then_the_target_token():
@@ -173,3 +173,48 @@ def test_unseeded_sampling_with_speculation_ends_exactly():
     outs = llm.generate(REPETITIVE, sp)
     assert [len(o.outputs[0].token_ids) for o in outs] == [37, 37, 37]
     assert llm.engine.stats.spec_num_draft_tokens > 0
+
+
+def test_draft_model_that_is_the_target_has_every_draft_accepted():
+    sp = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    prompts = ["draft me", "and me too, with a longer prompt"]
+    base = [o.outputs[0].token_ids for o in LLM("tiny", max_model_len=256).generate(prompts, sp)]
+    llm = LLM(
+        "tiny",
+        max_model_len=256,
+        speculative_method="draft",
+        speculative_model="tiny",
+        num_speculative_tokens=3,
+        adaptive_speculation=False,
+    )
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == base
+    stats = llm.engine.stats
+    assert stats.spec_num_draft_tokens > 0
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+
+
+def test_draft_model_speculation_matches_transformers(tmp_path: Path) -> None:
+    target = save_random_llama(tmp_path, "gqa")
+    draft = save_random_llama(tmp_path, "mqa", seed=1)
+    prompts = [list(range(10, 30)), [7, 8, 9] * 5]
+    max_new = [18, 12]
+    expected = hf_greedy(target, prompts, max_new)
+    llm = LLM(
+        str(target),
+        speculative_method="draft",
+        speculative_model=str(draft),
+        num_speculative_tokens=3,
+        adaptive_speculation=False,
+        block_size=4,
+        max_model_len=256,
+    )
+    sp = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_new]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == expected
+    assert llm.engine.stats.spec_num_draft_tokens > 0
+
+
+def test_draft_model_errors_are_clear(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="needs speculative_model"):
+        LLM("tiny", speculative_method="draft")
+    with pytest.raises(ValueError, match="must share a tokenizer"):
+        LLM("tiny", speculative_method="draft", speculative_model=str(save_random_llama(tmp_path, "gqa")))

@@ -6,6 +6,11 @@ Repetitive workloads (code edits, extraction, summaries quoting their source) ac
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from chunkwise.worker.model_runner import DraftRequest
+
 
 class NgramProposer:
     def __init__(self, min_n: int = 1, max_n: int = 4, window: int = 2048) -> None:
@@ -14,7 +19,13 @@ class NgramProposer:
         # Search only the recent context: proposals must cost far less than the forward they save.
         self.window = window
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
+    def propose(self, requests: list[DraftRequest]) -> dict[str, list[int]]:
+        return {r.req_id: self.lookup(r.token_ids, r.k) for r in requests}
+
+    def forget(self, req_ids: set[str]) -> None:
+        """Stateless: nothing to drop."""
+
+    def lookup(self, token_ids: list[int], k: int) -> list[int]:
         if k <= 0:
             return []
         ctx = token_ids[-self.window :] if len(token_ids) > self.window else token_ids

@@ -6,7 +6,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from chunkwise.attention.backend import AttentionBackend, AttentionMetadata, kv_cache_shape
@@ -16,6 +15,7 @@ from chunkwise.sampler import Sampler, SamplingBatch, apply_top_k_top_p, make_ge
 from chunkwise.sampling_params import SamplingParams
 from chunkwise.sched.output import ScheduledRequest, SchedulerOutput
 from chunkwise.spec.verify import verify_greedy, verify_sampled
+from chunkwise.worker.inputs import Row, build_batch
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -33,8 +33,20 @@ class ModelRunnerOutput:
     forward_seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class DraftRequest:
+    req_id: str
+    token_ids: list[int]  # the request's known tokens (live reference: do not modify)
+    block_table: list[int]  # slots are allocated up to len(token_ids) + k
+    k: int
+
+
 class Proposer(Protocol):
-    def propose(self, token_ids: list[int], k: int) -> list[int]: ...
+    def propose(self, requests: list[DraftRequest]) -> dict[str, list[int]]:
+        """Up to k draft tokens per request (fewer, or none, when it has no good guess)."""
+        ...
+
+    def forget(self, req_ids: set[str]) -> None: ...
 
 
 class ModelRunner:
@@ -104,6 +116,8 @@ class ModelRunner:
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for rid in so.finished_req_ids:
             self._generators.pop(rid, None)
+        if self.proposer is not None and so.finished_req_ids:
+            self.proposer.forget(so.finished_req_ids)
         # Out before in: a block swapped out this step may be the target of a swap-in.
         self._copy_blocks(self.kv_caches, self.host_caches, so.swap_out)
         self._copy_blocks(self.host_caches, self.kv_caches, so.swap_in)
@@ -113,11 +127,13 @@ class ModelRunner:
         t0 = time.perf_counter()
         drafts: dict[str, list[int]] = {}
         if self.proposer is not None:
-            for sr in so.scheduled:
-                if sr.num_spec_tokens and sr.all_token_ids is not None:
-                    d = self.proposer.propose(sr.all_token_ids, sr.num_spec_tokens)
-                    if d:
-                        drafts[sr.req_id] = d
+            wanted = [
+                DraftRequest(sr.req_id, sr.all_token_ids, sr.block_table, sr.num_spec_tokens)
+                for sr in so.scheduled
+                if sr.num_spec_tokens and sr.all_token_ids is not None
+            ]
+            if wanted:
+                drafts = {rid: d for rid, d in self.proposer.propose(wanted).items() if d}
         input_ids, positions, meta, sample_rows = self._prepare(so, drafts)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         out = ModelRunnerOutput()
@@ -192,47 +208,12 @@ class ModelRunner:
     def _prepare(
         self, so: SchedulerOutput, drafts: dict[str, list[int]]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        bs = self.block_size
-        ids: list[int] = []
-        pos_parts = []
-        slot_parts = []
-        qsl = [0]
-        seq_lens = []
-        sample_rows = []
-        max_blocks = 0
-        for i, sr in enumerate(so.scheduled):
+        rows = []
+        for sr in so.scheduled:
             d = drafts.get(sr.req_id)
-            tokens = sr.token_ids + d if d else sr.token_ids
-            n = len(tokens)
-            ids.extend(tokens)
-            pos = np.arange(sr.start_pos, sr.start_pos + n)
-            table = np.asarray(sr.block_table, dtype=np.int64)
-            pos_parts.append(pos)
-            slot_parts.append(table[pos // bs] * bs + pos % bs)
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(sr.start_pos + n)
-            max_blocks = max(max_blocks, -(-(sr.start_pos + n) // bs))
-            if sr.samples:
-                sample_rows.append(i)
-        tables = np.zeros((len(so.scheduled), max_blocks), dtype=np.int64)
-        for i, sr in enumerate(so.scheduled):
-            nb = -(-seq_lens[i] // bs)
-            tables[i, :nb] = sr.block_table[:nb]
-        dev = self.device
-        query_lens = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens))]
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor(qsl, dtype=torch.long, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
-            block_tables=torch.from_numpy(tables).to(dev),
-            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(dev),
-            query_lens_host=query_lens,
-            seq_lens_host=seq_lens,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-        )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        positions = torch.from_numpy(np.concatenate(pos_parts)).to(dev)
-        return input_ids, positions, meta, sample_rows
+            rows.append(Row(sr.token_ids + d if d else sr.token_ids, sr.start_pos, sr.block_table))
+        input_ids, positions, meta = build_batch(rows, self.block_size, self.device)
+        return input_ids, positions, meta, [i for i, sr in enumerate(so.scheduled) if sr.samples]
 
 
 def _target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
