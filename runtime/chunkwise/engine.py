@@ -780,6 +780,9 @@ class AsyncEngine:
                 step = self.core.last_step
                 if step is not None:
                     self._rate.observe(step.num_batched_tokens, step.step_seconds)
+                # Publish before delivering: a client that sees its first token must never find itself
+                # still counted as waiting by the next admission check.
+                self._publish()
                 finished: list[Request] = []
                 for out in outs:
                     self._deliver(out, out.request_id)
@@ -787,7 +790,6 @@ class AsyncEngine:
                         done = self._requests.pop(out.request_id, None)
                         if done is not None:
                             finished.append(done)
-                self._publish()
                 self._notify(step, outs, finished)
         except BaseException as e:  # the engine thread must not die silently
             self.error = e

@@ -1,0 +1,181 @@
+"""The app factory: `build_app(engine, ...)` returns a FastAPI app serving that engine; nothing is global.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (200 ready; 503 while
+loading, draining or after an engine failure), GET /metrics (Prometheus text).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from chunkwise.metrics import EngineMetrics
+from chunkwise.sched.shedding import SheddingPolicy
+from chunkwise.server.errors import APIError, bad_request, install_error_handlers, validation_message
+from chunkwise.server.protocol import ChatCompletionRequest, CompletionRequest
+from chunkwise.server.serving import (
+    UNAVAILABLE_RETRY_AFTER_S,
+    ServerState,
+    create_chat_completion,
+    create_completion,
+)
+
+if TYPE_CHECKING:
+    from chunkwise.engine import AsyncEngine
+
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+M = TypeVar("M", bound=BaseModel)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class BodySizeLimit:
+    """413 for a body over `max_bytes`: at once from Content-Length, or as soon as a chunked body passes it
+    (the app's own answer to the aborted read is replaced by the 413)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _response(self) -> Response:
+        return APIError(
+            413, f"request body exceeds the limit of {self.max_bytes} bytes", code="request_too_large"
+        ).response()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    too_large = int(value) > self.max_bytes
+                except ValueError:
+                    too_large = False  # the server rejects a malformed Content-Length itself
+                if too_large:
+                    await self._response()(scope, receive, send)
+                    return
+        received = 0
+        exceeded = False
+        replaced = False
+
+        async def limited_receive() -> Message:
+            nonlocal received, exceeded
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    exceeded = True
+                    raise _BodyTooLarge()
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal replaced
+            if not exceeded:
+                await send(message)
+            elif not replaced:
+                replaced = True
+                await self._response()(scope, receive, send)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception:
+            if not exceeded:
+                raise
+            if not replaced:
+                replaced = True
+                await self._response()(scope, receive, send)
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """The body as JSON whatever its Content-Type (`curl -d` sends form-urlencoded), validated strictly;
+    every failure is a 400 with OpenAI's error body."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"malformed JSON body: {e}") from e
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        errors = [{**err, "loc": ("body", *err["loc"])} for err in e.errors()]
+        message, param = validation_message(errors)
+        raise bad_request(message, param=param) from e
+
+
+def build_app(
+    engine: AsyncEngine | None,
+    *,
+    served_model_name: str | None = None,
+    max_waiting: int | None = None,
+    queue_delay_slo_s: float | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    metrics: EngineMetrics | None = None,
+) -> FastAPI:
+    """An app serving `engine` (which the caller starts and shuts down).
+
+    `engine` may be None while it loads: /health answers 503 "loading" until `app.state.chunkwise.attach(e)`.
+    served_model_name defaults to the engine's model; max_waiting to the engine's SchedulerConfig.max_waiting;
+    None disables a load-shedding rule (see chunkwise.sched.shedding).
+    """
+    if served_model_name is None:
+        if engine is None:
+            raise ValueError("served_model_name is required when the engine is not given")
+        served_model_name = engine.core.config.model
+    if max_waiting is None and engine is not None:
+        max_waiting = engine.core.config.scheduler.max_waiting
+    shedding = SheddingPolicy(max_waiting=max_waiting, queue_delay_slo_s=queue_delay_slo_s)
+    metrics = metrics or EngineMetrics(served_model_name)
+    state = ServerState(engine, served_model_name, shedding, metrics)
+
+    app = FastAPI(title="chunkwise", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.chunkwise = state
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await create_completion(state, await parse_body(request, CompletionRequest), request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await create_chat_completion(state, await parse_body(request, ChatCompletionRequest), request)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card: dict[str, Any] = {
+            "id": state.served_model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "chunkwise",
+        }
+        if state.engine is not None:
+            card["root"] = state.engine.core.config.model
+            card["max_model_len"] = state.engine.max_model_len
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        status = state.status
+        if status == "ok":
+            return JSONResponse({"status": "ok"})
+        return JSONResponse(
+            {"status": status}, status_code=503, headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)}
+        )
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
