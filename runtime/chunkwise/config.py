@@ -101,7 +101,8 @@ class SchedulerConfig:
     prefix_lookahead: int = 16
     prefix_reuse_min_fraction: float = 0.5
     max_prefix_bypass: int = 4
-    # Bound on the waiting queue (load shedding); None means unbounded (offline use).
+    # Bound on the waiting queue, enforced by the server's load shedding (sched/shedding.py); None means
+    # unbounded (the offline LLM API queues everything it is given).
     max_waiting: int | None = None
 
     def __post_init__(self) -> None:

@@ -35,7 +35,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--block-size", type=int, default=None, help=f"tokens per KV block (default {DEFAULT_BLOCK_SIZE})"
     )
-    g.add_argument("--num-blocks", type=int, default=None, help="KV cache capacity in blocks")
+    g.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV cache capacity in blocks (default: from the bytes below)",
+    )
     g.add_argument(
         "--kv-cache-memory-bytes",
         type=int,
@@ -65,7 +70,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--long-prompt-threshold", type=int, default=None, help="prompts this long are 'long' (2048)"
     )
     g.add_argument("--max-long-prefills", type=int, default=None, help="long prompts prefilling at once (1)")
-    g.add_argument("--speculative-method", choices=["ngram", "draft"], default=None)
+    g.add_argument(
+        "--speculative-method",
+        choices=["ngram", "draft"],
+        default=None,
+        help="speculative decoding (default: off)",
+    )
     g.add_argument("--num-speculative-tokens", type=int, default=None, help="most draft tokens per step (4)")
     g.add_argument(
         "--speculative-model",
@@ -78,7 +88,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="adapt the draft length to load (default: on; off drafts a fixed k)",
     )
-    g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default=None)
+    g.add_argument(
+        "--attention-backend",
+        choices=["auto", "torch", "triton"],
+        default=None,
+        help="auto (default): Triton on CUDA, the torch reference on CPU",
+    )
 
 
 _FLAGS = (

@@ -16,6 +16,7 @@ MAX_LOGPROBS = 20
 # torch.Generator.manual_seed's accepted range, checked here so a bad seed fails at the API edge.
 _SEED_MIN = -(1 << 63)
 _SEED_MAX = (1 << 64) - 1
+_TOP_K_MAX = (1 << 31) - 1
 
 
 def _is_int(value: object) -> bool:
@@ -114,6 +115,9 @@ class SamplingParams:
         top_k = _check_int("top_k", self.top_k)
         if top_k < -1:
             raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k!r}")
+        if top_k > _TOP_K_MAX:
+            # Past any vocabulary it means "disabled"; past int32 it would overflow the sampler's tensors.
+            raise ValueError(f"top_k must be at most {_TOP_K_MAX}, got {self.top_k!r}")
         set_("top_k", max(top_k, 0))
 
         if self.seed is not None and not _SEED_MIN <= _check_int("seed", self.seed) <= _SEED_MAX:

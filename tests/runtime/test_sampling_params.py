@@ -38,6 +38,7 @@ def test_defaults_match_vllm() -> None:
         ("top_p", -0.5),
         ("top_k", -2),
         ("top_k", 2.5),
+        ("top_k", 2**31),
         ("seed", 1.5),
         ("seed", 1 << 64),
         ("seed", -(1 << 63) - 1),
