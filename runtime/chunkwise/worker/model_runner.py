@@ -76,8 +76,10 @@ class ModelRunner:
         ]
         host_shape = kv_cache_shape(num_host_blocks, block_size, config.num_key_value_heads, config.head_dim)
         pin = device.type == "cuda"
+        # Host slots are always written (swap-out) before they are read (swap-in): leave them untouched, so
+        # a large swap space costs no start-up time and no resident memory until used.
         self.host_caches = [
-            torch.zeros(host_shape, dtype=dtype, pin_memory=pin) for _ in range(config.num_hidden_layers)
+            torch.empty(host_shape, dtype=dtype, pin_memory=pin) for _ in range(config.num_hidden_layers)
         ]
         self.sampler = Sampler()
         # Per-request sampling state that must persist across steps: a seeded request's generator.
