@@ -82,6 +82,13 @@ class KVCacheManager:
 
         Returns False, changing nothing, when the pool cannot supply the blocks.
         """
+        end = req.num_computed_tokens + num_new_tokens
+        table = self.block_tables.get(req.request_id)
+        if not cached and table is not None and end <= len(table) * self.block_size:
+            # The common decode step: the token fits in the last block. Only a block that just filled up
+            # has anything to register.
+            self._register(req, end)
+            return True
         need = self.blocks_to_allocate(req, num_new_tokens, cached)
         # A cached block that sits in the free LRU stops being allocatable once we reference it.
         idle_hits = sum(1 for b in cached if self.pool.ref_cnt[b] == 0)
@@ -107,10 +114,10 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         rid = req.request_id
-        done = self._num_registered.get(rid, 0)
-        full = min(num_tokens, req.num_tokens) // self.block_size
-        if full <= done:
+        full = min(num_tokens, len(req.token_ids)) // self.block_size
+        if full <= self._num_registered.get(rid, 0):
             return
+        done = self._num_registered.get(rid, 0)
         hashes = self.block_hashes(req)
         table = self.block_tables[rid]
         for i in range(done, full):

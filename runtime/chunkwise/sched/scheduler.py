@@ -165,7 +165,11 @@ class Scheduler:
                 budget -= n
 
         # 2. Admission, only in a step that preempted nothing: a step short of memory must not take more.
-        if num_preempted == 0 and self.batching.admission_open(len(self.running)):
+        if (
+            num_preempted == 0
+            and (self.swapped or len(self.waiting))
+            and self.batching.admission_open(len(self.running))
+        ):
             budget = self._resume_swapped(budget, num_new, swap_in)
             if not self.swapped:
                 budget = self._admit_waiting(budget, num_new, cached_hits)
