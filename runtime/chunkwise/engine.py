@@ -29,7 +29,7 @@ from chunkwise.model.loader import LoadedModel, load_model
 from chunkwise.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from chunkwise.request import Request, RequestStatus
 from chunkwise.sampling_params import SamplingParams
-from chunkwise.sched.output import SchedulerStats
+from chunkwise.sched.output import ScheduledRequest, SchedulerOutput, SchedulerStats
 from chunkwise.sched.preemption import PreemptionCostModel
 from chunkwise.sched.scheduler import Scheduler
 from chunkwise.sched.shedding import LoadSnapshot, Overloaded, ServiceRate, SheddingPolicy, decide
@@ -270,24 +270,26 @@ class EngineCore:
             draft.model, num_blocks=num_blocks, block_size=config.cache.block_size, dtype=dtype, device=device
         )
 
+    def _time_forward(self, num_tokens: int) -> float:
+        """Seconds of one warm prefill of num_tokens tokens through the first blocks.
+
+        Used at start-up only, while every block is free; what it writes there is overwritten later."""
+        n = min(num_tokens, self.max_model_len, self.kv.block_size * self.kv.pool.num_blocks)
+        table = list(range(-(-n // self.kv.block_size)))
+        sr = ScheduledRequest(
+            "__warmup__", [0] * n, 0, table, samples=False, sampling_params=SamplingParams()
+        )
+        so = SchedulerOutput(scheduled=[sr], num_batched_tokens=n)
+        self.runner.execute(so)  # warm-up
+        t0 = time.perf_counter()
+        self.runner.execute(so)
+        return time.perf_counter() - t0
+
     def _measure_step_cost(self) -> tuple[float, float]:
         """(fixed seconds per step, seconds per token) from two timed forwards, to seed the adaptive draft length."""
-        from chunkwise.sched.output import ScheduledRequest, SchedulerOutput
-
-        def timed(n: int) -> float:
-            table = list(range(-(-n // self.kv.block_size)))
-            sr = ScheduledRequest(
-                "__warmup__", [0] * n, 0, table, samples=False, sampling_params=SamplingParams()
-            )
-            so = SchedulerOutput(scheduled=[sr], num_batched_tokens=n)
-            self.runner.execute(so)
-            t0 = time.perf_counter()
-            self.runner.execute(so)
-            return time.perf_counter() - t0
-
-        small, large = 1, min(64, self.max_model_len, self.kv.block_size * self.kv.pool.num_blocks)
-        t_small, t_large = timed(small), timed(large)
-        per_token = max((t_large - t_small) / (large - small), 1e-9)
+        large = min(64, self.max_model_len)
+        t_small, t_large = self._time_forward(1), self._time_forward(large)
+        per_token = max((t_large - t_small) / max(large - 1, 1), 1e-9)
         return max(t_small - per_token, 1e-6), per_token
 
     @staticmethod
@@ -298,20 +300,9 @@ class EngineCore:
         return _DEFAULT_CPU_KV_BYTES
 
     def _measure_prefill_rate(self, num_tokens: int = 128) -> float:
-        """Tokens/s of one prefill through block 0 (free at start-up; its contents are overwritten later)."""
-        from chunkwise.sched.output import ScheduledRequest, SchedulerOutput
-
-        bs = self.kv.block_size
-        n = min(num_tokens, bs * self.kv.pool.num_blocks, self.max_model_len)
-        table = list(range(-(-n // bs)))
-        sr = ScheduledRequest(
-            "__warmup__", [0] * n, 0, table, samples=False, sampling_params=SamplingParams()
-        )
-        so = SchedulerOutput(scheduled=[sr], num_batched_tokens=n)
-        self.runner.execute(so)  # warm-up
-        t0 = time.perf_counter()
-        self.runner.execute(so)
-        return n / max(time.perf_counter() - t0, 1e-9)
+        """Tokens/s of one prefill, the starting point of the preemption cost model's recompute rate."""
+        n = min(num_tokens, self.max_model_len)
+        return n / max(self._time_forward(n), 1e-9)
 
     # -- requests ---------------------------------------------------------------------------------------
     def make_request(
