@@ -23,8 +23,8 @@ serve: $(STAMP)
 	$(BIN)/chunkwise serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
 lint: $(STAMP)
-	$(BIN)/ruff check runtime operator tests e2e
-	$(BIN)/ruff format --check runtime operator tests e2e
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
