@@ -10,7 +10,7 @@ MODEL ?= tiny
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test lint typecheck unit test-slow clean
+.PHONY: serve test lint typecheck unit test-slow e2e images-local test-images clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,12 +30,23 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 unit: $(STAMP)
-	$(BIN)/pytest -q -m "not slow" --timeout=600
+	$(BIN)/pytest -q -m "not slow and not e2e_kind" --timeout=600
 
 test: lint typecheck unit
 
 test-slow: $(STAMP)
 	$(BIN)/pytest -q -m slow
+
+# The kind suite: creates a cluster, builds and loads both images, runs tests/e2e_kind, tears down.
+e2e: $(STAMP)
+	e2e/kind/run-e2e.sh
+
+# Both images from a Debian root filesystem, for machines that can run dockerd but pull no images.
+images-local:
+	e2e/images/images-local.sh
+
+test-images: $(STAMP)
+	$(BIN)/pytest -q -m slow tests/e2e_kind/test_images.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,181 @@
+"""What can be checked of the images and the kind install without Docker or a cluster: the Dockerfiles
+against the manifests and pyproject.toml, the requirements helper, the kustomize overlay, the scripts."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from chunkwise_operator import manifests
+from tests.e2e_kind.kube import ROOT
+
+tomllib = pytest.importorskip("tomllib", reason="Python 3.11+ reads pyproject.toml (as the image builds do)")
+
+
+def _load_requirements() -> ModuleType:
+    """e2e/images/requirements.py, which the images' builds run."""
+    spec = importlib.util.spec_from_file_location(
+        "chunkwise_e2e_requirements", ROOT / "e2e/images/requirements.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+requirements = _load_requirements()
+
+SCRIPTS = sorted([*(ROOT / "e2e" / "kind").glob("*.sh"), *(ROOT / "e2e" / "images").glob("*.sh")])
+DOCKERFILES = {"runtime": ROOT / "runtime" / "Dockerfile", "operator": ROOT / "operator" / "Dockerfile"}
+
+
+def instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) in order, continuation lines joined and comment lines dropped."""
+    result: list[tuple[str, str]] = []
+    pending = ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if line.startswith("#") or (not line and not pending):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        line = pending + line
+        pending = ""
+        keyword, _, rest = line.partition(" ")
+        result.append((keyword.upper(), rest.strip()))
+    return result
+
+
+def final_stage(path: Path) -> list[tuple[str, str]]:
+    steps = instructions(path)
+    last_from = max(i for i, (k, _) in enumerate(steps) if k == "FROM")
+    return steps[last_from:]
+
+
+def pyproject() -> dict[str, Any]:
+    with (ROOT / "pyproject.toml").open("rb") as f:
+        result: dict[str, Any] = tomllib.load(f)
+        return result
+
+
+@pytest.mark.parametrize("name", sorted(DOCKERFILES))
+def test_dockerfile_base_is_an_argument_and_the_user_is_not_root(name: str) -> None:
+    steps = instructions(DOCKERFILES[name])
+    assert steps[0][0] == "ARG" and steps[0][1].startswith("BASE_IMAGE=")
+    stages = set()
+    for keyword, args in steps:
+        if keyword == "FROM":
+            image, *alias = args.split()
+            assert image == "${BASE_IMAGE}" or image in stages, args
+            stages.update(alias[1:])
+    final = dict((k, a) for k, a in final_stage(DOCKERFILES[name]) if k in ("USER", "WORKDIR"))
+    assert final == {"USER": "65532:65532", "WORKDIR": "/tmp"}
+    env = " ".join(a for k, a in final_stage(DOCKERFILES[name]) if k == "ENV")
+    for setting in ("HOME=/tmp", "TMPDIR=/tmp", "PYTHONDONTWRITEBYTECODE=1"):
+        assert setting in env.split(), setting
+
+
+@pytest.mark.parametrize("name", sorted(DOCKERFILES))
+def test_dockerfile_copies_only_what_exists_and_dockerignore_admits(name: str) -> None:
+    admitted = [
+        line[1:].rstrip("/")
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.startswith("!")
+    ]
+    for keyword, args in instructions(DOCKERFILES[name]):
+        if keyword != "COPY" or args.startswith("--from"):
+            continue
+        *sources, _dest = args.split()
+        for source in sources:
+            assert (ROOT / source).exists(), source
+            assert any(source.rstrip("/") == a or source.startswith(a + "/") for a in admitted), source
+
+
+def test_runtime_image_serves_tiny_on_the_port_the_operator_probes() -> None:
+    cmd = [a for k, a in final_stage(DOCKERFILES["runtime"]) if k == "CMD"]
+    assert json.loads(cmd[-1]) == [
+        "chunkwise",
+        "serve",
+        "--model",
+        "tiny",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(manifests.RUNTIME_PORT),
+    ]
+    assert ("EXPOSE", str(manifests.RUNTIME_PORT)) in final_stage(DOCKERFILES["runtime"])
+
+
+def test_runtime_image_torch_is_the_pinned_one() -> None:
+    (pin,) = [r for r in pyproject()["project"]["optional-dependencies"]["runtime"] if r.startswith("torch")]
+    args = [a for k, a in instructions(DOCKERFILES["runtime"]) if k == "ARG"]
+    assert f"TORCH_SPEC={pin}" in args
+    assert "TORCH_INDEX=https://download.pytorch.org/whl/cpu" in args  # CPU unless asked otherwise
+
+
+def test_operator_image_runs_what_the_deployment_runs() -> None:
+    deployment = yaml.safe_load((ROOT / "manifests" / "operator.yaml").read_text())
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    cmd = [a for k, a in final_stage(DOCKERFILES["operator"]) if k == "CMD"]
+    assert json.loads(cmd[-1]) == container["command"] + container["args"]
+    security = deployment["spec"]["template"]["spec"]["securityContext"]
+    assert f"{security['runAsUser']}:{security['runAsGroup']}" == "65532:65532"
+
+
+def test_requirements_helper() -> None:
+    project = pyproject()
+    runtime = requirements.requirements(project, ["runtime", "operator"], {"torch"})
+    assert not [r for r in runtime if requirements.requirement_name(r) == "torch"]
+    assert {"fastapi", "kopf", "kubernetes", "numpy"} <= {requirements.requirement_name(r) for r in runtime}
+    operator = requirements.requirements(project, ["operator"], set())
+    assert "torch" not in {requirements.requirement_name(r) for r in operator}
+    with pytest.raises(SystemExit):
+        requirements.requirements(project, ["nope"], set())
+
+
+def test_kind_overlay_renders_and_validates() -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("no kubectl binary on PATH (it renders the overlay with its built-in kustomize)")
+    out = subprocess.run(
+        [kubectl, "kustomize", str(ROOT / "e2e" / "kind")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    objects = [o for o in yaml.safe_load_all(out.stdout) if o]
+    kinds = sorted(f"{o['kind']}/{o['metadata']['name']}" for o in objects)
+    assert "Deployment/chunkwise-operator" in kinds
+    assert "CustomResourceDefinition/inferenceservices.serving.chunkwise.dev" in kinds
+    for obj in objects:
+        kubernetes_validate.validate(obj, "1.30.0", strict=True)
+    (deployment,) = [o for o in objects if o["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == "chunkwise/operator:0.1.0"
+    assert container["imagePullPolicy"] == "Never"
+    assert {"name": "CHUNKWISE_AUTOSCALER_INTERVAL_SECONDS", "value": "2"} in container["env"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_script_is_executable_and_passes_shellcheck(script: Path) -> None:
+    assert script.stat().st_mode & 0o111, "not executable"
+    assert script.read_text().startswith("#!/usr/bin/env bash\n")
+    shellcheck = shutil.which("shellcheck")
+    if shellcheck is None:
+        pytest.skip("no shellcheck binary on PATH")
+    result = subprocess.run(
+        [shellcheck, "--severity=style", str(script)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + shlex.join([shellcheck, str(script)])
