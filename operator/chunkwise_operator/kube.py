@@ -186,6 +186,36 @@ class Kube:
         result: dict[str, Any] = json.loads(response.data)
         return result
 
+    def patch_inference_service(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
+        """A merge patch of the CR itself: the autoscaler writes spec.replicas here, the count's one source."""
+        api = kubernetes.client.CustomObjectsApi(self._client)
+        api.patch_namespaced_custom_object(
+            GROUP,
+            VERSION,
+            namespace,
+            PLURAL,
+            name,
+            dict(patch),
+            field_manager=FIELD_MANAGER,
+            _content_type=MERGE,
+            _preload_content=False,
+        )
+
+    def list_pods(self, namespace: str, match_labels: Mapping[str, str]) -> list[dict[str, Any]]:
+        """Pods carrying all of `match_labels` (checked here too: not every API server emulator filters)."""
+        selector = ",".join(f"{k}={v}" for k, v in sorted(match_labels.items()))
+        response: Any = kubernetes.client.CoreV1Api(self._client).list_namespaced_pod(
+            namespace, label_selector=selector, _preload_content=False
+        )
+        items = json.loads(response.data).get("items") or []
+        return [
+            pod
+            for pod in items
+            if all(
+                ((pod.get("metadata") or {}).get("labels") or {}).get(k) == v for k, v in match_labels.items()
+            )
+        ]
+
     def patch_inference_service_status(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
         api = kubernetes.client.CustomObjectsApi(self._client)
         api.patch_namespaced_custom_object_status(

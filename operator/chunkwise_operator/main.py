@@ -7,14 +7,34 @@ survives renaming a function.
 from __future__ import annotations
 
 import argparse
+import os
+from collections.abc import Mapping
 from typing import Any
 
+import httpx
 import kopf
 
-from chunkwise_operator.kube import Kube
+from chunkwise_operator.kube import ApiException, Kube
 from chunkwise_operator.manifests import LABEL_MANAGED_BY, MANAGER
 from chunkwise_operator.reconcile import Reconciler
+from chunkwise_operator.scrape import PodSample
 from chunkwise_operator.spec import GROUP, PLURAL, VERSION
+
+# Seconds between autoscaler evaluations of one InferenceService (each scrapes every ready runtime pod).
+AUTOSCALER_INTERVAL_ENV = "CHUNKWISE_AUTOSCALER_INTERVAL_SECONDS"
+DEFAULT_AUTOSCALER_INTERVAL_S = 15.0
+# HPA's relative tolerance around each target, within which the count is left alone.
+AUTOSCALER_TOLERANCE_ENV = "CHUNKWISE_AUTOSCALER_TOLERANCE"
+
+
+def _env_float(name: str, default: float | None) -> float | None:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    value = float(raw)
+    if not value >= 0:
+        raise ValueError(f"{name} must be a non-negative number, got {raw!r}")
+    return value
 
 
 @kopf.on.startup(id="configure")
@@ -26,7 +46,12 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         prefix=GROUP, key="last-handled-configuration"
     )
     settings.posting.reporting_component = MANAGER
-    memo.reconciler = Reconciler(Kube.from_environment())
+    behavior = {}
+    tolerance = _env_float(AUTOSCALER_TOLERANCE_ENV, None)
+    if tolerance is not None:
+        behavior["tolerance"] = tolerance
+    memo.autoscaler_interval = _env_float(AUTOSCALER_INTERVAL_ENV, DEFAULT_AUTOSCALER_INTERVAL_S)
+    memo.reconciler = Reconciler(Kube.from_environment(), behavior=behavior)
 
 
 @kopf.on.cleanup(id="close")
@@ -48,6 +73,41 @@ def child_deployment(
     type: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any
 ) -> None:
     _reconciler(memo).child_changed(type, body, logger)
+
+
+def _autoscaling_enabled(spec: kopf.Spec, **_: Any) -> bool:
+    autoscaling = spec.get("autoscaling")
+    return isinstance(autoscaling, Mapping) and autoscaling.get("enabled") is True
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, id="autoscaler", when=_autoscaling_enabled, cancellation_timeout=5)
+async def autoscaler(
+    stopped: kopf.DaemonStopped,
+    name: str,
+    namespace: str | None,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    **_: Any,
+) -> None:
+    """Every interval, one evaluation for this InferenceService while its autoscaling is enabled.
+
+    A daemon rather than a timer: its interval is read at start-up (tests run it every second or two),
+    and Kopf starts and stops it as spec.autoscaling.enabled turns on and off.
+    """
+    if namespace is None:
+        return  # InferenceService is namespaced; Kopf types the argument for cluster-scoped kinds too
+    reconciler = _reconciler(memo)
+    interval = float(memo.get("autoscaler_interval") or DEFAULT_AUTOSCALER_INTERVAL_S)
+    samples: dict[str, PodSample] = {}
+    # Pod IPs are cluster addresses: never scrape them through a proxy from the environment.
+    async with httpx.AsyncClient(trust_env=False) as client:
+        while not stopped:
+            try:
+                await reconciler.evaluate_autoscaler(namespace, name, samples, client, logger)
+            except (ApiException, httpx.HTTPError, OSError) as e:
+                # The next evaluation retries; a failed one changes nothing.
+                logger.warning(f"Autoscaler evaluation failed: {type(e).__name__}: {e}")
+            await stopped.wait(interval)
 
 
 def _reconciler(memo: kopf.Memo) -> Reconciler:
@@ -73,9 +133,21 @@ def run_operator(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--liveness", default=None, help="serve Kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz"
     )
+    parser.add_argument(
+        "--autoscaler-interval-seconds",
+        type=float,
+        default=None,
+        help=f"seconds between autoscaler evaluations (default {DEFAULT_AUTOSCALER_INTERVAL_S:g}; "
+        f"or the environment variable {AUTOSCALER_INTERVAL_ENV})",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
     parser.add_argument("-q", "--quiet", action="store_true", help="log warnings and errors only")
     args = parser.parse_args(argv)
+    if args.autoscaler_interval_seconds is not None:
+        if not args.autoscaler_interval_seconds > 0:
+            parser.error("--autoscaler-interval-seconds must be positive")
+        # Read by the start-up handler, which runs inside kopf.run below.
+        os.environ[AUTOSCALER_INTERVAL_ENV] = repr(args.autoscaler_interval_seconds)
     kopf.configure(verbose=args.verbose, quiet=args.quiet)
     # Standalone: one operator replica (the Deployment uses the Recreate strategy), so no peering objects.
     kopf.run(

@@ -1,21 +1,24 @@
 """The reconcile: parse the spec, apply the children, remove the stale ones, write status, post events.
 
-Glue between the pure modules (spec, manifests, status) and the thin I/O (kube). Kopf calls it from
-main.py. Work for one InferenceService is serialised by a per-object lock, because two Kopf workers touch
-the same object: the CR's own handler and the watch on its Deployments.
+Glue between the pure modules (spec, manifests, status, autoscale, scrape) and the thin I/O (kube). Kopf
+calls it from main.py. Work for one InferenceService is serialised by a per-object lock, because three Kopf
+workers touch the same object: the CR's own handler, the watch on its Deployments, and its autoscaler.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import json
 import threading
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, cast
 
+import httpx
 import kopf
 
-from chunkwise_operator import manifests, status
+from chunkwise_operator import autoscale, manifests, scrape, status
 from chunkwise_operator.kube import ApiException, ChildConflict, Kube, Outcome, controller_owner, owned_by
 from chunkwise_operator.spec import ServiceSpec, SpecError, parse, validate_name
 
@@ -36,9 +39,19 @@ def parse_service(name: str, spec: Mapping[str, Any] | None) -> ServiceSpec | Sp
 
 
 class Reconciler:
-    def __init__(self, kube: Kube, clock: Callable[[], str] = utc_now) -> None:
+    def __init__(
+        self,
+        kube: Kube,
+        clock: Callable[[], str] = utc_now,
+        wall: Callable[[], float] = time.time,
+        behavior: Mapping[str, float] | None = None,
+    ) -> None:
         self.kube = kube
         self._clock = clock
+        # The autoscaler's clock: epoch seconds, because its history is stored and outlives the process.
+        self._wall = wall
+        # Operator-wide overrides of the autoscaler's Behavior (tolerance, rate-limit periods).
+        self._behavior = dict(behavior or {})
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._guard = threading.Lock()
 
@@ -193,6 +206,82 @@ class Reconciler:
         patch = status.status_patch(previous, new)
         if patch is not None:
             self.kube.patch_inference_service_status(namespace, name, patch)
+
+    # -- the autoscaler ------------------------------------------------------------------------------------
+    async def evaluate_autoscaler(
+        self,
+        namespace: str,
+        name: str,
+        samples: MutableMapping[str, scrape.PodSample],
+        client: httpx.AsyncClient,
+        logger: Any,
+    ) -> autoscale.Decision | None:
+        """One evaluation: scrape the ready runtime pods, decide, write spec.replicas and status.autoscaler.
+
+        `samples` holds each pod's previous sample (counter deltas need two); the caller keeps it between
+        evaluations. Returns None when there is nothing to do (gone, invalid spec, autoscaling off).
+        """
+        body = await asyncio.to_thread(self.kube.get_inference_service, namespace, name)
+        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+            return None
+        parsed = parse_service(name, body.get("spec"))
+        if isinstance(parsed, SpecError) or not parsed.autoscaling.enabled:
+            return None
+        pods = await asyncio.to_thread(
+            self.kube.list_pods, namespace, manifests.match_labels(name, manifests.RUNTIME)
+        )
+        now = self._wall()
+        found, failed = await scrape.scrape(client, scrape.targets(pods), now)
+        for line in failed:
+            logger.warning(f"Could not scrape {line}")
+        observed = scrape.signals(found, samples, parsed.replicas)
+        samples.clear()
+        samples.update({s.key: s for s in found})
+        previous = (body.get("status") or {}).get("autoscaler")
+        history, events = status.autoscaler_history(previous)
+        a = parsed.autoscaling
+        decision = autoscale.decide(
+            current=parsed.replicas,
+            observed=observed,
+            targets=autoscale.targets_of(a.targets),
+            min_replicas=a.min_replicas,
+            max_replicas=a.max_replicas,
+            behavior=autoscale.Behavior.from_spec(a, **self._behavior),
+            history=history,
+            events=events,
+            now=now,
+        )
+        await asyncio.to_thread(self._apply_autoscale, body, parsed, decision, observed, now, logger)
+        return decision
+
+    def _apply_autoscale(
+        self,
+        body: Mapping[str, Any],
+        parsed: ServiceSpec,
+        decision: autoscale.Decision,
+        observed: autoscale.Observed,
+        now: float,
+        logger: Any,
+    ) -> None:
+        meta = body["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        previous = (body.get("status") or {}).get("autoscaler")
+        if parsed.autoscaling.delegated and not observed.ready_replicas:
+            return  # nothing to report: the reconcile's own block (Delegated) stands
+        with self._lock(namespace, name):
+            if not parsed.autoscaling.delegated and decision.desired != parsed.replicas:
+                # spec.replicas is the one source of the count; the update handler carries it to the
+                # Deployment, exactly as for kubectl scale.
+                self.kube.patch_inference_service(namespace, name, {"spec": {"replicas": decision.desired}})
+                message = f"{parsed.replicas} -> {decision.desired} replicas: {decision.message}"
+                logger.info(f"Autoscaler: {message}")
+                _event(body, NORMAL, decision.reason, message)
+            block = status.autoscaler_block(
+                spec=parsed, decision=decision, observed=observed, previous=previous, now=now
+            )
+            patch = status.status_patch({"autoscaler": previous or {}}, {"autoscaler": block})
+            if patch is not None:
+                self.kube.patch_inference_service_status(namespace, name, patch)
 
 
 def _event(obj: Mapping[str, Any], type_: str, reason: str, message: str) -> None:

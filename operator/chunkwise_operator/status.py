@@ -8,12 +8,14 @@ patch that touches only the keys this module owns.
 
 from __future__ import annotations
 
+import datetime
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from chunkwise_operator import manifests
+from chunkwise_operator.autoscale import Decision, Observed, Recommendation, ScaleEvent
 from chunkwise_operator.spec import ServiceSpec, SpecError
 
 READY = "Ready"
@@ -211,16 +213,109 @@ def _previous_failure(previous: Mapping[str, Any]) -> Failure | None:
     return None
 
 
+DISABLED = "Disabled"
+DELEGATED = "Delegated"
+AWAITING_METRICS = "AwaitingMetrics"
+# What the autoscaler reports while scaling is delegated, kept by the reconcile's own status writes.
+_REPORTED = (
+    "recommendedReplicas",
+    "message",
+    "metrics",
+    "scrapedReplicas",
+    "lastEvaluationTime",
+    "recommendations",
+)
+
+
 def _autoscaler(spec: ServiceSpec, previous: Any) -> dict[str, Any]:
     a = spec.autoscaling
+    prev = previous if isinstance(previous, Mapping) else {}
     if not a.enabled:
-        return {"reason": "Disabled"}
+        return {"reason": DISABLED}
     if a.delegated:
-        return {"desiredReplicas": spec.replicas, "reason": "Delegated"}
+        kept = {k: prev[k] for k in _REPORTED if k in prev and prev.get("reason") == DELEGATED}
+        return {**kept, "desiredReplicas": spec.replicas, "reason": DELEGATED}
     # The operator's own autoscaler owns this block once it has decided something; until then, say so.
-    if isinstance(previous, Mapping) and previous.get("reason") not in (None, "Disabled", "Delegated"):
-        return dict(previous)
-    return {"desiredReplicas": spec.replicas, "reason": "AwaitingMetrics"}
+    if prev.get("reason") not in (None, DISABLED, DELEGATED):
+        return dict(prev)
+    return {"desiredReplicas": spec.replicas, "reason": AWAITING_METRICS}
+
+
+def iso_time(t: float) -> str:
+    """RFC 3339 with milliseconds: stabilization windows in tests are a few seconds long."""
+    stamp = datetime.datetime.fromtimestamp(t, datetime.timezone.utc).isoformat(timespec="milliseconds")
+    return stamp.replace("+00:00", "Z")
+
+
+def parse_time(text: Any) -> float | None:
+    if not isinstance(text, str):
+        return None
+    try:
+        return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def autoscaler_history(block: Any) -> tuple[tuple[Recommendation, ...], tuple[ScaleEvent, ...]]:
+    """The stabilization history and scale events stored in status.autoscaler (what a restart resumes)."""
+    if not isinstance(block, Mapping):
+        return (), ()
+    history = []
+    for item in block.get("recommendations") or []:
+        if isinstance(item, Mapping) and isinstance(item.get("replicas"), int):
+            t = parse_time(item.get("time"))
+            if t is not None:
+                history.append(Recommendation(t, int(item["replicas"])))
+    events = []
+    for item in block.get("scaleEvents") or []:
+        if (
+            isinstance(item, Mapping)
+            and isinstance(item.get("from"), int)
+            and isinstance(item.get("to"), int)
+        ):
+            t = parse_time(item.get("time"))
+            if t is not None:
+                events.append(ScaleEvent(t, int(item["from"]), int(item["to"])))
+    return tuple(history), tuple(events)
+
+
+def autoscaler_block(
+    *,
+    spec: ServiceSpec,
+    decision: Decision,
+    observed: Observed,
+    previous: Any,
+    now: float,
+) -> dict[str, Any]:
+    """status.autoscaler after an evaluation: the decision, the signals it saw, and its history."""
+    prev = previous if isinstance(previous, Mapping) else {}
+    block: dict[str, Any] = {
+        "scrapedReplicas": observed.ready_replicas,
+        "lastEvaluationTime": iso_time(now),
+        "metrics": {k: round(v, 6) for k, v in observed.values.items() if v is not None},
+        "recommendations": [{"time": iso_time(h.time), "replicas": h.replicas} for h in decision.history],
+    }
+    if spec.autoscaling.delegated:
+        # Reporting only: what chunkwise would run, while an HPA or KEDA owns spec.replicas.
+        block.update(
+            desiredReplicas=spec.replicas,
+            recommendedReplicas=decision.desired,
+            reason=DELEGATED,
+            message=f"an external scaler owns spec.replicas; chunkwise would run {decision.desired} "
+            f"({decision.reason}: {decision.message})",
+        )
+        return block
+    block.update(desiredReplicas=decision.desired, reason=decision.reason, message=decision.message)
+    if decision.recommendation is not None:
+        block["recommendedReplicas"] = decision.recommendation
+    block["scaleEvents"] = [
+        {"time": iso_time(e.time), "from": e.replicas_from, "to": e.replicas_to} for e in decision.events
+    ]
+    if decision.desired != spec.replicas:
+        block["lastScaleTime"] = iso_time(now)
+    elif isinstance(prev.get("lastScaleTime"), str):
+        block["lastScaleTime"] = prev["lastScaleTime"]
+    return block
 
 
 def _merge_patch(old: Any, new: Any) -> Any:

@@ -13,6 +13,9 @@ def main(argv: list[str] | None = None) -> int:
     from chunkwise.server.args import add_serve_args
 
     add_serve_args(sub.add_parser("serve", help="serve the OpenAI-compatible API"))
+    from chunkwise.router.args import add_router_args
+
+    add_router_args(sub.add_parser("router", help="route OpenAI requests across replicas"))
     sub.add_parser(
         "operator", help="run the Kubernetes operator (kopf run -m chunkwise_operator.main)", add_help=False
     )
@@ -28,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
         from chunkwise.server.run import serve
 
         return serve(args)
+    if args.command == "router":
+        from chunkwise.router.run import serve_router
+
+        return serve_router(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

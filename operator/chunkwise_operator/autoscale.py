@@ -1,0 +1,255 @@
+"""The autoscaler's decision, as a pure function: observed signals and history in, a replica count out.
+
+It follows the HorizontalPodAutoscaler's algorithm, so that its behaviour is the one operators already
+know (https://kubernetes.io/docs/tasks/run-application/horizontal-pod-autoscale/#algorithm-details):
+
+1. Each configured metric proposes ceil(current × observed / target), or `current` while observed/target
+   is within the tolerance of 1. The recommendation is the largest proposal (the metric in most need),
+   clamped to [minReplicas, maxReplicas]. While some replicas are not ready, a scale down is held: their
+   share of the load is unknown.
+2. Stabilization: every recommendation is kept with its time. A scale up goes to the smallest
+   recommendation of the scale-up window, a scale down to the largest of the scale-down window, so the
+   count moves only when the whole window agrees; a spike shorter than the window moves nothing, and no
+   pair of opposite moves can fall within one window.
+3. Rate limits: within a period, a scale up adds at most max(pods, percent of the count at the period's
+   start), and a scale down removes at most its percent; the history of scale events counts what the
+   period already did.
+
+State lives in the arguments (history, events) and the result (their pruned successors), so the caller can
+persist it (in status.autoscaler) and an operator restart resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from chunkwise_operator.spec import AutoscalingSpec, AutoscalingTargets
+
+QUEUE_DEPTH = "queueDepthPerReplica"
+PREEMPTION_RATE = "preemptionRatePerSecond"
+P99_STEP_TIME = "p99StepTimeSeconds"
+KV_USAGE = "kvUsageFraction"
+METRICS = (QUEUE_DEPTH, PREEMPTION_RATE, P99_STEP_TIME, KV_USAGE)
+
+# Reasons, as status.autoscaler.reason and event reasons.
+SCALED_UP = "ScaledUp"
+SCALED_DOWN = "ScaledDown"
+WITHIN_TOLERANCE = "WithinTolerance"
+SCALE_UP_STABILIZED = "ScaleUpStabilized"
+SCALE_DOWN_STABILIZED = "ScaleDownStabilized"
+SCALE_DOWN_HELD = "ScaleDownHeld"
+SCALE_UP_LIMITED = "ScaleUpLimited"
+SCALE_DOWN_LIMITED = "ScaleDownLimited"
+AT_MAX = "AtMaxReplicas"
+AT_MIN = "AtMinReplicas"
+NO_METRICS = "NoMetrics"
+BELOW_MIN = "BelowMinReplicas"
+ABOVE_MAX = "AboveMaxReplicas"
+
+
+def targets_of(targets: AutoscalingTargets) -> dict[str, float]:
+    return {
+        QUEUE_DEPTH: targets.queue_depth_per_replica,
+        PREEMPTION_RATE: targets.preemption_rate_per_second,
+        P99_STEP_TIME: targets.p99_step_time_seconds,
+        KV_USAGE: targets.kv_usage_fraction,
+    }
+
+
+@dataclass(frozen=True)
+class Behavior:
+    """HPA's defaults (autoscaling/v2 `behavior`), with the windows from the InferenceService's spec."""
+
+    scale_up_stabilization_s: float = 0.0
+    scale_down_stabilization_s: float = 300.0
+    tolerance: float = 0.1
+    scale_up_pods: int = 4
+    scale_up_percent: float = 100.0
+    scale_up_period_s: float = 15.0
+    scale_down_percent: float = 100.0
+    scale_down_period_s: float = 15.0
+
+    @classmethod
+    def from_spec(cls, spec: AutoscalingSpec, **overrides: float) -> Behavior:
+        values: dict[str, float] = {
+            "scale_up_stabilization_s": float(spec.scale_up_stabilization_seconds),
+            "scale_down_stabilization_s": float(spec.scale_down_stabilization_seconds),
+        }
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Observed:
+    """The fleet's signals averaged per replica; None where a signal has no data yet (or none this window)."""
+
+    values: Mapping[str, float | None]
+    ready_replicas: int
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    time: float  # seconds since the epoch: history must survive an operator restart
+    replicas: int
+
+
+@dataclass(frozen=True)
+class ScaleEvent:
+    time: float
+    replicas_from: int
+    replicas_to: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    desired: int
+    # The metrics' recommendation this evaluation (clamped), before stabilization and rate limits.
+    recommendation: int | None
+    reason: str
+    message: str
+    # Which metric proposed the recommendation, and what each metric proposed.
+    driver: str | None
+    proposals: Mapping[str, int]
+    history: tuple[Recommendation, ...]
+    events: tuple[ScaleEvent, ...]
+
+
+def proposals(
+    current: int, observed: Mapping[str, float | None], targets: Mapping[str, float], tolerance: float
+) -> dict[str, int]:
+    """What each metric with data asks for."""
+    result: dict[str, int] = {}
+    for name in METRICS:
+        value, target = observed.get(name), targets.get(name)
+        if value is None or target is None or target <= 0 or not math.isfinite(value):
+            continue
+        ratio = value / target
+        result[name] = current if abs(ratio - 1.0) <= tolerance else math.ceil(current * ratio)
+    return result
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.3g}"
+
+
+def decide(
+    *,
+    current: int,
+    observed: Observed,
+    targets: Mapping[str, float],
+    min_replicas: int,
+    max_replicas: int,
+    behavior: Behavior,
+    history: Sequence[Recommendation],
+    events: Sequence[ScaleEvent],
+    now: float,
+) -> Decision:
+    """The replica count to run now, why, and the history to keep for the next evaluation."""
+    keep = max(behavior.scale_up_stabilization_s, behavior.scale_down_stabilization_s)
+    period = max(behavior.scale_up_period_s, behavior.scale_down_period_s)
+    kept = tuple(h for h in history if now - h.time <= keep)
+    recent = tuple(e for e in events if now - e.time <= period)
+
+    def result(
+        desired: int,
+        reason: str,
+        message: str,
+        rec: int | None = None,
+        driver: str | None = None,
+        asked: Mapping[str, int] | None = None,
+    ) -> Decision:
+        new_events = recent
+        if desired != current:
+            new_events = (*recent, ScaleEvent(now, current, desired))
+        return Decision(desired, rec, reason, message, driver, dict(asked or {}), kept, new_events)
+
+    # Out of bounds (a spec edit or a manual scale): back within them at once, as HPA does.
+    if current < min_replicas:
+        return result(min_replicas, BELOW_MIN, f"{current} replicas is below minReplicas {min_replicas}")
+    if current > max_replicas:
+        return result(max_replicas, ABOVE_MAX, f"{current} replicas is above maxReplicas {max_replicas}")
+
+    asked = proposals(current, observed.values, targets, behavior.tolerance)
+    if not asked:
+        return result(current, NO_METRICS, "no ready replica has reported metrics yet")
+    driver = max(asked, key=lambda name: asked[name])
+    raw = asked[driver]
+    seen = ", ".join(
+        f"{name} {_fmt(v)}/{_fmt(targets[name])}"
+        for name in METRICS
+        if (v := observed.values.get(name)) is not None and name in targets
+    )
+    if raw < current and observed.ready_replicas < current:
+        return result(
+            current,
+            SCALE_DOWN_HELD,
+            f"{observed.ready_replicas} of {current} replicas ready; not scaling down until all are ({seen})",
+            None,
+            driver,
+            asked,
+        )
+    rec = min(max(raw, min_replicas), max_replicas)
+    kept = (*kept, Recommendation(now, rec))
+
+    up_window = [h.replicas for h in kept if now - h.time <= behavior.scale_up_stabilization_s]
+    down_window = [h.replicas for h in kept if now - h.time <= behavior.scale_down_stabilization_s]
+    up_to, down_to = min(up_window), max(down_window)
+    if current < up_to:
+        stabilized, direction = up_to, SCALED_UP
+    elif current > down_to:
+        stabilized, direction = down_to, SCALED_DOWN
+    else:
+        stabilized, direction = current, None
+
+    desired = stabilized
+    limited = False
+    if direction == SCALED_UP:
+        added = sum(
+            e.replicas_to - e.replicas_from for e in recent if now - e.time <= behavior.scale_up_period_s
+        )
+        start = current - max(0, added)
+        most = max(start + behavior.scale_up_pods, math.ceil(start * (1 + behavior.scale_up_percent / 100)))
+        if desired > most:
+            desired, limited = max(most, current), True
+    elif direction == SCALED_DOWN:
+        removed = sum(
+            e.replicas_from - e.replicas_to for e in recent if now - e.time <= behavior.scale_down_period_s
+        )
+        start = current + max(0, removed)
+        fewest = math.floor(start * (1 - behavior.scale_down_percent / 100))
+        if desired < fewest:
+            desired, limited = min(fewest, current), True
+
+    if desired > current:
+        note = f"; limited to +{desired - current} this period" if limited else ""
+        return result(desired, SCALED_UP, f"{driver} asks for {rec} ({seen}){note}", rec, driver, asked)
+    if desired < current:
+        note = f"; limited to -{current - desired} this period" if limited else ""
+        return result(desired, SCALED_DOWN, f"{driver} asks for {rec} ({seen}){note}", rec, driver, asked)
+    if limited:
+        reason = SCALE_UP_LIMITED if direction == SCALED_UP else SCALE_DOWN_LIMITED
+        message = f"{driver} asks for {rec}, but this period's scaling is spent ({seen})"
+        return result(current, reason, message, rec, driver, asked)
+    if raw > current and current == max_replicas:
+        return result(
+            current, AT_MAX, f"{driver} asks for {raw}; held at maxReplicas ({seen})", rec, driver, asked
+        )
+    if raw < current and current == min_replicas:
+        return result(
+            current, AT_MIN, f"{driver} asks for {raw}; held at minReplicas ({seen})", rec, driver, asked
+        )
+    if rec > current:
+        window = _fmt(behavior.scale_up_stabilization_s)
+        message = f"{driver} asks for {rec}; not every recommendation of the last {window} s did ({seen})"
+        return result(current, SCALE_UP_STABILIZED, message, rec, driver, asked)
+    if rec < current:
+        window = _fmt(behavior.scale_down_stabilization_s)
+        message = (
+            f"{driver} asks for {rec}; holding {current} through the {window} s scale-down window ({seen})"
+        )
+        return result(current, SCALE_DOWN_STABILIZED, message, rec, driver, asked)
+    return result(
+        current, WITHIN_TOLERANCE, f"every metric is within its target ({seen})", rec, driver, asked
+    )

@@ -1,0 +1,196 @@
+"""Reading the runtime pods' /metrics and turning them into the autoscaler's per-replica signals.
+
+The operator parses the Prometheus text itself (prometheus_client's parser), with no code from the
+engine: it must run without torch, and it reads replicas only through /metrics and the Kubernetes API.
+
+Signals, over the window between two scrapes of the same pod:
+- queue depth: vllm:num_requests_waiting, summed over the ready pods;
+- preemption rate: the increase of vllm:num_preemptions_total over the window's length;
+- p99 step time: from the increase of chunkwise:step_duration_seconds's buckets, merged over pods,
+  interpolated within a bucket as Prometheus' histogram_quantile does;
+- KV usage: vllm:kv_cache_usage_perc.
+Extensive signals are divided by the current replica count, not by the pods that answered, so that pods not
+ready yet count as idle: HPA's rule, which keeps a scale up from being repeated for pods still starting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from chunkwise_operator.autoscale import KV_USAGE, P99_STEP_TIME, PREEMPTION_RATE, QUEUE_DEPTH, Observed
+
+WAITING = "vllm:num_requests_waiting"
+KV = "vllm:kv_cache_usage_perc"
+PREEMPTIONS = "vllm:num_preemptions_total"
+STEP = "chunkwise:step_duration_seconds"
+DEFAULT_PORT = 8000
+DEFAULT_PATH = "/metrics"
+SCRAPE_TIMEOUT_S = 3.0
+
+
+@dataclass(frozen=True)
+class Target:
+    """A ready runtime pod to scrape."""
+
+    key: str  # the pod's uid: a replacement pod with the same name has fresh counters
+    name: str
+    url: str
+
+
+@dataclass(frozen=True)
+class PodSample:
+    key: str
+    time: float
+    waiting: float
+    kv_usage: float
+    preemptions: float
+    # Cumulative (upper bound, count) pairs of the step-time histogram, +Inf last.
+    step_buckets: tuple[tuple[float, float], ...]
+
+    @property
+    def steps(self) -> float:
+        return self.step_buckets[-1][1] if self.step_buckets else 0.0
+
+
+def _ready(pod: Mapping[str, Any]) -> bool:
+    status = pod.get("status") or {}
+    if (pod.get("metadata") or {}).get("deletionTimestamp") or not status.get("podIP"):
+        return False
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in status.get("conditions") or []
+        if isinstance(c, Mapping)
+    )
+
+
+def _port(pod: Mapping[str, Any]) -> int:
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    port = annotations.get("prometheus.io/port")
+    if isinstance(port, str) and port.isdigit():
+        return int(port)
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for p in container.get("ports") or []:
+            if p.get("name") == "http" and isinstance(p.get("containerPort"), int):
+                return int(p["containerPort"])
+    return DEFAULT_PORT
+
+
+def targets(pods: Iterable[Mapping[str, Any]]) -> list[Target]:
+    """The ready pods' metrics URLs (from their Prometheus annotations, as the pod template sets them)."""
+    result = []
+    for pod in pods:
+        if not _ready(pod):
+            continue
+        meta = pod.get("metadata") or {}
+        ip = str(pod["status"]["podIP"])
+        host = f"[{ip}]" if ":" in ip else ip
+        path = (meta.get("annotations") or {}).get("prometheus.io/path") or DEFAULT_PATH
+        key = str(meta.get("uid") or meta.get("name"))
+        result.append(Target(key, str(meta.get("name")), f"http://{host}:{_port(pod)}{path}"))
+    return sorted(result, key=lambda t: t.name)
+
+
+def parse(text: str, key: str, now: float) -> PodSample:
+    values: dict[str, float] = {}
+    buckets: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == STEP + "_bucket":
+                le = float(s.labels.get("le", "nan"))
+                if not math.isnan(le):
+                    buckets[le] = buckets.get(le, 0.0) + float(s.value)
+            else:
+                values[s.name] = values.get(s.name, 0.0) + float(s.value)
+    return PodSample(
+        key=key,
+        time=now,
+        waiting=values.get(WAITING, 0.0),
+        kv_usage=values.get(KV, 0.0),
+        preemptions=values.get(PREEMPTIONS, 0.0),
+        step_buckets=tuple(sorted(buckets.items())),
+    )
+
+
+async def scrape(
+    client: httpx.AsyncClient, pods: Sequence[Target], now: float
+) -> tuple[list[PodSample], list[str]]:
+    """Samples of the pods that answered, and a line for each that did not."""
+
+    async def one(t: Target) -> PodSample | str:
+        try:
+            resp = await client.get(t.url, timeout=SCRAPE_TIMEOUT_S)
+            resp.raise_for_status()
+            return parse(resp.text, t.key, now)
+        except (httpx.HTTPError, ValueError) as e:
+            return f"{t.name}: {type(e).__name__}: {e}"
+
+    results = await asyncio.gather(*(one(t) for t in pods))
+    return [r for r in results if isinstance(r, PodSample)], [r for r in results if isinstance(r, str)]
+
+
+def quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
+    """histogram_quantile over cumulative (le, count) pairs; None when the histogram is empty."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    total = buckets[-1][1]
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if math.isinf(le):
+                return lower  # the top finite bound: all one can say of the +Inf bucket
+            if count == below:
+                return le
+            return lower + (le - lower) * (rank - below) / (count - below)
+        lower, below = le, count
+    return lower
+
+
+def _delta_buckets(now: PodSample, before: PodSample) -> list[tuple[float, float]] | None:
+    old = dict(before.step_buckets)
+    out = []
+    for le, count in now.step_buckets:
+        d = count - old.get(le, 0.0)
+        if d < 0:
+            return None  # counters went back: the engine restarted within the window
+        out.append((le, d))
+    return out
+
+
+def signals(samples: Sequence[PodSample], previous: Mapping[str, PodSample], replicas: int) -> Observed:
+    """The per-replica signals of this scrape, against each pod's previous sample."""
+    if not samples:
+        return Observed({QUEUE_DEPTH: None, PREEMPTION_RATE: None, P99_STEP_TIME: None, KV_USAGE: None}, 0)
+    divisor = max(replicas, len(samples), 1)
+    rate = 0.0
+    rated = 0
+    merged: dict[float, float] = {}
+    for s in samples:
+        before = previous.get(s.key)
+        if before is None or s.time <= before.time:
+            continue
+        d_preempt = s.preemptions - before.preemptions
+        deltas = _delta_buckets(s, before)
+        if d_preempt < 0 or deltas is None:
+            continue
+        rated += 1
+        rate += d_preempt / (s.time - before.time)
+        for le, d in deltas:
+            merged[le] = merged.get(le, 0.0) + d
+    p99 = quantile(0.99, sorted(merged.items())) if merged else None
+    return Observed(
+        {
+            QUEUE_DEPTH: sum(s.waiting for s in samples) / divisor,
+            PREEMPTION_RATE: rate / divisor if rated else None,
+            P99_STEP_TIME: p99,
+            KV_USAGE: sum(s.kv_usage for s in samples) / divisor,
+        },
+        ready_replicas=len(samples),
+    )

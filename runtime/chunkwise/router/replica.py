@@ -1,0 +1,149 @@
+"""One replica as the router sees it: health, the last scrape, learned speed, prefix index, and the requests
+the router itself has in flight there.
+
+The in-flight accounting is what keeps a burst from herding: a scrape is up to a poll interval old, so
+every pick adds the request to its replica at once (before the next pick can run, all on one event loop),
+and every later prediction sees it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from chunkwise.router.estimates import MetricsSample, ReplicaEstimates
+from chunkwise.router.prefix_index import PrefixIndex
+
+# Backoff of an unreachable replica: the first retry after one poll interval, doubling up to this. One that
+# answers but is not ready (loading, draining) is asked again every poll interval: it is alive, and a
+# loading replica should take requests as soon as it can.
+MAX_EJECT_BACKOFF_S = 5.0
+
+_ids = itertools.count(1)
+
+
+@dataclass
+class InFlight:
+    """A request the router has sent to a replica and not yet seen finish."""
+
+    prompt_tokens: int
+    uncached_tokens: int
+    output_tokens: int
+    streaming: bool
+    started_at: float
+    predicted_ttft: float
+    predicted_completion: float
+    first_token_at: float | None = None
+    id: int = 0
+
+    def __post_init__(self) -> None:
+        self.id = next(_ids)
+
+    def prefilling(self, now: float) -> bool:
+        """Still ahead of its first token. A non-streaming answer shows no first token: trust the prediction."""
+        if self.first_token_at is not None:
+            return False
+        return self.streaming or now < self.started_at + self.predicted_ttft
+
+
+@dataclass(frozen=True)
+class Load:
+    inflight: int = 0
+    prefilling: int = 0
+    decoding: int = 0
+    pending_prefill_tokens: int = 0
+
+
+class Replica:
+    def __init__(self, url: str, index_capacity_blocks: int) -> None:
+        self.url = url
+        self.index = PrefixIndex(index_capacity_blocks)
+        self.estimates = ReplicaEstimates()
+        # None: not probed yet (a candidate, optimistically); True: /health answered 200.
+        self.healthy: bool | None = None
+        self.ejected_until = 0.0
+        self.backoff = 0.0
+        self.ejections = 0
+        self.picks = 0
+        # False once discovery no longer lists it; kept until its requests in flight finish.
+        self.listed = True
+        self.inflight: dict[int, InFlight] = {}
+        self.scrape: MetricsSample | None = None
+        # Own requests in each phase when the scrape was taken: the replica's gauges counted them too.
+        self.own_prefilling_at_scrape = 0
+        self.own_decoding_at_scrape = 0
+        # Requests the replica runs at once (its max_num_seqs, or what its KV cache allows), learned from
+        # scrapes that caught it full: requests waiting while others run. None until seen.
+        self.slots: int | None = None
+
+    def __repr__(self) -> str:
+        return f"Replica({self.url!r})"
+
+    # -- health ------------------------------------------------------------------------------------------
+    def ejected(self, now: float) -> bool:
+        return now < self.ejected_until
+
+    def eject(self, now: float, poll_interval: float, *, reachable: bool = False) -> None:
+        self.healthy = False
+        # A replica that stopped answering may come back as a fresh process with an empty cache.
+        self.index.clear()
+        if reachable:
+            self.backoff = poll_interval
+        else:
+            self.backoff = min(MAX_EJECT_BACKOFF_S, max(poll_interval, self.backoff * 2))
+        self.ejected_until = now + self.backoff
+        self.ejections += 1
+
+    def recovered(self) -> None:
+        self.healthy = True
+        self.backoff = 0.0
+        self.ejected_until = 0.0
+
+    def candidate(self, now: float) -> bool:
+        return self.listed and self.healthy is not False and not self.ejected(now)
+
+    # -- load --------------------------------------------------------------------------------------------
+    def load(self, now: float) -> Load:
+        prefilling = decoding = pending = 0
+        for r in self.inflight.values():
+            if r.prefilling(now):
+                prefilling += 1
+                pending += r.uncached_tokens
+            else:
+                decoding += 1
+        return Load(len(self.inflight), prefilling, decoding, pending)
+
+    def others(self) -> tuple[float, float]:
+        """(waiting, running) requests the last scrape saw that are not the router's own: other routers'."""
+        if self.scrape is None:
+            return 0.0, 0.0
+        waiting = max(0.0, self.scrape.waiting - self.own_prefilling_at_scrape)
+        running = max(0.0, self.scrape.running - self.own_decoding_at_scrape)
+        return waiting, running
+
+    def observe(self, sample: MetricsSample, now: float) -> None:
+        if self.scrape is not None and sample.steps < self.scrape.steps:
+            self.index.clear()  # counters began again: a restarted engine, its cache empty
+        self.scrape = sample
+        load = self.load(now)
+        self.own_prefilling_at_scrape = load.prefilling
+        self.own_decoding_at_scrape = load.decoding
+        self.estimates.observe(sample)
+        if sample.waiting >= 1 and sample.running >= 1:
+            self.slots = max(self.slots or 0, int(sample.running))
+        if sample.cache_blocks:
+            self.index.resize(sample.cache_blocks)
+
+    # -- accounting --------------------------------------------------------------------------------------
+    def begin(self, request: InFlight, block_hashes: tuple[int, ...]) -> None:
+        self.inflight[request.id] = request
+        self.picks += 1
+        # The replica will hold these blocks once it has computed them; later picks may count on it.
+        self.index.insert(block_hashes)
+
+    def first_token(self, request: InFlight, now: float) -> None:
+        if request.first_token_at is None:
+            request.first_token_at = now
+
+    def end(self, request: InFlight) -> None:
+        self.inflight.pop(request.id, None)

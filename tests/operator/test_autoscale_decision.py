@@ -1,0 +1,183 @@
+"""The autoscaler's pure decision, table-tested, plus a property: no flapping within a window."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from chunkwise_operator import autoscale as a
+from chunkwise_operator.autoscale import Behavior, Observed, Recommendation, ScaleEvent, decide
+
+NOW = 10_000.0
+TARGETS = {a.QUEUE_DEPTH: 4.0, a.PREEMPTION_RATE: 1.0, a.P99_STEP_TIME: 0.5, a.KV_USAGE: 0.8}
+BEHAVIOR = Behavior(scale_up_stabilization_s=0.0, scale_down_stabilization_s=60.0)
+
+
+def seen(ready: int = 99, **values: float | None) -> Observed:
+    names = {"queue": a.QUEUE_DEPTH, "preempt": a.PREEMPTION_RATE, "p99": a.P99_STEP_TIME, "kv": a.KV_USAGE}
+    return Observed({names[k]: v for k, v in values.items()}, ready)
+
+
+def run(current: int, observed: Observed, **kw: Any) -> a.Decision:
+    args: dict[str, Any] = {
+        "current": current,
+        "observed": observed,
+        "targets": TARGETS,
+        "min_replicas": 1,
+        "max_replicas": 10,
+        "behavior": BEHAVIOR,
+        "history": (),
+        "events": (),
+        "now": NOW,
+    }
+    args.update(kw)
+    return decide(**args)
+
+
+CASES = [
+    # (name, current, observed, extra args, desired, reason, driver)
+    ("within tolerance", 2, seen(queue=4.3), {}, 2, a.WITHIN_TOLERANCE, a.QUEUE_DEPTH),
+    ("queue depth scales up", 2, seen(queue=10.0), {}, 5, a.SCALED_UP, a.QUEUE_DEPTH),
+    ("the neediest metric wins", 2, seen(queue=6.0, kv=1.6), {}, 4, a.SCALED_UP, a.KV_USAGE),
+    ("p99 step time", 3, seen(queue=0.0, p99=1.0), {}, 6, a.SCALED_UP, a.P99_STEP_TIME),
+    ("preemption rate", 1, seen(preempt=3.0), {}, 3, a.SCALED_UP, a.PREEMPTION_RATE),
+    # 2 -> 10 asked; one period allows max(2 + 4 pods, 2 x 200%) = 6.
+    ("rate limited up", 2, seen(queue=100.0), {}, 6, a.SCALED_UP, a.QUEUE_DEPTH),
+    ("at max", 10, seen(queue=100.0), {}, 10, a.AT_MAX, a.QUEUE_DEPTH),
+    ("at min", 1, seen(queue=0.0, kv=0.0), {}, 1, a.AT_MIN, a.QUEUE_DEPTH),
+    (
+        "scale down waits for its window",
+        4,
+        seen(queue=0.0),
+        {"history": (Recommendation(NOW - 30, 4),)},
+        4,
+        a.SCALE_DOWN_STABILIZED,
+        a.QUEUE_DEPTH,
+    ),
+    (
+        "scale down once the window agrees",
+        4,
+        seen(queue=2.0),
+        {"history": (Recommendation(NOW - 61, 4), Recommendation(NOW - 30, 3))},
+        3,
+        a.SCALED_DOWN,
+        a.QUEUE_DEPTH,
+    ),
+    (
+        "scale up waits for its window",
+        2,
+        seen(queue=10.0),
+        {
+            "behavior": replace(BEHAVIOR, scale_up_stabilization_s=30.0),
+            "history": (Recommendation(NOW - 10, 2),),
+        },
+        2,
+        a.SCALE_UP_STABILIZED,
+        a.QUEUE_DEPTH,
+    ),
+    (
+        "scale up to the window's minimum",
+        2,
+        seen(queue=10.0),
+        {
+            "behavior": replace(BEHAVIOR, scale_up_stabilization_s=30.0),
+            "history": (Recommendation(NOW - 40, 2), Recommendation(NOW - 10, 3)),
+        },
+        3,
+        a.SCALED_UP,
+        a.QUEUE_DEPTH,
+    ),
+    (
+        "this period's scale up is spent",
+        6,
+        seen(queue=40.0),
+        {"max_replicas": 30, "events": (ScaleEvent(NOW - 5, 2, 6),)},
+        6,
+        a.SCALE_UP_LIMITED,
+        a.QUEUE_DEPTH,
+    ),
+    (
+        "a scale down removes at most its percent a period",
+        8,
+        seen(queue=0.0),
+        {"behavior": replace(BEHAVIOR, scale_down_stabilization_s=0.0, scale_down_percent=50.0)},
+        4,
+        a.SCALED_DOWN,
+        a.QUEUE_DEPTH,
+    ),
+    ("no metrics", 3, seen(), {}, 3, a.NO_METRICS, None),
+    (
+        "scale down held while pods start",
+        3,
+        seen(ready=1, queue=0.0),
+        {},
+        3,
+        a.SCALE_DOWN_HELD,
+        a.QUEUE_DEPTH,
+    ),
+    ("below min", 0, seen(), {}, 1, a.BELOW_MIN, None),
+    ("above max", 12, seen(queue=50.0), {}, 10, a.ABOVE_MAX, None),
+]
+
+
+@pytest.mark.parametrize(
+    ("current", "observed", "extra", "desired", "reason", "driver"),
+    [c[1:] for c in CASES],
+    ids=[c[0] for c in CASES],
+)
+def test_decision_table(
+    current: int, observed: Observed, extra: dict[str, Any], desired: int, reason: str, driver: str | None
+) -> None:
+    d = run(current, observed, **extra)
+    assert (d.desired, d.reason, d.driver) == (desired, reason, driver), d.message
+
+
+def test_decision_records_history_and_events_and_prunes_them() -> None:
+    history = (Recommendation(NOW - 500, 9), Recommendation(NOW - 20, 2))
+    events = (ScaleEvent(NOW - 100, 1, 2), ScaleEvent(NOW - 3, 2, 2))
+    d = run(2, seen(queue=10.0), history=history, events=events)
+    assert d.history == (Recommendation(NOW - 20, 2), Recommendation(NOW, 5))
+    assert d.events == (ScaleEvent(NOW - 3, 2, 2), ScaleEvent(NOW, 2, 5))
+    assert d.recommendation == 5
+    assert d.proposals == {a.QUEUE_DEPTH: 5}
+    assert d.message == "queueDepthPerReplica asks for 5 (queueDepthPerReplica 10/4)"
+
+
+def test_tolerance_is_relative_to_each_target() -> None:
+    # kv 0.86 / 0.8 = 1.075: within 10%; the queue at 0 asks for 0 -> min, which the window holds.
+    d = run(2, seen(queue=0.0, kv=0.86))
+    assert d.proposals == {a.QUEUE_DEPTH: 0, a.KV_USAGE: 2}
+    assert (d.desired, d.reason, d.driver) == (2, a.WITHIN_TOLERANCE, a.KV_USAGE)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(min_value=0.0, max_value=40.0), min_size=5, max_size=60),
+    st.integers(min_value=0, max_value=30),
+    st.integers(min_value=5, max_value=60),
+    st.integers(min_value=1, max_value=10),
+)
+def test_no_flapping_within_a_window(
+    queues: list[float], up_window: int, down_window: int, step: int
+) -> None:
+    """A scale down never follows a scale up within the down window, nor an up a down within the up window."""
+    behavior = Behavior(scale_up_stabilization_s=up_window, scale_down_stabilization_s=down_window)
+    current, history, events = 1, (), ()
+    moves: list[tuple[float, int]] = []
+    for i, queue in enumerate(queues):
+        now = NOW + i * step
+        d = run(current, seen(queue=queue), behavior=behavior, history=history, events=events, now=now)
+        if d.desired != current:
+            moves.append((now, 1 if d.desired > current else -1))
+        current, history, events = d.desired, d.history, d.events
+        assert 1 <= current <= 10
+    for (t0, dir0), (t1, dir1) in itertools.pairwise(moves):
+        if dir0 > 0 and dir1 < 0:
+            assert t1 - t0 >= down_window
+        if dir0 < 0 and dir1 > 0 and up_window > 0:
+            assert t1 - t0 >= up_window

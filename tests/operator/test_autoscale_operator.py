@@ -1,0 +1,214 @@
+"""The autoscaler in the real Kopf operator against kmock, with pods whose /metrics a test controls.
+
+Each "pod" is a Pod object in the emulator (ready, with podIP 127.0.0.1 and its Prometheus port annotation)
+backed by a small HTTP server on that port serving the metrics text the test sets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import kmock as km
+import kubernetes
+import pytest
+from operator_harness import NAMESPACE, VERBS, Cluster, eventually, running_operator
+
+from chunkwise_operator import manifests
+from chunkwise_operator.main import AUTOSCALER_INTERVAL_ENV
+
+PODS = km.resource("v1/pods")
+
+
+class MetricsServer:
+    """A replica's /metrics: vllm:num_requests_waiting as the test sets it, and nothing else."""
+
+    def __init__(self) -> None:
+        self.waiting = 0.0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = (
+                    "# TYPE vllm:num_requests_waiting gauge\n"
+                    f'vllm:num_requests_waiting{{model_name="tiny"}} {outer.waiting}\n'
+                    "# TYPE vllm:kv_cache_usage_perc gauge\n"
+                    'vllm:kv_cache_usage_perc{model_name="tiny"} 0.0\n'
+                ).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def fast_autoscaler(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Read by the operator's start-up handler: the fixture must come before `operator` in a test's arguments.
+    monkeypatch.setenv(AUTOSCALER_INTERVAL_ENV, "0.2")
+
+
+@pytest.fixture
+def pods(cluster: Cluster) -> Iterator[list[MetricsServer]]:
+    cluster.k.resources["v1/pods"] = km.ResourceInfo(kind="Pod", namespaced=True, verbs=VERBS)
+    servers: list[MetricsServer] = []
+    yield servers
+    for s in servers:
+        s.close()
+
+
+async def add_pod(
+    cluster: Cluster, servers: list[MetricsServer], owner: str, waiting: float
+) -> MetricsServer:
+    server = MetricsServer()
+    server.waiting = waiting
+    servers.append(server)
+    name = f"{owner}-pod-{len(servers)}"
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": NAMESPACE,
+            "labels": manifests.labels(owner, manifests.RUNTIME),
+            "annotations": {"prometheus.io/port": str(server.port), "prometheus.io/path": "/metrics"},
+        },
+        "status": {
+            "phase": "Running",
+            "podIP": "127.0.0.1",
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    }
+
+    def create() -> None:
+        with kubernetes.client.ApiClient(kubernetes.client.Configuration(host=cluster.url)) as c:
+            kubernetes.client.CoreV1Api(c).create_namespaced_pod(NAMESPACE, body)
+
+    await asyncio.to_thread(create)
+    return server
+
+
+def autoscaler_status(cluster: Cluster, name: str) -> dict[str, Any]:
+    return dict(((cluster.isvc(name) or {}).get("status") or {}).get("autoscaler") or {})
+
+
+def replicas(cluster: Cluster, name: str) -> int | None:
+    return ((cluster.isvc(name) or {}).get("spec") or {}).get("replicas")
+
+
+def spec(**autoscaling: Any) -> dict[str, Any]:
+    return {
+        "model": {"preset": "tiny"},
+        "image": "chunkwise:dev",
+        "replicas": 1,
+        "autoscaling": {
+            "enabled": True,
+            "minReplicas": 1,
+            "maxReplicas": 4,
+            "targets": {"queueDepthPerReplica": 2},
+            "scaleUpStabilizationSeconds": 0,
+            "scaleDownStabilizationSeconds": 1,
+            **autoscaling,
+        },
+    }
+
+
+async def test_queue_depth_scales_up_then_down(
+    fast_autoscaler: None, pods: list[MetricsServer], cluster: Cluster, operator: Any
+) -> None:
+    await cluster.create_isvc("chat", spec())
+    first = await add_pod(cluster, pods, "chat", waiting=5.0)
+    # 5 waiting on 1 replica against a target of 2: ceil(1 x 5/2) = 3.
+    await eventually(lambda: replicas(cluster, "chat") == 3, what="scale up to 3")
+    await eventually(
+        lambda: (cluster.get(Cluster.DEPLOYMENTS, "chat") or {}).get("spec", {}).get("replicas") == 3,
+        what="the Deployment follows spec.replicas",
+    )
+    await eventually(lambda: autoscaler_status(cluster, "chat").get("desiredReplicas") == 3, what="status")
+    status = autoscaler_status(cluster, "chat")
+    assert status["reason"] == "ScaledUp" and status["desiredReplicas"] == 3
+    assert status["scaleEvents"][-1]["from"] == 1 and status["scaleEvents"][-1]["to"] == 3
+    events = [e for e in cluster.events() if e["reason"] == "ScaledUp"]
+    assert events and events[0]["message"].startswith("1 -> 3 replicas: queueDepthPerReplica asks for 3")
+
+    # Two of the three replicas not ready yet: an idle queue must not scale down meanwhile.
+    first.waiting = 0.0
+    await eventually(lambda: autoscaler_status(cluster, "chat").get("reason") == "ScaleDownHeld", what="held")
+    assert replicas(cluster, "chat") == 3
+
+    await add_pod(cluster, pods, "chat", waiting=0.0)
+    await add_pod(cluster, pods, "chat", waiting=0.0)
+    await eventually(lambda: replicas(cluster, "chat") == 1, what="scale down to 1", timeout=15)
+    # spec.replicas is written before status (two subresources): wait for the status to follow.
+    await eventually(lambda: autoscaler_status(cluster, "chat").get("desiredReplicas") == 1, what="status")
+    status = autoscaler_status(cluster, "chat")
+    assert status["reason"] in ("ScaledDown", "AtMinReplicas")
+    assert status["metrics"]["queueDepthPerReplica"] == 0.0
+    assert operator.failures() == []
+
+
+async def test_delegated_scaling_only_reports(
+    fast_autoscaler: None, pods: list[MetricsServer], cluster: Cluster, operator: Any
+) -> None:
+    await cluster.create_isvc("chat", spec(delegated=True))
+    await add_pod(cluster, pods, "chat", waiting=8.0)
+    await eventually(
+        lambda: autoscaler_status(cluster, "chat").get("recommendedReplicas") == 4, what="report"
+    )
+    status = autoscaler_status(cluster, "chat")
+    assert (status["reason"], status["desiredReplicas"]) == ("Delegated", 1)
+    assert status["metrics"]["queueDepthPerReplica"] == 8.0
+    await asyncio.sleep(0.5)  # several more evaluations
+    assert replicas(cluster, "chat") == 1
+    assert not [e for e in cluster.events() if e["reason"] == "ScaledUp"]
+
+
+async def test_a_restarted_operator_resumes_the_stabilization_window(
+    fast_autoscaler: None, pods: list[MetricsServer], cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    name = "chat"
+    async with running_operator(cluster, caplog):
+        await cluster.create_isvc(name, spec(scaleDownStabilizationSeconds=3600))
+        loaded = await add_pod(cluster, pods, name, waiting=5.0)
+        await eventually(lambda: replicas(cluster, name) == 3, what="scale up to 3")
+    before = autoscaler_status(cluster, name)["recommendations"]
+
+    loaded.waiting = 0.0
+    await add_pod(cluster, pods, name, waiting=0.0)
+    await add_pod(cluster, pods, name, waiting=0.0)
+    async with running_operator(cluster, caplog):
+        # The hour-long window began before the restart: the stored recommendation of 3 still holds.
+        await eventually(
+            lambda: autoscaler_status(cluster, name).get("reason") == "ScaleDownStabilized", what="stabilized"
+        )
+        await asyncio.sleep(0.5)
+        assert replicas(cluster, name) == 3
+        after = autoscaler_status(cluster, name)["recommendations"]
+        assert after[: len(before)] == before
+        assert after[-1]["replicas"] == 1
+
+
+async def test_no_autoscaler_without_autoscaling(
+    fast_autoscaler: None, pods: list[MetricsServer], cluster: Cluster, operator: Any
+) -> None:
+    await cluster.create_isvc("plain", {**spec(), "autoscaling": {"enabled": False}})
+    await add_pod(cluster, pods, "plain", waiting=50.0)
+    await eventually(lambda: autoscaler_status(cluster, "plain").get("reason") == "Disabled", what="status")
+    await asyncio.sleep(0.5)
+    assert replicas(cluster, "plain") == 1
+    assert len(cluster.k[km.action.LIST, PODS]) == 0  # no daemon, so no scraping at all

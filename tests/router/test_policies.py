@@ -1,0 +1,189 @@
+"""Policies and the cost model: exact picks on hand-set replica state."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from chunkwise.router.args import POLICY_NAMES
+from chunkwise.router.estimates import MetricsSample
+from chunkwise.router.policies import POLICIES, CostModel, Defaults, make_policy
+from chunkwise.router.replica import Replica
+
+from .conftest import BLOCK, URLS, Clock, MakeRouter, request
+
+SYSTEM = list(range(1, 993))  # 992 tokens: 62 full blocks
+
+
+def picks(router: object, n: int, tokens: list[int], **kw: object) -> list[str]:
+    out = []
+    for i in range(n):
+        p = router.pick(request([*tokens, 1000 + i], **kw))  # type: ignore[attr-defined]
+        assert p is not None
+        out.append(p.replica.url)
+    return out
+
+
+def test_policy_names_match_the_flags() -> None:
+    assert tuple(POLICIES) == POLICY_NAMES
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("random", CostModel(BLOCK))
+
+
+def test_round_robin_cycles_in_url_order(make_router: MakeRouter) -> None:
+    router = make_router("round-robin")
+    assert picks(router, 6, [1, 2, 3]) == URLS + URLS
+
+
+def test_least_loaded_spreads_a_burst_by_its_own_accounting(make_router: MakeRouter) -> None:
+    router = make_router("least-loaded")
+    # Nothing finishes in between: without accounting at pick time all six would go to one replica.
+    assert Counter(picks(router, 6, [5])) == {u: 2 for u in URLS}
+
+
+def test_least_loaded_counts_other_routers_traffic_from_the_scrape(make_router: MakeRouter) -> None:
+    router = make_router("least-loaded")
+    busy = router.replicas[URLS[0]]
+    busy.observe(MetricsSample(time=0, waiting=3, running=2), now=router.clock())
+    assert Counter(picks(router, 4, [5])) == {URLS[1]: 2, URLS[2]: 2}
+
+
+def test_prefix_affinity_follows_the_prefix_whatever_the_load(make_router: MakeRouter) -> None:
+    router = make_router("prefix-affinity")
+    first = picks(router, 1, SYSTEM)[0]
+    # Every later request with the same system prompt goes there, however many are in flight.
+    assert set(picks(router, 5, SYSTEM)) == {first}
+    # A prompt without that prefix goes to the least loaded of the others.
+    assert picks(router, 1, [7] * 100)[0] != first
+
+
+def test_cost_model_is_the_seed_formula(make_router: MakeRouter) -> None:
+    router = make_router()
+    r = router.replicas[URLS[0]]
+    r.observe(MetricsSample(time=0, running=0), now=router.clock())
+    r.estimates.prefill_rate = 20_000.0
+    r.estimates.tpot = 0.005
+    r.index.insert(request(SYSTEM).block_hashes)
+    req = request([*SYSTEM, *range(2000, 2010)], output_tokens=40)  # 1002 tokens, 992 cached
+    p = router.cost.predict(r, req, router.clock())
+    assert p.cached_tokens == 992
+    assert p.queue_s == 0.0
+    assert p.prefill_s == pytest.approx(10 / 20_000)
+    # One decode row (itself) against the measurement's zero rows: one token's marginal cost more.
+    assert p.decode_s == pytest.approx(40 * (0.005 + 1 / 20_000))
+    assert p.completion == pytest.approx(p.prefill_s + p.decode_s)
+    # A full hit still computes the last token, as the engine does.
+    assert router.cost.cached_tokens(r, request(SYSTEM)) == len(SYSTEM) - 1
+
+
+def test_unmeasured_replicas_borrow_the_fleet_average(make_router: MakeRouter) -> None:
+    router = make_router()
+    a, b, c = (router.replicas[u] for u in URLS)
+    assert router.cost.prefill_rate(a) == 10_000.0  # the defaults
+    b.estimates.prefill_rate, c.estimates.prefill_rate = 4000.0, 6000.0
+    b.estimates.tpot = 0.03
+    assert router.cost.prefill_rate(a) == 5000.0
+    assert router.cost.tpot(a) == 0.03
+    assert router.cost.prefill_rate(b) == 4000.0
+
+
+def test_predicted_completion_prefers_the_cache_while_queues_are_comparable(make_router: MakeRouter) -> None:
+    router = make_router()
+    first = router.pick(request(SYSTEM))
+    assert first is not None
+    home = first.replica.url
+    router.finish(first)
+    # Requests arriving one at a time, each done before the next: every one goes home for the hit.
+    for i in range(5):
+        p = router.pick(request([*SYSTEM, 3000 + i]))
+        assert p is not None and p.replica.url == home and p.prediction.cached_tokens == 992
+        router.first_token(p)
+        router.finish(p)
+
+
+def test_predicted_completion_abandons_a_saturated_cache_holder(make_router: MakeRouter) -> None:
+    router = make_router()
+    home_url = picks(router, 1, SYSTEM)[0]
+    home = router.replicas[home_url]
+    # The first request is still prefilling its 993 tokens. At 10k tokens/s that queue (0.1 s) equals the
+    # cache's advantage: the next same-prefix requests queue behind it until another replica is cheaper.
+    urls = picks(router, 8, SYSTEM)
+    assert urls.count(home_url) < len(urls)
+    assert home.load(router.clock()).prefilling >= 1
+    spread = Counter(urls)
+    assert len(spread) == len(URLS)
+
+
+def test_predicted_completion_counts_other_routers_queue(make_router: MakeRouter) -> None:
+    router = make_router()
+    a = router.replicas[URLS[0]]
+    a.index.insert(request(SYSTEM).block_hashes)
+    # Another router has 50 requests waiting at `a` (at the mean prompt size, 100 tokens: 0.5 s of queue).
+    a.observe(MetricsSample(time=0, waiting=50), now=router.clock())
+    p = router.pick(request([*SYSTEM, 1]))
+    assert p is not None and p.replica is not a
+
+
+def test_non_streaming_request_leaves_prefill_when_its_predicted_ttft_passes(make_router: MakeRouter) -> None:
+    clock = Clock()
+    router = make_router(clock=clock)
+    p = router.pick(request(list(range(3000)), stream=False))
+    assert p is not None
+    assert p.replica.load(clock.now).pending_prefill_tokens == 3000
+    clock.now += p.prediction.ttft + 0.001
+    assert p.replica.load(clock.now).pending_prefill_tokens == 0
+    assert p.replica.load(clock.now).decoding == 1
+    router.finish(p)
+    assert p.replica.load(clock.now).inflight == 0
+
+
+def test_streaming_request_leaves_prefill_at_its_first_token(make_router: MakeRouter) -> None:
+    clock = Clock()
+    router = make_router(clock=clock)
+    p = router.pick(request(list(range(3000)), stream=True))
+    assert p is not None
+    clock.now += 100  # long past the prediction: a stream's first token is seen, not guessed
+    assert p.replica.load(clock.now).prefilling == 1
+    router.first_token(p)
+    assert p.replica.load(clock.now).prefilling == 0
+
+
+def test_scrape_counts_only_other_routers_requests_as_others() -> None:
+    r = Replica("http://x", 100)
+    clock = Clock()
+    cost = CostModel(BLOCK, Defaults())
+    from chunkwise.router.replica import InFlight
+
+    own = InFlight(10, 10, 5, True, clock.now, 1.0, 2.0)
+    r.begin(own, ())
+    r.observe(MetricsSample(time=0, waiting=4, running=2), now=clock.now)
+    assert r.others() == (3.0, 2.0)  # one of the 4 waiting is the router's own, still prefilling
+    assert cost.prefill_rate(r) == Defaults().prefill_rate
+
+
+def test_predicted_completion_waits_for_a_slot_when_the_batch_is_full(make_router: MakeRouter) -> None:
+    router = make_router()
+    a, b = router.replicas[URLS[0]], router.replicas[URLS[1]]
+    # A scrape that caught `a` with 2 running and 1 waiting: it runs 2 at a time (its max_num_seqs).
+    a.observe(MetricsSample(time=0, running=2, waiting=1), now=router.clock())
+    assert (a.slots, router.cost.slots(b)) == (2, 2)  # the fleet shares what one replica showed
+    a.index.insert(request(SYSTEM).block_hashes)
+    idle = router.cost.predict(b, request([*SYSTEM, 1]), router.clock())
+    full = router.cost.predict(a, request([*SYSTEM, 1]), router.clock())
+    # `a` has the prefix cached but three requests ahead and two slots: two must finish first.
+    service = router.cost.mean_prompt_tokens / 10_000 + router.cost.mean_output_tokens * 0.01
+    assert full.queue_s == pytest.approx(2 * service / 2 + 100 / 10_000)
+    assert full.completion > idle.completion
+    p = router.pick(request([*SYSTEM, 2]))
+    assert p is not None and p.replica is not a
+
+
+def test_a_stale_tpot_drifts_to_the_fleets(make_router: MakeRouter) -> None:
+    router = make_router()
+    a, b, _ = (router.replicas[u] for u in URLS)
+    a.estimates.tpot, b.estimates.tpot = 0.09, 0.01
+    assert router.cost.tpot(a) == pytest.approx(0.09)
+    # Measured slow once, then idle for two intervals: a quarter of the old measurement is left.
+    a.estimates.staleness = 2
+    assert router.cost.tpot(a) == pytest.approx(0.25 * 0.09 + 0.75 * 0.05)
