@@ -16,6 +16,8 @@ from chunkwise.attention.backend import AttentionMetadata
 # Upper bound on the elements of one gathered key (or value) tensor for a group of decode rows. On CPU a
 # temporary much larger than this comes straight from mmap and costs page faults on every step.
 DEFAULT_DECODE_GATHER_ELEMENTS = 1 << 22
+# Rows with at most this many query tokens (decodes, speculative verifies) share the batched one-token path.
+SHORT_QUERY_TOKENS = 8
 
 
 class TorchAttentionBackend:
@@ -35,18 +37,25 @@ class TorchAttentionBackend:
         self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
         out = torch.empty_like(query)
+        # Query tokens that go through the batched path: each attends to its context up to its own position.
         decode_rows: list[int] = []
         decode_tokens: list[int] = []
+        decode_lens: list[int] = []
         start = 0
         for i, n in enumerate(meta.query_lens_host):
-            if n == 1:
-                decode_rows.append(i)
-                decode_tokens.append(start)
-            elif n > 1:
+            if 1 <= n <= SHORT_QUERY_TOKENS:
+                # Decode rows, and the few tokens of a speculative verify: cheaper as n one-token queries in the
+                # shared batched call than as a prefill call of their own.
+                first = meta.seq_lens_host[i] - n + 1
+                for j in range(n):
+                    decode_rows.append(i)
+                    decode_tokens.append(start + j)
+                    decode_lens.append(first + j)
+            elif n > SHORT_QUERY_TOKENS:
                 self._prefill(query, kv_cache, meta, i, start, n, scale, out)
             start += n
         if decode_rows:
-            self._decode(query, kv_cache, meta, decode_rows, decode_tokens, scale, out)
+            self._decode(query, kv_cache, meta, decode_rows, decode_tokens, decode_lens, scale, out)
         return out
 
     def _prefill(
@@ -90,6 +99,7 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         rows: list[int],
         tokens: list[int],
+        lens: list[int],
         scale: float,
         out: torch.Tensor,
     ) -> None:
@@ -99,11 +109,11 @@ class TorchAttentionBackend:
         device = query.device
         flat = _flat_slots(kv_cache)
         budget = max(1, self.decode_gather_elements // (num_kv_heads * head_dim))
-        for g_rows, g_tokens, max_len in _length_groups(rows, tokens, meta.seq_lens_host, budget):
+        for g_rows, g_tokens, g_lens, max_len in _length_groups(rows, tokens, lens, budget):
             m = len(g_rows)
             row_idx = torch.tensor(g_rows, device=device)
             tok_idx = torch.tensor(g_tokens, device=device)
-            seq_lens = meta.seq_lens.index_select(0, row_idx)
+            seq_lens = torch.tensor(g_lens, device=device)
             pos = torch.arange(max_len, device=device)
             valid = pos[None, :] < seq_lens[:, None]
             clamped = torch.minimum(pos[None, :], seq_lens[:, None] - 1)
@@ -131,27 +141,29 @@ def _flat_slots(kv_cache: torch.Tensor) -> torch.Tensor:
 
 
 def _length_groups(
-    rows: list[int], tokens: list[int], seq_lens: list[int], budget: int
-) -> list[tuple[list[int], list[int], int]]:
-    """Split decode rows into groups padded to a common length.
+    rows: list[int], tokens: list[int], lens: list[int], budget: int
+) -> list[tuple[list[int], list[int], list[int], int]]:
+    """Split one-token queries into groups padded to a common context length.
 
-    Longest first; a group closes when the next row is under half its longest (bounding padding waste to
-    2x) or when one more row would take the gathered tensor past `budget` positions.
+    Longest first; a group closes when the next query's context is under half its longest (bounding padding
+    waste to 2x) or when one more would take the gathered tensor past `budget` positions.
     """
-    order = sorted(range(len(rows)), key=lambda j: seq_lens[rows[j]], reverse=True)
-    groups: list[tuple[list[int], list[int], int]] = []
+    order = sorted(range(len(rows)), key=lambda j: lens[j], reverse=True)
+    groups: list[tuple[list[int], list[int], list[int], int]] = []
     g_rows: list[int] = []
     g_tokens: list[int] = []
+    g_lens: list[int] = []
     max_len = 0
     for j in order:
-        length = seq_lens[rows[j]]
+        length = lens[j]
         if g_rows and (2 * length < max_len or (len(g_rows) + 1) * max_len > budget):
-            groups.append((g_rows, g_tokens, max_len))
-            g_rows, g_tokens = [], []
+            groups.append((g_rows, g_tokens, g_lens, max_len))
+            g_rows, g_tokens, g_lens = [], [], []
         if not g_rows:
             max_len = length
         g_rows.append(rows[j])
         g_tokens.append(tokens[j])
+        g_lens.append(length)
     if g_rows:
-        groups.append((g_rows, g_tokens, max_len))
+        groups.append((g_rows, g_tokens, g_lens, max_len))
     return groups

@@ -1,0 +1,156 @@
+"""Speculative decoding, side by side: batch-1 speedup and the cost of speculation under saturation.
+
+    python -m chunkwise.bench.spec --model small
+
+Two measurements, each run interleaved (A, B, A, B, ...) in one process, reporting median ratios:
+
+1. Batch 1. Tokens/s with speculation over tokens/s without, for the n-gram proposer on a repetitive prompt and
+   for an oracle proposer that drafts the true greedy continuation (acceptance 1, no drafting cost): the
+   mechanism's ceiling on this machine. The built-in models have random weights, which do not repeat their
+   context, so n-gram acceptance here says little about a trained model; the oracle row says what verification
+   costs and gains.
+2. Saturation. Many concurrent decodes; no speculation vs adaptive k vs fixed k, n-gram proposer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from chunkwise.config import engine_config_from_kwargs
+from chunkwise.engine import EngineCore
+from chunkwise.sampling_params import SamplingParams
+from chunkwise.worker.model_runner import DraftRequest
+
+
+class OracleProposer:
+    """Drafts the known greedy continuation: a bench-only upper bound, never used in serving."""
+
+    def __init__(self, prompt_len: int, continuation: list[int]) -> None:
+        self.prompt_len = prompt_len
+        self.continuation = continuation
+
+    def propose(self, requests: list[DraftRequest]) -> dict[str, list[int]]:
+        out = {}
+        for r in requests:
+            done = len(r.token_ids) - self.prompt_len
+            out[r.req_id] = self.continuation[done : done + r.k]
+        return out
+
+    def forget(self, req_ids: set[str]) -> None:
+        """Stateless."""
+
+
+def _run(engine: EngineCore, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, list[list[int]]]:
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ids = [f"r{time.perf_counter_ns()}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, sp)
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.outputs[0].token_ids)
+    seconds = time.perf_counter() - t0
+    return seconds, sum(len(t) for t in tokens.values()), [tokens[r] for r in ids]
+
+
+def _engine(model: str, **kw: object) -> EngineCore:
+    return EngineCore(engine_config_from_kwargs(model, max_model_len=2048, **kw))
+
+
+def batch_one(model: str, max_tokens: int, repeats: int, k: int) -> dict[str, object]:
+    base = _engine(model)
+    ngram = _engine(model, speculative_method="ngram", num_speculative_tokens=k, adaptive_speculation=False)
+    oracle = _engine(model, speculative_method="ngram", num_speculative_tokens=k, adaptive_speculation=False)
+    prompt = base.tokenizer.encode("the cat sat on the mat. " * 12)
+    _, _, (truth,) = _run(base, [prompt], max_tokens)  # warm-up and the oracle's script
+    oracle.runner.proposer = OracleProposer(len(prompt), truth)
+    rates: dict[str, list[float]] = {"none": [], "ngram": [], "oracle": []}
+    for _ in range(repeats):
+        for name, eng in (("none", base), ("ngram", ngram), ("oracle", oracle)):
+            seconds, n, (toks,) = _run(eng, [prompt], max_tokens)
+            assert toks == truth, f"{name}: speculation changed greedy output"
+            rates[name].append(n / seconds)
+    none = statistics.median(rates["none"])
+    st = ngram.stats
+    return {
+        "tokens_per_s": {k_: statistics.median(v) for k_, v in rates.items()},
+        "speedup_ngram": statistics.median(rates["ngram"]) / none,
+        "speedup_oracle": statistics.median(rates["oracle"]) / none,
+        "ngram_acceptance": st.spec_num_accepted_tokens / max(st.spec_num_draft_tokens, 1),
+    }
+
+
+def saturation(model: str, num_requests: int, max_tokens: int, repeats: int, k: int) -> dict[str, object]:
+    engines = {
+        "none": _engine(model, max_num_seqs=num_requests),
+        "adaptive": _engine(
+            model, max_num_seqs=num_requests, speculative_method="ngram", num_speculative_tokens=k
+        ),
+        "fixed": _engine(
+            model,
+            max_num_seqs=num_requests,
+            speculative_method="ngram",
+            num_speculative_tokens=k,
+            adaptive_speculation=False,
+        ),
+    }
+    tok = engines["none"].tokenizer
+    prompts = [tok.encode(f"request {i}: " + "lorem ipsum dolor sit amet " * 4) for i in range(num_requests)]
+    _run(engines["none"], prompts[:2], 4)
+    rates: dict[str, list[float]] = {name: [] for name in engines}
+    k_seen: dict[str, list[int]] = {name: [] for name in engines}
+    for _ in range(repeats):
+        for name, eng in engines.items():
+            seconds, n, _ = _run(eng, prompts, max_tokens)
+            rates[name].append(n / seconds)
+            k_seen[name].append(eng.stats.spec_draft_length)
+    none = statistics.median(rates["none"])
+    return {
+        "num_requests": num_requests,
+        "tokens_per_s": {name: statistics.median(v) for name, v in rates.items()},
+        "adaptive_vs_none": statistics.median(rates["adaptive"]) / none,
+        "fixed_vs_none": statistics.median(rates["fixed"]) / none,
+        "last_k": {name: v[-1] for name, v in k_seen.items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m chunkwise.bench.spec", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="small", help="built-in preset or HF directory (default small)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (default 64)")
+    p.add_argument(
+        "--num-requests", type=int, default=64, help="concurrent requests at saturation (default 64)"
+    )
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default 4)")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats per configuration (default 3)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--json", dest="json_out", default=None, help="also write results to this JSON file")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch threads: {torch.get_num_threads()}", file=sys.stderr)
+    one = batch_one(args.model, args.max_tokens, args.repeats, args.k)
+    print(
+        f"batch 1: speedup n-gram {one['speedup_ngram']:.2f}x (acceptance {one['ngram_acceptance']:.2f}), "
+        f"oracle drafts {one['speedup_oracle']:.2f}x"
+    )
+    sat = saturation(args.model, args.num_requests, args.max_tokens, args.repeats, args.k)
+    print(
+        f"saturation ({args.num_requests} requests): adaptive/none {sat['adaptive_vs_none']:.3f}, "
+        f"fixed k={args.k}/none {sat['fixed_vs_none']:.3f}, last k {sat['last_k']}"
+    )
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"batch_one": one, "saturation": sat}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
