@@ -16,6 +16,14 @@ def main(argv: list[str] | None = None) -> int:
     from chunkwise.router.args import add_router_args
 
     add_router_args(sub.add_parser("router", help="route OpenAI requests across replicas"))
+    from chunkwise.bench.cli import add_bench_args
+
+    add_bench_args(sub.add_parser("bench", help="benchmarks: serving client, side-by-side comparisons"))
+    from chunkwise.sim.cli import add_replay_args
+
+    add_replay_args(
+        sub.add_parser("replay", help="the scheduler on a virtual clock with a calibrated cost model")
+    )
     sub.add_parser(
         "operator", help="run the Kubernetes operator (kopf run -m chunkwise_operator.main)", add_help=False
     )
@@ -35,6 +43,14 @@ def main(argv: list[str] | None = None) -> int:
         from chunkwise.router.run import serve_router
 
         return serve_router(args)
+    if args.command == "bench":
+        from chunkwise.bench.cli import run_bench
+
+        return run_bench(args)
+    if args.command == "replay":
+        from chunkwise.sim.cli import run_replay_cli
+
+        return run_replay_cli(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

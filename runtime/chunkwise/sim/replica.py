@@ -1,0 +1,213 @@
+"""One simulated replica: chunkwise's own Scheduler and KVCacheManager, unchanged, with a cost model in place of
+the model runner and a virtual clock in place of time.
+
+A step is scheduled at virtual time t; the profile says how long it takes; its result is applied at t + dt,
+which is when its tokens are emitted. The stand-in model samples a filler token, or EOS when a request whose
+length the client did not give reaches its hidden target, so admission sees output lengths only as the real
+engine does: by observing finished requests.
+
+The scheduler stamps a few wall-clock times on requests (finished_time, first_scheduled_time); nothing here
+reads them: every time a report uses is virtual and kept by the simulator.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from chunkwise.bench.workloads import WorkItem
+from chunkwise.cache.hashing import hash_prefix_blocks
+from chunkwise.cache.kv_cache_manager import KVCacheManager
+from chunkwise.config import SchedulerConfig
+from chunkwise.request import Request
+from chunkwise.sampling_params import SamplingParams
+from chunkwise.sched.output import SchedulerOutput
+from chunkwise.sched.preemption import PreemptionCostModel
+from chunkwise.sched.scheduler import Scheduler
+from chunkwise.sched.shedding import ServiceRate
+from chunkwise.sim.profile import Profile
+
+# The stand-in model's vocabulary: EOS where a hidden target ends a request, fillers otherwise. Fillers vary
+# with position so that generated blocks hash differently, as real output would.
+SIM_EOS = -1
+_NUM_FILLERS = 251
+# A scheduler that returns empty steps this many times in a row while holding requests cannot progress.
+_MAX_EMPTY_STEPS = 1000
+
+
+def filler_token(position: int) -> int:
+    return 1 + position % _NUM_FILLERS
+
+
+@dataclass
+class Emission:
+    """What a step emitted for one request."""
+
+    request_id: str
+    num_tokens: int
+    finished: bool
+    num_preemptions: int
+
+
+class SimReplica:
+    def __init__(
+        self,
+        index: int,
+        profile: Profile,
+        config: SchedulerConfig,
+        *,
+        num_blocks: int | None = None,
+        enable_prefix_caching: bool = True,
+        num_host_blocks: int | None = None,
+    ) -> None:
+        if config.max_model_len is None:
+            raise ValueError("the scheduler config's max_model_len must be resolved")
+        self.index = index
+        self.profile = profile
+        self.config = config
+        self.max_model_len = config.max_model_len
+        blocks = num_blocks if num_blocks is not None else profile.num_blocks
+        # Host swap space as the engine sizes it by default: 1 GiB.
+        host = num_host_blocks
+        if host is None:
+            host = (1 << 30) // (profile.kv_bytes_per_token * profile.block_size)
+        self.kv = KVCacheManager(blocks, profile.block_size, enable_prefix_caching, host)
+        self.cost_model = PreemptionCostModel(
+            kv_bytes_per_token=profile.kv_bytes_per_token,
+            host_copy_bytes_per_s=profile.host_copy_bytes_per_s,
+            prefill_tokens_per_s=profile.prefill_tokens_per_s,
+            forced=config.preemption_mode,
+        )
+        self.scheduler = Scheduler(config, self.kv, self.cost_model)
+        self.targets: dict[str, int] = {}
+        self.rate = ServiceRate(profile.prefill_tokens_per_s)
+        self.busy = False
+        self._in_flight: tuple[SchedulerOutput, dict[str, list[int]]] | None = None
+        self.last_output: SchedulerOutput | None = None
+        self._empty_steps = 0
+        # Exponential average of step time: the replica's current TPOT, as a router would read it.
+        self.step_ema_s = 0.0
+        self.schedule_cpu_s: list[float] = []
+
+    # -- requests -------------------------------------------------------------------------------------------
+    def make_request(self, rid: str, item: WorkItem, ids: list[int], arrival_s: float) -> Request:
+        """The engine's validation (make_request) on virtual time. Raises ValueError as the engine does."""
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt is {len(ids)} tokens; max_model_len is {self.max_model_len}")
+        room = self.max_model_len - len(ids)
+        if item.max_tokens is not None and item.max_tokens > room:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) plus max_tokens ({item.max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})"
+            )
+        params = SamplingParams(
+            max_tokens=item.max_tokens, temperature=0.0, ignore_eos=item.max_tokens is not None
+        )
+        return Request(
+            request_id=rid,
+            prompt_token_ids=ids,
+            sampling_params=params,
+            arrival_time=arrival_s,
+            max_tokens=item.max_tokens if item.max_tokens is not None else room,
+            eos_token_ids=(SIM_EOS,),
+        )
+
+    def add(self, req: Request, target_len: int | None) -> None:
+        self.scheduler.add_request(req)
+        if target_len is not None:
+            self.targets[req.request_id] = target_len
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- what a router reads --------------------------------------------------------------------------------
+    @property
+    def num_requests(self) -> int:
+        s = self.scheduler
+        return len(s.running) + len(s.waiting) + len(s.swapped)
+
+    def queue_delay_s(self) -> float:
+        """The engine's own predicted queueing delay (chunkwise.sched.shedding): queued prefill and decode
+        tokens over the measured service rate."""
+        s = self.scheduler
+        tokens = 0
+        for r in (*s.waiting, *s.swapped):
+            tokens += r.num_tokens - r.num_computed_tokens
+            tokens += max(0, r.output_length_estimate - r.num_output_tokens)
+        rate = self.rate.tokens_per_s
+        return tokens / rate if tokens and rate > 0 else 0.0
+
+    def cached_prompt_tokens(self, block_hashes: list[int], num_prompt_tokens: int) -> int:
+        """Leading prompt tokens this replica's prefix cache holds (read only; as lookup_prefix counts)."""
+        if not self.kv.enable_prefix_caching:
+            return 0
+        hits = 0
+        for h in block_hashes[: (num_prompt_tokens - 1) // self.kv.block_size]:
+            if self.kv.pool.lookup(h) is None:
+                break
+            hits += 1
+        return hits * self.kv.block_size
+
+    def output_estimate(self, item: WorkItem) -> int:
+        if item.max_tokens is not None:
+            return item.max_tokens
+        return self.scheduler.estimator.estimate("")
+
+    def tpot_s(self) -> float:
+        if self.step_ema_s > 0 and self.num_requests:
+            return self.step_ema_s
+        return self.profile.decode_step_seconds(1, 128)
+
+    # -- steps ----------------------------------------------------------------------------------------------
+    def start_step(self) -> float:
+        """Schedule one step; returns its duration. Its result is applied by finish_step."""
+        # CPU time of this thread: the scheduler's own cost, whatever else the machine is doing.
+        t0 = time.thread_time()
+        so = self.scheduler.schedule()
+        self.schedule_cpu_s.append(time.thread_time() - t0)
+        if so.is_empty:
+            self._empty_steps += 1
+            if self._empty_steps > _MAX_EMPTY_STEPS:
+                raise RuntimeError(
+                    f"replica {self.index}: the scheduler made no progress in {_MAX_EMPTY_STEPS} steps with "
+                    f"{self.num_requests} requests held"
+                )
+        else:
+            self._empty_steps = 0
+        sampled: dict[str, list[int]] = {}
+        for sr in so.scheduled:
+            if not sr.samples:
+                continue
+            req = self.scheduler.requests[sr.req_id]
+            n = req.num_output_tokens
+            target = self.targets.get(sr.req_id)
+            sampled[sr.req_id] = [SIM_EOS if target is not None and n + 1 >= target else filler_token(n)]
+        self._in_flight = (so, sampled)
+        self.last_output = so
+        self.busy = True
+        dt = self.profile.step_seconds(so)
+        self.rate.observe(so.num_batched_tokens, dt)
+        if so.scheduled:
+            self.step_ema_s = dt if self.step_ema_s == 0 else self.step_ema_s + 0.1 * (dt - self.step_ema_s)
+        return dt
+
+    def finish_step(self) -> tuple[SchedulerOutput, list[Emission]]:
+        assert self._in_flight is not None
+        so, sampled = self._in_flight
+        self._in_flight = None
+        self.busy = False
+        emitted = []
+        for req in self.scheduler.update_from_output(so, sampled):
+            emitted.append(
+                Emission(
+                    req.request_id, len(sampled.get(req.request_id, ())), req.is_finished, req.preempt_count
+                )
+            )
+            if req.is_finished:
+                self.targets.pop(req.request_id, None)
+        return so, emitted
+
+
+def prompt_block_hashes(ids: list[int], block_size: int) -> list[int]:
+    """The chained hashes the replicas' prefix caches use (no salt), for the router's cache lookups."""
+    return hash_prefix_blocks(ids, block_size)
