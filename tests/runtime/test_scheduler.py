@@ -292,3 +292,27 @@ def test_property_no_leak_no_double_free_exact_lengths(reqs, mode, num_blocks, b
         if r.finish_reason != "abort":
             assert r.num_output_tokens == r.max_tokens
         assert r.preempt_count <= 8
+
+
+def test_waiting_queue_scans_a_bounded_window():
+    from chunkwise.sched.queue import WaitingQueue
+
+    q = WaitingQueue(long_prompt_threshold=100, max_long_prefills=1, scan_limit=3)
+    reqs = [make_req(f"w{i}", 4, 1) for i in range(10)]
+    for r in reqs:
+        q.push(r)
+    assert [r.request_id for r in q.candidates(0)] == ["w0", "w1", "w2"]
+
+
+def test_estimate_is_taken_at_admission_not_arrival():
+    s = make_sched(num_blocks=256, cold_start_output_tokens=100, max_num_seqs=1)
+    s.add_request(make_req("first", 4, 3))
+    late = Request("late", [9, 9, 9], SamplingParams(max_tokens=None, temperature=0.0), 99.0, max_tokens=200)
+    s.add_request(late)
+    assert late.output_length_estimate == 100  # cold start: no history yet
+    for n in range(30):
+        s.estimator.observe("", 8 + n % 3)
+    while "first" in s.requests:
+        run_step(s)
+    run_step(s)
+    assert late.status == RequestStatus.RUNNING and late.output_length_estimate == 10

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
+from itertools import islice
 
 from chunkwise.request import Request
 
 
 class WaitingQueue:
-    def __init__(self, long_prompt_threshold: int, max_long_prefills: int) -> None:
+    def __init__(self, long_prompt_threshold: int, max_long_prefills: int, scan_limit: int = 512) -> None:
         self.long_prompt_threshold = long_prompt_threshold
         self.max_long_prefills = max_long_prefills
+        # How far past the head admission looks in one step: a deep queue must not make every step slower.
+        self.scan_limit = scan_limit
         self._q: deque[Request] = deque()
 
     def __len__(self) -> int:
@@ -45,9 +48,10 @@ class WaitingQueue:
         return req.num_prompt_tokens >= self.long_prompt_threshold
 
     def candidates(self, num_long_prefilling: int) -> Iterator[Request]:
-        """Requests to try, in order. Iterates over a snapshot so the caller may remove what it admits."""
+        """Requests to try, in order, at most scan_limit of them. Iterates over a snapshot of that window so the
+        caller may remove what it admits."""
         long_slots = self.max_long_prefills - num_long_prefilling
-        for req in list(self._q):
+        for req in list(islice(self._q, self.scan_limit)):
             if self.is_long(req) and req.is_prefilling:
                 if long_slots <= 0:
                     continue

@@ -211,6 +211,10 @@ class Scheduler:
                 scanned += 1
                 if scanned > self.reuse.lookahead:
                     break
+            if req.status == RequestStatus.WAITING and req.sampling_params.max_tokens is None:
+                # Estimated at admission, not arrival: a burst that queued before the route had history
+                # gets the quantile learned since, not the cold-start value.
+                req.output_length_estimate = self.admission.output_estimate(req)
             cached = self.kv.lookup_prefix(req)
             if blocked is not None and not self.reuse.prefers(req, len(cached)):
                 continue
