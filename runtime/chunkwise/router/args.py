@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from chunkwise.argtypes import LOG_LEVELS, port, positive_float, positive_int
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
 DEFAULT_POLICY = "predicted-completion"
@@ -18,28 +20,6 @@ DEFAULT_PREFILL_RATE = 10_000.0
 DEFAULT_TPOT_S = 0.02
 # Kept here rather than imported from policies.py, so that `chunkwise --help` imports nothing heavy.
 POLICY_NAMES = ("predicted-completion", "round-robin", "least-loaded", "prefix-affinity")
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port number in [0, 65535], got {text}")
-    return value
 
 
 def _url_list(text: str) -> list[str]:
@@ -50,7 +30,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("router")
     g.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
     g.add_argument(
-        "--port", type=_port, default=DEFAULT_PORT, help=f"port to listen on (default {DEFAULT_PORT})"
+        "--port", type=port, default=DEFAULT_PORT, help=f"port to listen on (default {DEFAULT_PORT})"
     )
     g.add_argument(
         "--policy",
@@ -77,14 +57,14 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--poll-interval-seconds",
-        type=_positive_float,
+        type=positive_float,
         default=DEFAULT_POLL_INTERVAL_S,
         help="how often to read each replica's /health and /metrics, and to list EndpointSlices "
         f"(default {DEFAULT_POLL_INTERVAL_S:g})",
     )
     g.add_argument(
         "--block-size",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_BLOCK_SIZE,
         help=f"the replicas' KV block size, for prefix matching (default {DEFAULT_BLOCK_SIZE}, the engine's)",
     )
@@ -96,27 +76,27 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--prefix-cache-blocks",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_PREFIX_CACHE_BLOCKS,
         help="blocks each replica's prefix cache holds, bounding the router's index of it; a replica that "
         f"exports vllm:cache_config_info overrides it (default {DEFAULT_PREFIX_CACHE_BLOCKS})",
     )
     g.add_argument(
         "--default-max-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_MAX_TOKENS,
         help=f"the output length assumed for a chat request without max_tokens (default {DEFAULT_MAX_TOKENS})",
     )
     g.add_argument(
         "--default-prefill-rate",
-        type=_positive_float,
+        type=positive_float,
         default=DEFAULT_PREFILL_RATE,
         help="prefill tokens/s assumed until the replicas have been measured "
         f"(default {DEFAULT_PREFILL_RATE:g})",
     )
     g.add_argument(
         "--default-tpot-seconds",
-        type=_positive_float,
+        type=positive_float,
         default=DEFAULT_TPOT_S,
         help=f"time per output token assumed until measured (default {DEFAULT_TPOT_S:g})",
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from chunkwise.argtypes import LOG_LEVELS, non_negative_float, port, positive_int
 from chunkwise.engine_args import add_engine_args
 
 DEFAULT_HOST = "127.0.0.1"
@@ -12,28 +13,6 @@ DEFAULT_MAX_WAITING = 256
 DEFAULT_QUEUE_DELAY_SLO_S = 30.0
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative number, got {text}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port number in [0, 65535], got {text}")
-    return value
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +20,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
     g.add_argument(
-        "--port", type=_port, default=DEFAULT_PORT, help=f"port to listen on (default {DEFAULT_PORT})"
+        "--port", type=port, default=DEFAULT_PORT, help=f"port to listen on (default {DEFAULT_PORT})"
     )
     g.add_argument(
         "--served-model-name",
@@ -50,28 +29,28 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-waiting",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_MAX_WAITING,
         help="bound of the waiting queue: requests accepted but not yet running; beyond it new requests get "
         f"429 (default {DEFAULT_MAX_WAITING})",
     )
     g.add_argument(
         "--queue-delay-slo-seconds",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=DEFAULT_QUEUE_DELAY_SLO_S,
         help="load shedding: refuse (429) a request whose predicted queueing delay, queued prefill + decode "
         f"tokens over the measured token rate, exceeds this; 0 disables (default {DEFAULT_QUEUE_DELAY_SLO_S:g})",
     )
     g.add_argument(
         "--drain-timeout-seconds",
-        type=_non_negative_float,
+        type=non_negative_float,
         default=DEFAULT_DRAIN_TIMEOUT_S,
         help="on SIGTERM/SIGINT, refuse new requests (503) and give those in flight this long to finish "
         f"before aborting them (default {DEFAULT_DRAIN_TIMEOUT_S:g})",
     )
     g.add_argument(
         "--max-request-bytes",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_MAX_REQUEST_BYTES,
         help=f"largest request body accepted; larger ones get 413 (default {DEFAULT_MAX_REQUEST_BYTES}, 1 MiB)",
     )
