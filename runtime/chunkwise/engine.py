@@ -43,6 +43,8 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 # KV memory when neither blocks nor bytes are given: modest on CPU, most of a GPU's free memory on CUDA.
 _DEFAULT_CPU_KV_BYTES = 1 << 30
 _DEFAULT_GPU_KV_FRACTION = 0.8
+# Steps in a row that may fail (each failing its requests) before the engine thread gives up.
+_MAX_CONSECUTIVE_FAILURES = 3
 
 
 @dataclass
@@ -535,6 +537,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="chunkwise-engine", daemon=True)
         self.error: BaseException | None = None
         self._ids = itertools.count()
+        self._consecutive_failures = 0
         self._observers: list[Callable[[StepStats | None, list[RequestOutput], list[Request]], None]] = []
         # Loop-thread state: live requests (for observers' timings), the routes seen, the service rate.
         self._requests: dict[str, Request] = {}
@@ -758,6 +761,33 @@ class AsyncEngine:
             except Exception:
                 logging.getLogger(__name__).exception("engine observer %r failed", observer)
 
+    def _recover(self, error: Exception) -> None:
+        """A step raised: fail the requests in flight, free their blocks, keep serving the next ones.
+
+        What was in the step cannot be trusted, so every unfinished request gets the error; the engine survives
+        only if aborting them leaves the block pool whole. Otherwise (or on repeated failures) it re-raises and
+        the thread dies as before: /health turns 503 and the pod is restarted.
+        """
+        self._consecutive_failures += 1
+        logging.getLogger(__name__).exception("engine step failed; aborting the requests in flight")
+        core = self.core
+        aborted = core.abort(list(core.scheduler.requests))
+        failure = RuntimeError(f"the engine step failed and this request was aborted: {error!r}")
+        finished = []
+        for out in aborted:
+            self._deliver(failure, out.request_id)
+            done = self._requests.pop(out.request_id, None)
+            if done is not None:
+                finished.append(done)
+        self._publish()
+        self._notify(None, aborted, finished)
+        core.kv.pool.check_invariants()
+        if (
+            core.kv.num_free_blocks != core.num_blocks
+            or self._consecutive_failures >= _MAX_CONSECUTIVE_FAILURES
+        ):
+            raise error
+
     def _loop(self) -> None:
         try:
             while not self._stopping:
@@ -767,7 +797,12 @@ class AsyncEngine:
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
-                outs = self.core.step()
+                try:
+                    outs = self.core.step()
+                except Exception as e:
+                    self._recover(e)
+                    continue
+                self._consecutive_failures = 0
                 step = self.core.last_step
                 if step is not None:
                     self._rate.observe(step.num_batched_tokens, step.step_seconds)

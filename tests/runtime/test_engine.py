@@ -206,3 +206,33 @@ def test_async_engine_streams_deltas_and_aborts_on_early_exit() -> None:
         asyncio.run(main())
     finally:
         engine.shutdown()
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving() -> None:
+    engine = AsyncEngine(engine_config_from_kwargs("tiny", max_model_len=256, block_size=8))
+    real_execute = engine.core.runner.execute
+    calls = {"n": 0}
+
+    def flaky_execute(so):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected fault")
+        return real_execute(so)
+
+    engine.core.runner.execute = flaky_execute  # type: ignore[method-assign]
+    engine.start()
+    sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+    async def main() -> None:
+        with pytest.raises(RuntimeError, match="injected fault"):
+            async for _ in engine.generate("this one meets the fault", sp):
+                pass
+        outs = [o async for o in engine.generate("this one is served", sp)]
+        assert sum(len(o.outputs[0].token_ids) for o in outs) == 20
+        assert engine.is_running and engine.error is None
+        assert engine.core.kv.num_free_blocks == engine.core.num_blocks
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
