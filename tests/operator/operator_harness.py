@@ -9,12 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import datetime
-import itertools
 import logging
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -25,6 +22,7 @@ import kopf
 import kubernetes
 import pytest
 import yaml
+from e2e.local.kube import Emulator
 
 from chunkwise_operator.spec import GROUP, PLURAL, VERSION
 
@@ -35,53 +33,9 @@ VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
 NAMESPACE = "default"
 
 
-def _merge(old: Any, patch: Any) -> Any:
-    if isinstance(old, Mapping) and isinstance(patch, Mapping):
-        result = dict(old)
-        for key, value in patch.items():
-            if value is None:
-                result.pop(key, None)
-            else:
-                result[key] = _merge(old.get(key), value)
-        return result
-    return patch
-
-
-class ApiServer(km.KubernetesEmulator):
-    """Adds what kmock leaves out and the operator depends on: uid, generation, names, resourceVersion.
-
-    A real API server gives every object a uid, bumps metadata.generation when the spec changes (also
-    through /scale), names objects created with generateName (Kopf's events) and stamps every write with a
-    new resourceVersion; kmock does none of that. Kopf needs the last one: it skips the watch events older
-    than its own last patch by resourceVersion, and without it replays a stale event as a second creation.
-    """
-
-    _versions = itertools.count(1)
-
-    async def _handle(self, request: Any) -> Any:
-        data = request.data
-        if request.resource is not None and isinstance(data, dict):
-            if request.action in (km.action.CREATE, km.action.UPDATE):
-                data.setdefault("metadata", {})["resourceVersion"] = str(next(self._versions))
-            if request.action == km.action.CREATE:
-                meta = data["metadata"]
-                if not meta.get("name") and meta.get("generateName"):
-                    meta["name"] = meta["generateName"] + uuid.uuid4().hex[:8]
-                meta.setdefault("uid", str(uuid.uuid4()))
-                meta.setdefault("generation", 1)
-                meta.setdefault("creationTimestamp", _now())
-            elif request.action == km.action.UPDATE and request.subresource in (None, "scale"):
-                key = (request.resource, request.namespace, request.name)
-                if "spec" in data and key in self.objects and not self.objects[key].deleted:
-                    current = self.objects[key].raw
-                    if _merge(current.get("spec"), data["spec"]) != current.get("spec"):
-                        generation = (current.get("metadata") or {}).get("generation") or 1
-                        data.setdefault("metadata", {})["generation"] = generation + 1
-        return await super()._handle(request)
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+# One emulator for every kmock-based suite (this one, the local fleet, the image tests): it adds what kmock
+# leaves out and the operator depends on (uid, generation, generateName, resourceVersion).
+ApiServer = Emulator
 
 
 class Cluster:
