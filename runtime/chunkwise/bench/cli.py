@@ -2,6 +2,7 @@
 
     chunkwise bench serve --base-url http://127.0.0.1:8000 --model tiny --workload long-tailed --request-rate 4
     chunkwise bench compare batching|chunked|prefix|hf|sched-overhead|preemption [--model small]
+    chunkwise bench compare vllm --vllm-python ~/vllm-venv/bin/python [--mode convoy]
     chunkwise bench workload --workload agent --num-requests 200 --out agent.jsonl
 
 Everything heavy (torch, the engine, httpx, matplotlib) is imported inside the run functions, so that
@@ -16,6 +17,8 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
+
+from chunkwise.argtypes import positive_float, positive_int
 
 if TYPE_CHECKING:
     from chunkwise.bench.clock import ClockName
@@ -236,6 +239,61 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     pr.add_argument("--contexts", type=_ints, default=[128, 512, 1024, 2048], help="context lengths")
     pr.set_defaults(repeats=3)
 
+    vl = csub.add_parser(
+        "vllm",
+        help="chunkwise vs vLLM on one HF checkpoint, workload, dtype and pinned core",
+        description="Both engines in their own processes, pinned to --cpus, on the same checkpoint (by "
+        "default a random 57M-parameter Llama written to ~/.cache/chunkwise/bench), taking turns; prints "
+        "chunkwise/vLLM ratios. throughput: offline output tok/s (defaults: 64 requests, 32-256-token "
+        "prompts, long-tailed outputs, max_model_len 2048). convoy: both OpenAI servers driven by the same "
+        "streaming client, 8 decoding streams (16-64-token prompts, 128 output tokens) with two 3000-token "
+        "prompts injected at 2 s and 6 s (max_model_len 4096); reports the streams' p99 and max ITL and the "
+        "long prompts' TTFT. vLLM runs under --vllm-python.",
+    )
+    vl.add_argument(
+        "--mode",
+        choices=["throughput", "convoy"],
+        default="throughput",
+        help="throughput: offline output tok/s; convoy: served, streams' ITL and long prompts' TTFT (throughput)",
+    )
+    vl.add_argument("--model", default=None, help="an existing HF model directory (default: the benchmark's)")
+    vl.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="where the benchmark checkpoint is written or reused (~/.cache/chunkwise/bench/llama-57m)",
+    )
+    vl.add_argument(
+        "--dtype", default="float32,bfloat16", help="comma-separated dtypes, each compared (float32,bfloat16)"
+    )
+    vl.add_argument(
+        "--cpus", default="1", help="CPU list both engines are pinned to, as taskset -c takes it (1)"
+    )
+    vl.add_argument(
+        "--repeats", type=positive_int, default=2, help="runs per engine and dtype, alternating (2)"
+    )
+    vl.add_argument(
+        "--vllm-python", default=sys.executable, help="the interpreter that has vllm (default: this one)"
+    )
+    vl.add_argument("--max-num-seqs", type=positive_int, default=32, help="both engines (32)")
+    vl.add_argument("--max-num-batched-tokens", type=positive_int, default=1024, help="both engines (1024)")
+    vl.add_argument(
+        "--max-model-len", type=positive_int, default=None, help="both engines (2048; 4096 in convoy mode)"
+    )
+    vl.add_argument("--kv-cache-gib", type=positive_float, default=2.0, help="KV cache of each engine (2)")
+    vl.add_argument("--json", dest="json_out", default=None, help="write the results as JSON to this file")
+    vl.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    # Unset workload flags take the mode's defaults (chunkwise.bench.peer.MODE_DEFAULTS).
+    add_workload_args(
+        vl,
+        workload=None,
+        num_requests=None,
+        min_prompt=None,
+        max_prompt=None,
+        median_output=None,
+        sigma=None,
+        max_output=None,
+    )
+
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
@@ -246,6 +304,10 @@ def run_bench(args: argparse.Namespace) -> int:
         return _serve(args)
     if args.bench_command == "workload":
         return _workload(args)
+    if args.what == "vllm":
+        from chunkwise.bench.peer import run_from_args
+
+        return run_from_args(args)
     return _compare(args)
 
 
