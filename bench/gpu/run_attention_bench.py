@@ -109,6 +109,7 @@ def make_case(
         seq_lens_host=seq_lens,
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
+        block_size=block_size,
     )
     torch.manual_seed(seed)
     cache = torch.randn(kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim), device=device).to(
@@ -309,7 +310,9 @@ class Bench:
         )
 
     def attend(self, backend: Any, case: Case) -> torch.Tensor:
-        return backend.attend(case.query, case.cache, case.meta, case.scale)
+        _, num_heads, head_dim = case.query.shape
+        plan = backend.plan(case.meta, num_heads, case.cache.shape[3], head_dim)
+        return backend.attend(case.query, case.cache, plan, case.scale)
 
     # -- sections ---------------------------------------------------------------------------------------
 
@@ -376,7 +379,7 @@ class Bench:
                 name, self.attend(self.triton, case), self.attend(self.torch_ref, case), self.dtype
             ):
                 continue
-            plan = self.triton.plan(case.meta, heads[0], heads[1], self.device)
+            plan = self.triton.launch_plan(case.meta, heads[0], heads[1], self.device)
             t_triton = self.timer(partial(self.attend, self.triton, case))
             t_sdpa = self.timer(uniform_sdpa_fn(case))
             t_ref = self.timer(partial(self.attend, self.torch_ref, case))
@@ -567,6 +570,10 @@ class Bench:
         device, dtype, bs = self.device, self.dtype, self.args.block_size
         with torch.device(device):
             model = LlamaForCausalLM(cfg, self.triton)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                # The layers allocate without initialising (the loader fills them): random weights here.
+                p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0.0, 0.02)
         model = model.to(dtype).eval()
         n_params = sum(p.numel() for p in model.parameters())
         # Weights read per step: every matrix once, plus the tied embedding again as the LM head.
@@ -600,11 +607,14 @@ class Bench:
                 seq_lens_host=[pos + 1] * batch,
                 max_query_len=1,
                 max_seq_len=pos + 1,
+                block_size=bs,
             )
             ids = torch.randint(0, cfg.vocab_size, (batch,), generator=gen).to(device)
             return ids, positions, meta
 
         def set_backend(backend: Any) -> None:
+            # The model plans each step with its backend; every layer attends with it.
+            model.model.backend = backend
             for module in model.modules():
                 if isinstance(module, Attention):
                     module.backend = backend

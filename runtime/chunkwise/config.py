@@ -161,17 +161,18 @@ class SpecConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "tiny"
-    dtype: str = "float32"
+    # "auto": see chunkwise.platform.resolve_dtype (bf16 where the hardware has bf16 matmuls, else fp32).
+    dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    attention_backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
 
 
 _SCHEDULER_ARGS = {

@@ -25,8 +25,9 @@ from chunkwise.attention import get_attention_backend
 from chunkwise.attention.backend import AttentionBackend
 from chunkwise.cache.kv_cache_manager import KVCacheManager
 from chunkwise.config import EngineConfig, engine_config_from_kwargs
-from chunkwise.model.loader import LoadedModel, load_model
+from chunkwise.model.loader import LoadedModel, checkpoint_dtype, load_model
 from chunkwise.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from chunkwise.platform import cpu_has_bf16_matmul, resolve_dtype
 from chunkwise.request import Request, RequestStatus
 from chunkwise.sampling_params import SamplingParams
 from chunkwise.sched.output import ScheduledRequest, SchedulerOutput, SchedulerStats
@@ -39,12 +40,13 @@ from chunkwise.spec.ngram import NgramProposer
 from chunkwise.tokenizer import IncrementalDetokenizer, Tokenizer
 from chunkwise.worker.model_runner import ModelRunner, Proposer, kv_bytes_per_token
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # KV memory when neither blocks nor bytes are given: modest on CPU, most of a GPU's free memory on CUDA.
 _DEFAULT_CPU_KV_BYTES = 1 << 30
 _DEFAULT_GPU_KV_FRACTION = 0.8
 # Steps in a row that may fail (each failing its requests) before the engine thread gives up.
 _MAX_CONSECUTIVE_FAILURES = 3
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -176,8 +178,19 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         torch.manual_seed(config.seed)
         device = torch.device(config.device)
-        dtype = _DTYPES[config.dtype]
+        choice = resolve_dtype(config.dtype, device, checkpoint_dtype(config.model))
+        dtype = choice.dtype
+        log.info("dtype %s (%s)", choice.name, choice.reason)
+        if dtype != torch.float32 and device.type == "cpu" and not cpu_has_bf16_matmul():
+            log.info(
+                "this CPU has no %s matrix units: linear layers keep %s numerics but run as float32 matmuls "
+                "over weights widened once (twice the weights' %s memory); float32 is as fast and more exact",
+                choice.name,
+                choice.name,
+                choice.name,
+            )
         backend = get_attention_backend(config.attention_backend, device.type)
+        log.info("attention backend %s", backend.name)
         self.loaded: LoadedModel = load_model(config.model, dtype=dtype, device=device, backend=backend)
         mcfg = self.loaded.config
         sched_cfg = config.scheduler
@@ -188,7 +201,8 @@ class EngineCore:
                 f"max_model_len {sched_cfg.max_model_len} exceeds the model's "
                 f"max_position_embeddings {mcfg.max_position_embeddings}"
             )
-        self.config = dataclasses.replace(config, scheduler=sched_cfg)
+        # The resolved dtype, so that what reads the config later (benchmarks, calibration) sees the real one.
+        self.config = dataclasses.replace(config, scheduler=sched_cfg, dtype=choice.name)
         self.max_model_len: int = sched_cfg.max_model_len  # type: ignore[assignment]
         self.tokenizer: Tokenizer = self.loaded.tokenizer
         # The checkpoint's own EOS ids and the tokenizer's: generation stops on either, as in transformers.

@@ -18,7 +18,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--model", default="tiny", help="built-in preset (tiny, small) or a local Hugging Face directory"
     )
     g.add_argument(
-        "--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="default: float32"
+        "--dtype",
+        default=None,
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="default: auto (bfloat16 on CUDA and on CPUs with bf16 matrix units, else float32)",
     )
     g.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cpu)")
     g.add_argument("--seed", type=int, default=None, help="global seed (default 0)")
@@ -90,9 +93,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--attention-backend",
-        choices=["auto", "torch", "triton"],
+        choices=["auto", "torch", "cpu", "triton"],
         default=None,
-        help="auto (default): Triton on CUDA, the torch reference on CPU",
+        help="auto (default): Triton on CUDA, chunkwise's C++ kernels on CPU (the torch reference where they "
+        "cannot be built)",
     )
 
 

@@ -49,7 +49,9 @@ def test_greedy_matches_transformers_under_chunked_prefill_and_mixed_batches(mod
     prompts, max_new = workload()
     expected = hf_greedy(model_dir, prompts, max_new)
     # A 16-token budget splits the longer prompts into 3 or more chunks.
-    engine = EngineCore(engine_config_from_kwargs(str(model_dir), max_num_batched_tokens=16, block_size=4))
+    engine = EngineCore(
+        engine_config_from_kwargs(str(model_dir), dtype="float32", max_num_batched_tokens=16, block_size=4)
+    )
     assert max(len(p) for p in prompts) > 3 * 16 - 16
     assert run_staggered(engine, prompts, max_new) == expected
 
@@ -62,6 +64,7 @@ def test_greedy_matches_transformers_through_forced_preemption(model_dir: Path, 
     engine = EngineCore(
         engine_config_from_kwargs(
             str(model_dir),
+            dtype="float32",
             max_num_batched_tokens=32,
             block_size=4,
             num_blocks=32,
@@ -86,7 +89,7 @@ def test_greedy_matches_transformers_with_prefix_cache_hits(model_dir: Path) -> 
     prompts = [shared + [rng.randrange(3, 160) for _ in range(rng.randint(1, 9))] for _ in range(8)]
     max_new = [8] * len(prompts)
     expected = hf_greedy(model_dir, prompts, max_new)
-    llm = LLM(str(model_dir), max_num_batched_tokens=64, block_size=4)
+    llm = LLM(str(model_dir), dtype="float32", max_num_batched_tokens=64, block_size=4)
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     first = llm.generate(prompts[:1], sp)
     rest = llm.generate(prompts[1:], sp)

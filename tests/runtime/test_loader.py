@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from chunkwise.attention.torch_ref import TorchAttentionBackend
 from chunkwise.model import PRESETS, load_model, model_config_from_hf
+from chunkwise.model.loader import hf_state_dict
 from chunkwise.tokenizer import ByteTokenizer
 
 BASE = {
@@ -25,7 +26,10 @@ BASE = {
 
 
 def load(path: Path | str):
-    return load_model(str(path), dtype=torch.float32, device="cpu", backend=TorchAttentionBackend())
+    # Unprepared, so the weights read as Hugging Face's tensors (hf_state_dict).
+    return load_model(
+        str(path), dtype=torch.float32, device="cpu", backend=TorchAttentionBackend(), prepare=False
+    )
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +180,9 @@ def test_sharded_checkpoint_and_ignored_keys(tmp_path, llama_dir):
     loaded = load(tmp_path)
     assert loaded.model.lm_head.weight is loaded.model.model.embed_tokens.weight
     expected = hf.state_dict()
-    for name, p in loaded.model.named_parameters():
+    got = hf_state_dict(loaded.model)
+    assert got.keys() == expected.keys() - {"lm_head.weight"}
+    for name, p in got.items():
         assert torch.equal(p, expected[name]), name
 
 

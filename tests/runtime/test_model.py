@@ -21,7 +21,9 @@ from chunkwise.attention.backend import AttentionMetadata, kv_cache_shape
 from chunkwise.attention.torch_ref import TorchAttentionBackend
 from chunkwise.config import ModelConfig
 from chunkwise.model import PRESETS, LoadedModel, load_model
+from chunkwise.model.layers import Linear
 from chunkwise.model.llama import LlamaForCausalLM as ChunkwiseLlama
+from chunkwise.model.loader import hf_state_dict
 from chunkwise.tokenizer import ByteTokenizer
 
 BLOCK_SIZE = 4
@@ -66,6 +68,7 @@ class PagedRequests:
             seq_lens_host=slens,
             max_query_len=max(qlens),
             max_seq_len=max(slens),
+            block_size=BLOCK_SIZE,
         )
         return torch.tensor(ids), torch.tensor(positions), meta
 
@@ -192,7 +195,12 @@ def test_half_precision_tracks_fp32(hf_pair, tmp_path):
     path = Path(tmp_path) / "ckpt"
     hf.save_pretrained(path)
     half = load_model(str(path), dtype=torch.bfloat16, device="cpu", backend=TorchAttentionBackend())
-    assert all(p.dtype == torch.bfloat16 for p in half.model.parameters())
+    # Linear weights may be widened for the CPU's matmul library (Linear.prepare); the rest stays bf16.
+    assert all(
+        p.dtype == torch.bfloat16
+        for n, p in half.model.named_parameters()
+        if "proj" not in n and "lm_head" not in n
+    )
     paged = PagedRequests(half.config, dtype=torch.bfloat16)
     ids, pos, meta = paged.batch([("a", PROMPT)])
     with torch.no_grad():
@@ -203,17 +211,25 @@ def test_half_precision_tracks_fp32(hf_pair, tmp_path):
     assert (logits - ref).abs().max() < 0.05 * ref.abs().max() + 0.05
 
 
-def test_tied_embeddings_share_one_tensor(hf_pair):
-    _, loaded = hf_pair
+def test_tied_embeddings_share_one_tensor(hf_pair, tmp_path):
+    hf, prepared = hf_pair
+    hf.save_pretrained(tmp_path)
+    loaded = load_model(
+        str(tmp_path), dtype=torch.float32, device="cpu", backend=TorchAttentionBackend(), prepare=False
+    )
     model = loaded.model
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     assert tied == loaded.config.tie_word_embeddings
+    # Prepared for the CPU's matmul library, a tied lm_head gets its own copy in that layout: the same map.
+    hidden = torch.randn(3, loaded.config.hidden_size)
+    torch.testing.assert_close(prepared.model.compute_logits(hidden), model.compute_logits(hidden))
 
 
-def test_state_dict_keys_are_hf_names():
+def test_hf_state_dict_keys_are_hf_names():
     config = PRESETS["tiny"]
-    model = ChunkwiseLlama(config, TorchAttentionBackend())
-    keys = set(model.state_dict())
+    with torch.device("meta"):
+        model = ChunkwiseLlama(config, TorchAttentionBackend())
+    keys = set(hf_state_dict(model))
     assert "model.embed_tokens.weight" in keys
     assert "lm_head.weight" in keys
     for i in range(config.num_hidden_layers):
@@ -261,8 +277,8 @@ def test_preset_greedy_output_does_not_get_stuck(name, steps):
 
 def test_presets_are_deterministic_and_sized():
     backend = TorchAttentionBackend()
-    a = load_model("tiny", dtype=torch.float32, device="cpu", backend=backend)
-    b = load_model("tiny", dtype=torch.float32, device="cpu", backend=backend)
+    a = load_model("tiny", dtype=torch.float32, device="cpu", backend=backend, prepare=False)
+    b = load_model("tiny", dtype=torch.float32, device="cpu", backend=backend, prepare=False)
     for (name, pa), (_, pb) in zip(a.model.named_parameters(), b.model.named_parameters()):
         assert torch.equal(pa, pb), name
     # The byte tokenizer's every id has an embedding, and nothing more.
@@ -274,7 +290,41 @@ def test_presets_are_deterministic_and_sized():
         small = ChunkwiseLlama(PRESETS["small"], backend)
     n_params = sum(p.numel() for p in small.parameters())
     assert 50e6 <= n_params <= 60e6, n_params
-    half = load_model("tiny", dtype=torch.float16, device="cpu", backend=backend)
+    half = load_model("tiny", dtype=torch.float16, device="cpu", backend=backend, prepare=False)
     for (name, pa), (_, ph) in zip(a.model.named_parameters(), half.model.named_parameters()):
         assert ph.dtype == torch.float16
         assert torch.equal(pa.half(), ph), name
+
+
+def _two_step_logits(loaded: LoadedModel, dtype: torch.dtype) -> torch.Tensor:
+    paged = PagedRequests(loaded.config, dtype=dtype)
+    with torch.no_grad():
+        ids, pos, meta = paged.batch([("a", PROMPT), ("b", PROMPT[:9])])
+        loaded.model(ids, pos, paged.kv_caches, meta)
+        ids, pos, meta = paged.batch([("a", [7]), ("b", PROMPT[9:20])])
+        return loaded.model.compute_logits(loaded.model(ids, pos, paged.kv_caches, meta))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepared_model_computes_what_the_plain_one_does(dtype):
+    """prepare() changes how layers run (oneDNN layouts, fused CPU kernels), not what they compute."""
+    backend = TorchAttentionBackend()
+    plain = load_model("small", dtype=dtype, device="cpu", backend=backend, prepare=False)
+    fast = load_model("small", dtype=dtype, device="cpu", backend=backend)
+    kernels = {m.kernel for m in fast.model.modules() if isinstance(m, Linear)}
+    assert kernels == {"onednn"}, kernels  # float32 always; bf16 widened where the CPU lacks bf16 units
+    got, want = _two_step_logits(fast, dtype), _two_step_logits(plain, dtype)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        return
+    # bf16 through 14 layers: rounding differs with accumulation order, so compare both with float32.
+    # The prepared path (fp32 accumulation, as a bf16 GEMM does) must be at least as close as torch's own.
+    exact = _two_step_logits(
+        load_model("small", dtype=torch.float32, device="cpu", backend=backend), torch.float32
+    )
+
+    def err(x: torch.Tensor) -> float:
+        return float((x - exact).norm() / exact.norm())
+
+    assert err(got) < 0.05 and err(got) <= 1.25 * err(want), (err(got), err(want))
+    assert (got.argmax(-1) == exact.argmax(-1)).float().mean() > 0.9

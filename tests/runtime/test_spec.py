@@ -151,7 +151,9 @@ def test_ngram_speculation_matches_transformers(tmp_path: Path) -> None:
     prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 7 + [12], list(range(20, 60))]
     max_new = [24, 16, 20]
     expected = hf_greedy(model_dir, prompts, max_new)
-    llm = LLM(str(model_dir), speculative_method="ngram", num_speculative_tokens=3, block_size=4)
+    llm = LLM(
+        str(model_dir), dtype="float32", speculative_method="ngram", num_speculative_tokens=3, block_size=4
+    )
     sp = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_new]
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == expected
     assert llm.engine.stats.spec_num_draft_tokens > 0
@@ -201,6 +203,7 @@ def test_draft_model_speculation_matches_transformers(tmp_path: Path) -> None:
     expected = hf_greedy(target, prompts, max_new)
     llm = LLM(
         str(target),
+        dtype="float32",
         speculative_method="draft",
         speculative_model=str(draft),
         num_speculative_tokens=3,

@@ -75,6 +75,7 @@ class Batch:
             seq_lens_host=seq_lens,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
+            block_size=block_size,
         )
         self.ctx_slots = torch.cat(ctx_slots)
         self.ctx_keys = torch.cat([k[:c] for k, (c, _) in zip(self.keys, requests)])
@@ -111,15 +112,20 @@ class Batch:
         return torch.cat(out)
 
 
+def plan_for(backend, batch: Batch):
+    _, num_heads, head_dim = batch.query.shape
+    return backend.plan(batch.meta, num_heads, batch.cache.shape[3], head_dim)
+
+
 def run_triton(batch: Batch, config: TritonAttentionConfig | None = None) -> torch.Tensor:
     backend = TritonAttentionBackend(config)
     batch.fill_cache(backend)
-    return backend.attend(batch.query, batch.cache, batch.meta, batch.scale)
+    return backend.attend(batch.query, batch.cache, plan_for(backend, batch), batch.scale)
 
 
 def run_torch(batch: Batch) -> torch.Tensor:
     backend = TorchAttentionBackend()
-    return backend.attend(batch.query, batch.cache, batch.meta, batch.scale)
+    return backend.attend(batch.query, batch.cache, plan_for(backend, batch), batch.scale)
 
 
 # (computed, new): fresh prefills, chunks starting mid-block and crossing blocks, decodes at and just past
@@ -169,7 +175,7 @@ def test_fp16_with_the_gpu_arithmetic(num_splits):
     backend.upcast = False
     batch = Batch(MIXED, num_heads=8, num_kv_heads=2, dtype=torch.float16, seed=9)
     batch.fill_cache(backend)
-    out = backend.attend(batch.query, batch.cache, batch.meta, batch.scale)
+    out = backend.attend(batch.query, batch.cache, plan_for(backend, batch), batch.scale)
     torch.testing.assert_close(out.float(), run_torch(batch).float(), atol=2e-3, rtol=2e-3)
 
 
@@ -177,7 +183,7 @@ def test_single_token_decodes_across_block_boundaries():
     decodes = [(c, 1) for c in (0, 1, 14, 15, 16, 31, 32, 63, 64, 200)]
     batch = Batch(decodes, num_heads=4, num_kv_heads=2, seed=2)
     backend = TritonAttentionBackend(SMALL_TILES)
-    plan = backend.plan(batch.meta, 4, 2, batch.query.device)
+    plan = backend.launch_plan(batch.meta, 4, 2, batch.query.device)
     assert (plan.run_short, plan.run_long) == (True, False)
     out = run_triton(batch, SMALL_TILES)
     torch.testing.assert_close(out.double(), batch.dense(), atol=1e-5, rtol=1e-5)
@@ -188,7 +194,7 @@ def test_prefill_chunks_across_query_blocks_and_tiles():
     # blocks, start mid-block and mid-tile, and end in partially filled cache blocks.
     prefills = [(0, 70), (33, 40), (100, 17), (5, 9)]
     batch = Batch(prefills, num_heads=4, num_kv_heads=2, seed=3)
-    plan = TritonAttentionBackend(SMALL_TILES).plan(batch.meta, 4, 2, batch.query.device)
+    plan = TritonAttentionBackend(SMALL_TILES).launch_plan(batch.meta, 4, 2, batch.query.device)
     assert (plan.run_short, plan.run_long, plan.long_block_q) == (False, True, 8)
     out = run_triton(batch, SMALL_TILES)
     torch.testing.assert_close(out.double(), batch.dense(), atol=1e-5, rtol=1e-5)
@@ -199,7 +205,7 @@ def test_short_and_long_launch_boundary():
     # launch (several queries in one program), rows of 5 to the long one, both in one batch.
     requests = [(10, 4), (10, 5), (0, 4), (0, 5), (50, 1), (17, 16), (18, 17)]
     batch = Batch(requests, num_heads=8, num_kv_heads=2, seed=4)
-    plan = TritonAttentionBackend(SMALL_TILES).plan(batch.meta, 8, 2, batch.query.device)
+    plan = TritonAttentionBackend(SMALL_TILES).launch_plan(batch.meta, 8, 2, batch.query.device)
     assert (plan.short_block_q, plan.long_block_q, plan.run_short, plan.run_long) == (4, 4, True, True)
     out = run_triton(batch, SMALL_TILES)
     torch.testing.assert_close(out.double(), batch.dense(), atol=1e-5, rtol=1e-5)
@@ -212,7 +218,7 @@ def test_split_kv_decode(num_splits):
     requests = [(219, 1), (2, 1), (40, 3), (64, 1), (0, 1), (20, 25)]
     batch = Batch(requests, num_heads=8, num_kv_heads=2, block_size=4, seed=5)
     config = TritonAttentionConfig(short_tile_n=16, num_splits=num_splits)
-    plan = TritonAttentionBackend(config).plan(batch.meta, 8, 2, batch.query.device)
+    plan = TritonAttentionBackend(config).launch_plan(batch.meta, 8, 2, batch.query.device)
     assert plan.num_splits == num_splits
     out = run_triton(batch, config)
     torch.testing.assert_close(out.double(), batch.dense(), atol=1e-5, rtol=1e-5)
@@ -228,10 +234,10 @@ def test_split_heuristic_fills_the_gpu_only_when_rows_are_few():
     triton_backend._SM_COUNT[7] = 66
     try:
         cuda = torch.device("cuda", 7)
-        one_row = backend.plan(few, 4, 2, cuda)
+        one_row = backend.launch_plan(few, 4, 2, cuda)
         # 2 programs (1 row x 2 KV heads) want 66 splits; 32 tiles of 64 allow at most 16 of 2 tiles.
         assert (one_row.num_splits, one_row.tiles_per_split) == (16, 2)
-        assert backend.plan(many, 4, 2, cuda).num_splits == 1
+        assert backend.launch_plan(many, 4, 2, cuda).num_splits == 1
     finally:
         del triton_backend._SM_COUNT[7]
 
@@ -264,8 +270,9 @@ def test_empty_batch():
         seq_lens_host=[],
         max_query_len=0,
         max_seq_len=0,
+        block_size=4,
     )
-    out = backend.attend(torch.zeros(0, 4, 16), cache, meta, 0.25)
+    out = backend.attend(torch.zeros(0, 4, 16), cache, backend.plan(meta, 4, 2, 16), 0.25)
     assert out.shape == (0, 4, 16)
     backend.write_kv(torch.zeros(0, 2, 16), torch.zeros(0, 2, 16), cache, meta.slot_mapping)
     assert torch.count_nonzero(cache) == 0
@@ -298,8 +305,8 @@ def test_write_kv_places_each_token_in_its_slot(src_dtype, cache_dtype):
 
 def test_triton_write_then_attend_in_a_tiny_model():
     """The tiny preset's forward pass over a mixed batch, Triton vs torch backend (writes and attention)."""
-    from chunkwise.model.llama import LlamaForCausalLM
-    from chunkwise.model.presets import PRESETS, init_random_weights
+    from chunkwise.model.loader import load_model
+    from chunkwise.model.presets import PRESETS
 
     config = PRESETS["tiny"]
     requests = [(0, 12), (9, 1), (30, 1), (0, 5)]
@@ -308,8 +315,7 @@ def test_triton_write_then_attend_in_a_tiny_model():
         ("torch", TorchAttentionBackend()),
         ("triton", TritonAttentionBackend(SMALL_TILES)),
     ):
-        model = LlamaForCausalLM(config, backend)
-        init_random_weights(model, seed=11, hidden_size=config.hidden_size)
+        model = load_model("tiny", dtype=torch.float32, device="cpu", backend=backend).model
         batch = Batch(
             requests,
             num_heads=config.num_attention_heads,
@@ -352,7 +358,8 @@ def test_engine_greedy_output_matches_the_torch_backend():
 def test_get_attention_backend_selection(monkeypatch):
     assert get_attention_backend("torch", "cpu").name == "torch"
     assert get_attention_backend("torch", "cuda").name == "torch"
-    assert get_attention_backend("auto", "cpu").name == "torch"
+    # On CPU, auto is chunkwise's C++ kernels (test_kernels.py covers their fallback), never Triton.
+    assert get_attention_backend("auto", "cpu").name == "cpu"
     # conftest runs the kernels in the interpreter, so "triton" works on CPU here.
     assert get_attention_backend("triton", "cpu").name == "triton"
     assert get_attention_backend("triton", "cuda:0").name == "triton"

@@ -97,6 +97,7 @@ def batch(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) 
         seq_lens_host=[c + n for c, n in requests],
         max_query_len=max(query_lens),
         max_seq_len=max(c + n for c, n in requests),
+        block_size=block_size,
     )
     t = qsl[-1]
     return {
@@ -135,7 +136,8 @@ def main() -> int:
         backend._check_device = lambda tensor: None  # type: ignore[method-assign]
         b = batch(num_heads, num_kv_heads, head_dim, dtype)
         backend.write_kv(b["key"], b["key"], b["cache"], b["meta"].slot_mapping)
-        backend.attend(b["query"], b["cache"], b["meta"], head_dim**-0.5)
+        plan = backend.plan(b["meta"], num_heads, num_kv_heads, head_dim)
+        backend.attend(b["query"], b["cache"], plan, head_dim**-0.5)
     print("\n".join(log), flush=True)
     return 0
 

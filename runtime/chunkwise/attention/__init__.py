@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from typing import TYPE_CHECKING
 
@@ -13,30 +14,52 @@ if TYPE_CHECKING:
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "get_attention_backend", "kv_cache_shape"]
 
-BACKEND_NAMES = ("auto", "torch", "triton")
+BACKEND_NAMES = ("auto", "torch", "cpu", "triton")
+
+log = logging.getLogger(__name__)
 
 
 def get_attention_backend(name: str, device: str) -> AttentionBackend:
     """The backend called `name` for `device`: "torch" is the reference, "auto" the best one built.
 
-    "auto" takes Triton on CUDA when triton is installed, the torch reference everywhere else. Triton is
-    an optional dependency, so it is imported only here, once chosen.
+    "auto" takes Triton on CUDA when triton is installed, chunkwise's C++ kernels on CPU when they build, and
+    the torch reference otherwise, saying why in the log. Triton is an optional dependency, so it is imported
+    only here, once chosen.
     """
     from chunkwise.attention.torch_ref import TorchAttentionBackend
 
     device_type = device.split(":", 1)[0]
     if name == "torch":
         return TorchAttentionBackend()
+    if name == "cpu":
+        if device_type != "cpu":
+            raise ValueError(f"the cpu attention backend runs on the CPU, not {device_type!r}")
+        return _cpu_backend()
     if name == "auto":
         if device_type == "cuda" and _triton_installed():
             backend = _triton_backend(device_type)
             # With TRITON_INTERPRET=1 on a GPU machine every kernel would run in numpy on host copies.
             if not backend.interpreted:
                 return backend
+        if device_type == "cpu":
+            from chunkwise.kernels import KernelUnavailable
+
+            try:
+                return _cpu_backend()
+            except KernelUnavailable as e:
+                log.warning(
+                    "attention: the torch reference, since chunkwise's CPU kernels are unavailable: %s", e
+                )
         return TorchAttentionBackend()
     if name == "triton":
         return _triton_backend(device_type)
     raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
+
+
+def _cpu_backend() -> AttentionBackend:
+    from chunkwise.attention.cpu_backend import CpuAttentionBackend
+
+    return CpuAttentionBackend()
 
 
 def _triton_installed() -> bool:

@@ -9,6 +9,9 @@ KV cache layout, one tensor per layer: [2, num_blocks, block_size, num_kv_heads,
 1: values). Token t of the batch writes its key and value to flat slot slot_mapping[t], that is block
 slot // block_size, offset slot % block_size. Block tables are padded with 0; entries past a request's
 last block are never read.
+
+A step is planned once: `plan(meta, num_heads, num_kv_heads, head_dim)` does the host-side work (which rows take
+which path, their index tensors, a kernel's launch shape) and every layer's `attend` reuses the plan.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     max_query_len: int
     max_seq_len: int
+    # Tokens per cache block (the cache's shape[2]), so a step can be planned before any layer runs.
+    block_size: int
 
     @property
     def num_reqs(self) -> int:
@@ -40,12 +45,28 @@ class AttentionMetadata:
         return int(self.slot_mapping.shape[0])
 
 
+@dataclass
+class AttentionPlan:
+    """What a backend worked out for one step; each backend's plan extends this with its own fields."""
+
+    meta: AttentionMetadata
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
     return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
 
 class AttentionBackend(Protocol):
     name: str
+
+    def plan(
+        self, meta: AttentionMetadata, num_heads: int, num_kv_heads: int, head_dim: int
+    ) -> AttentionPlan:
+        """The step's plan: called once per forward, before the first layer."""
+        ...
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -54,7 +75,7 @@ class AttentionBackend(Protocol):
         ...
 
     def attend(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self, query: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan, scale: float
     ) -> torch.Tensor:
         """query [num_tokens, num_heads, head_dim] -> output of the same shape (keys/values already written)."""
         ...

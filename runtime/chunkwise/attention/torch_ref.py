@@ -4,14 +4,19 @@ Decode rows (one query token each) are most of the rows of a busy step, so they 
 masked attention calls; prefill chunks are few and long, so each gets its own SDPA call. Keys and values are
 gathered slot by slot, with positions past a request's context clamped onto its last written slot, so no
 uninitialised cache memory (possibly NaN) is ever read, and the mask hides the duplicates.
+
+The step's plan holds every index tensor and mask, built once; a layer only gathers and attends. The math
+runs in fp32 whatever the cache holds: this backend is what the others are tested against.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 
-from chunkwise.attention.backend import AttentionMetadata
+from chunkwise.attention.backend import AttentionMetadata, AttentionPlan
 
 # Upper bound on the elements of one gathered key (or value) tensor for a group of decode rows. On CPU a
 # temporary much larger than this comes straight from mmap and costs page faults on every step.
@@ -20,11 +25,100 @@ DEFAULT_DECODE_GATHER_ELEMENTS = 1 << 22
 SHORT_QUERY_TOKENS = 8
 
 
+@dataclass
+class DecodeGroup:
+    """One-token queries padded to a common context length."""
+
+    tokens: torch.Tensor  # [m] the queries' rows in the batch
+    slots: torch.Tensor  # [m * length] cache slot of each context position (clamped into the context)
+    valid: torch.Tensor  # [m, 1, 1, length] which positions are real
+    length: int
+
+
+@dataclass
+class PrefillRow:
+    start: int  # first query token in the batch
+    num_query: int
+    slots: torch.Tensor  # [seq_len] cache slot of every context position
+    mask: torch.Tensor  # [num_query, seq_len] causal, queries at the context's end
+
+
+@dataclass
+class TorchPlan(AttentionPlan):
+    decode: list[DecodeGroup] = field(default_factory=list)
+    prefill: list[PrefillRow] = field(default_factory=list)
+
+
+def split_short_rows(
+    meta: AttentionMetadata,
+) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """(row, first query token, num_query) of the rows for the one-token path and of the prefill rows."""
+    short: list[tuple[int, int, int]] = []
+    long: list[tuple[int, int, int]] = []
+    start = 0
+    for i, n in enumerate(meta.query_lens_host):
+        if 1 <= n <= SHORT_QUERY_TOKENS:
+            # Decode rows, and the few tokens of a speculative verify: cheaper as n one-token queries in the
+            # shared batched call than as a prefill call of their own.
+            short.append((i, start, n))
+        elif n > SHORT_QUERY_TOKENS:
+            long.append((i, start, n))
+        start += n
+    return short, long
+
+
+def context_slots(meta: AttentionMetadata, row: int, seq_len: int, block_size: int) -> torch.Tensor:
+    pos = torch.arange(seq_len, device=meta.block_tables.device)
+    return meta.block_tables[row, pos // block_size] * block_size + pos % block_size
+
+
 class TorchAttentionBackend:
     name = "torch"
 
     def __init__(self, decode_gather_elements: int = DEFAULT_DECODE_GATHER_ELEMENTS) -> None:
         self.decode_gather_elements = decode_gather_elements
+
+    def plan(self, meta: AttentionMetadata, num_heads: int, num_kv_heads: int, head_dim: int) -> TorchPlan:
+        plan = TorchPlan(meta, num_heads, num_kv_heads, head_dim)
+        if meta.num_reqs == 0:
+            return plan
+        block_size = meta.block_size
+        device = meta.block_tables.device
+        short, long = split_short_rows(meta)
+        for row, start, n in long:
+            seq_len = meta.seq_lens_host[row]
+            pos = torch.arange(seq_len, device=device)
+            # The chunk is the tail of the context: query j sits at position seq_len - n + j. SDPA's
+            # is_causal aligns the triangle top-left, so spell the mask out.
+            q_pos = torch.arange(seq_len - n, seq_len, device=device)
+            mask = pos[None, :] <= q_pos[:, None]
+            plan.prefill.append(PrefillRow(start, n, context_slots(meta, row, seq_len, block_size), mask))
+        rows: list[int] = []
+        tokens: list[int] = []
+        lens: list[int] = []
+        for row, start, n in short:
+            first = meta.seq_lens_host[row] - n + 1
+            for j in range(n):
+                rows.append(row)
+                tokens.append(start + j)
+                lens.append(first + j)
+        budget = max(1, self.decode_gather_elements // (num_kv_heads * head_dim))
+        for g_rows, g_tokens, g_lens, max_len in _length_groups(rows, tokens, lens, budget):
+            row_idx = torch.tensor(g_rows, device=device)
+            seq_lens = torch.tensor(g_lens, device=device)
+            pos = torch.arange(max_len, device=device)
+            clamped = torch.minimum(pos[None, :], seq_lens[:, None] - 1)
+            tables = meta.block_tables.index_select(0, row_idx)
+            slots = tables.gather(1, clamped // block_size) * block_size + clamped % block_size
+            plan.decode.append(
+                DecodeGroup(
+                    tokens=torch.tensor(g_tokens, device=device),
+                    slots=slots.flatten(),
+                    valid=(pos[None, :] < seq_lens[:, None])[:, None, None, :],
+                    length=max_len,
+                )
+            )
+        return plan
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -34,104 +128,39 @@ class TorchAttentionBackend:
         flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
 
     def attend(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self, query: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan, scale: float
     ) -> torch.Tensor:
+        if not isinstance(plan, TorchPlan):
+            raise TypeError(f"the torch backend needs its own plan, got {type(plan).__name__}")
         out = torch.empty_like(query)
-        # Query tokens that go through the batched path: each attends to its context up to its own position.
-        decode_rows: list[int] = []
-        decode_tokens: list[int] = []
-        decode_lens: list[int] = []
-        start = 0
-        for i, n in enumerate(meta.query_lens_host):
-            if 1 <= n <= SHORT_QUERY_TOKENS:
-                # Decode rows, and the few tokens of a speculative verify: cheaper as n one-token queries in the
-                # shared batched call than as a prefill call of their own.
-                first = meta.seq_lens_host[i] - n + 1
-                for j in range(n):
-                    decode_rows.append(i)
-                    decode_tokens.append(start + j)
-                    decode_lens.append(first + j)
-            elif n > SHORT_QUERY_TOKENS:
-                self._prefill(query, kv_cache, meta, i, start, n, scale, out)
-            start += n
-        if decode_rows:
-            self._decode(query, kv_cache, meta, decode_rows, decode_tokens, decode_lens, scale, out)
-        return out
-
-    def _prefill(
-        self,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        row: int,
-        start: int,
-        num_query: int,
-        scale: float,
-        out: torch.Tensor,
-    ) -> None:
-        seq_len = meta.seq_lens_host[row]
-        block_size = kv_cache.shape[2]
-        device = query.device
-        pos = torch.arange(seq_len, device=device)
-        slots = meta.block_tables[row, pos // block_size] * block_size + pos % block_size
         flat = _flat_slots(kv_cache)
-        k = flat[0].index_select(0, slots).float()
-        v = flat[1].index_select(0, slots).float()
-        q = query[start : start + num_query].float()
-        # The chunk is the tail of the context: query j sits at position seq_len - num_query + j. SDPA's
-        # is_causal aligns the triangle top-left, so spell the mask out.
-        q_pos = torch.arange(seq_len - num_query, seq_len, device=device)
-        mask = pos[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            k.transpose(0, 1)[None],
-            v.transpose(0, 1)[None],
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[start : start + num_query] = o[0].transpose(0, 1).to(out.dtype)
-
-    def _decode(
-        self,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        rows: list[int],
-        tokens: list[int],
-        lens: list[int],
-        scale: float,
-        out: torch.Tensor,
-    ) -> None:
-        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-        num_heads = query.shape[1]
-        group = num_heads // num_kv_heads
-        device = query.device
-        flat = _flat_slots(kv_cache)
-        budget = max(1, self.decode_gather_elements // (num_kv_heads * head_dim))
-        for g_rows, g_tokens, g_lens, max_len in _length_groups(rows, tokens, lens, budget):
-            m = len(g_rows)
-            row_idx = torch.tensor(g_rows, device=device)
-            tok_idx = torch.tensor(g_tokens, device=device)
-            seq_lens = torch.tensor(g_lens, device=device)
-            pos = torch.arange(max_len, device=device)
-            valid = pos[None, :] < seq_lens[:, None]
-            clamped = torch.minimum(pos[None, :], seq_lens[:, None] - 1)
-            tables = meta.block_tables.index_select(0, row_idx)
-            slots = tables.gather(1, clamped // block_size) * block_size + clamped % block_size
-            k = flat[0].index_select(0, slots.flatten()).view(m, max_len, num_kv_heads, head_dim).float()
-            v = flat[1].index_select(0, slots.flatten()).view(m, max_len, num_kv_heads, head_dim).float()
+        for p in plan.prefill:
+            k = flat[0].index_select(0, p.slots).float()
+            v = flat[1].index_select(0, p.slots).float()
+            q = query[p.start : p.start + p.num_query].float()
+            o = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None],
+                k.transpose(0, 1)[None],
+                v.transpose(0, 1)[None],
+                attn_mask=p.mask,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[p.start : p.start + p.num_query] = o[0].transpose(0, 1).to(out.dtype)
+        num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+        group = query.shape[1] // num_kv_heads
+        for g in plan.decode:
+            m = g.tokens.shape[0]
+            k = flat[0].index_select(0, g.slots).view(m, g.length, num_kv_heads, head_dim).float()
+            v = flat[1].index_select(0, g.slots).view(m, g.length, num_kv_heads, head_dim).float()
             # Fold the query heads that share a KV head into SDPA's query-length axis: GQA without
             # repeating keys and values.
-            q = query.index_select(0, tok_idx).float().view(m, num_kv_heads, group, head_dim)
+            q = query.index_select(0, g.tokens).float().view(m, num_kv_heads, group, head_dim)
             o = F.scaled_dot_product_attention(
-                q,
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                attn_mask=valid[:, None, None, :],
-                scale=scale,
+                q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=g.valid, scale=scale
             )
-            out.index_copy_(0, tok_idx, o.reshape(m, num_heads, head_dim).to(out.dtype))
+            out.index_copy_(0, g.tokens, o.reshape(m, -1, head_dim).to(out.dtype))
+        return out
 
 
 def _flat_slots(kv_cache: torch.Tensor) -> torch.Tensor:

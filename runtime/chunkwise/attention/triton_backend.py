@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from chunkwise.attention import triton_kernels as K
-from chunkwise.attention.backend import AttentionMetadata
+from chunkwise.attention.backend import AttentionMetadata, AttentionPlan
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,13 @@ class LaunchPlan:
     run_long: bool
     num_splits: int
     tiles_per_split: int
+    num_heads: int
+    num_kv_heads: int
+
+
+@dataclass
+class TritonPlan(AttentionPlan):
+    launch: LaunchPlan | None = None
 
 
 def _next_pow2(n: int) -> int:
@@ -139,7 +146,12 @@ class TritonAttentionBackend:
 
     # -- attention ------------------------------------------------------------------------------------
 
-    def plan(
+    def plan(self, meta: AttentionMetadata, num_heads: int, num_kv_heads: int, head_dim: int) -> TritonPlan:
+        """The step's launch shape, worked out once for every layer (it reads only host-side metadata)."""
+        launch = self.launch_plan(meta, num_heads, num_kv_heads, meta.block_tables.device)
+        return TritonPlan(meta, num_heads, num_kv_heads, head_dim, launch)
+
+    def launch_plan(
         self, meta: AttentionMetadata, num_heads: int, num_kv_heads: int, device: torch.device
     ) -> LaunchPlan:
         cfg = self.config
@@ -185,11 +197,16 @@ class TritonAttentionBackend:
             run_long=run_long,
             num_splits=num_splits,
             tiles_per_split=tiles_per_split,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
         )
 
     def attend(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self, query: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan, scale: float
     ) -> torch.Tensor:
+        if not isinstance(plan, TritonPlan) or plan.launch is None:
+            raise TypeError(f"the Triton backend needs its own plan, got {type(plan).__name__}")
+        meta = plan.meta
         out = torch.empty_like(query)
         num_tokens, num_heads, head_dim = query.shape
         if num_tokens == 0:
@@ -204,7 +221,12 @@ class TritonAttentionBackend:
             )
         query = _last_dim_contiguous(query)
         block_tables = _last_dim_contiguous(meta.block_tables)
-        plan = self.plan(meta, num_heads, num_kv_heads, query.device)
+        launch = plan.launch
+        if (launch.num_heads, launch.num_kv_heads) != (num_heads, num_kv_heads):
+            raise ValueError(
+                f"the plan was made for {launch.num_heads} heads over {launch.num_kv_heads} KV heads, "
+                f"the query has {num_heads} over a cache of {num_kv_heads}"
+            )
         cfg = self.config
         num_reqs = meta.num_reqs
         head_dim_pad = max(16, _next_pow2(head_dim))
@@ -225,7 +247,7 @@ class TritonAttentionBackend:
             # The page size is fixed for an engine's life: a constant turns // and % into shifts.
             PAGE=block_size,
             GROUP=group,
-            GROUP_PAD=plan.group_pad,
+            GROUP_PAD=launch.group_pad,
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
             UPCAST=self.upcast,
@@ -235,26 +257,26 @@ class TritonAttentionBackend:
         )
         tensors = (query, kv_cache[0], kv_cache[1], block_tables, meta.seq_lens, meta.query_start_loc)
 
-        if plan.run_short:
-            split = plan.num_splits > 1
+        if launch.run_short:
+            split = launch.num_splits > 1
             if split:
-                rows = num_reqs * plan.short_block_q * num_heads * plan.num_splits
+                rows = num_reqs * launch.short_block_q * num_heads * launch.num_splits
                 part_m = torch.empty(rows, dtype=torch.float32, device=query.device)
                 part_l = torch.empty_like(part_m)
                 part_acc = torch.empty(rows, head_dim_pad, dtype=torch.float32, device=query.device)
             else:
                 # Unused when SPLIT is off; any tensor will do for the pointer arguments.
                 part_m = part_l = part_acc = out
-            K.paged_attention_kernel[(num_reqs, num_kv_heads, plan.num_splits)](
+            K.paged_attention_kernel[(num_reqs, num_kv_heads, launch.num_splits)](
                 out,
                 *tensors,
                 part_acc,
                 part_m,
                 part_l,
                 short_max_q=0,
-                tiles_per_split=plan.tiles_per_split,
-                BLOCK_Q=plan.short_block_q,
-                BLOCK_M=plan.short_block_m,
+                tiles_per_split=launch.tiles_per_split,
+                BLOCK_Q=launch.short_block_q,
+                BLOCK_M=launch.short_block_m,
                 TILE_N=cfg.short_tile_n,
                 LONG=False,
                 SPLIT=split,
@@ -263,23 +285,23 @@ class TritonAttentionBackend:
                 **common,
             )
             if split:
-                K.merge_splits_kernel[(num_reqs, plan.short_block_q, num_heads)](
+                K.merge_splits_kernel[(num_reqs, launch.short_block_q, num_heads)](
                     out,
                     part_acc,
                     part_m,
                     part_l,
                     meta.query_start_loc,
                     num_heads,
-                    plan.num_splits,
+                    launch.num_splits,
                     out.stride(0),
                     out.stride(1),
                     HEAD_DIM=head_dim,
                     HEAD_DIM_PAD=head_dim_pad,
-                    BLOCK_Q=plan.short_block_q,
-                    SPLITS_PAD=max(2, _next_pow2(plan.num_splits)),
+                    BLOCK_Q=launch.short_block_q,
+                    SPLITS_PAD=max(2, _next_pow2(launch.num_splits)),
                 )
-        if plan.run_long:
-            grid = (num_tokens // plan.long_block_q + num_reqs, num_kv_heads, 1)
+        if launch.run_long:
+            grid = (num_tokens // launch.long_block_q + num_reqs, num_kv_heads, 1)
             K.paged_attention_kernel[grid](
                 out,
                 *tensors,
@@ -287,10 +309,10 @@ class TritonAttentionBackend:
                 out,
                 out,
                 # Requests the short launch already took; 0 when it did not run, so the long one takes all.
-                short_max_q=plan.short_block_q if plan.run_short else 0,
+                short_max_q=launch.short_block_q if launch.run_short else 0,
                 tiles_per_split=1 << 30,
-                BLOCK_Q=plan.long_block_q,
-                BLOCK_M=plan.long_block_m,
+                BLOCK_Q=launch.long_block_q,
+                BLOCK_M=launch.long_block_m,
                 TILE_N=cfg.long_tile_n,
                 LONG=True,
                 SPLIT=False,

@@ -16,8 +16,10 @@ import torch
 
 from chunkwise.attention.backend import AttentionBackend
 from chunkwise.config import ModelConfig
+from chunkwise.model.layers import Linear
 from chunkwise.model.llama import LlamaForCausalLM
-from chunkwise.model.presets import PRESET_SEEDS, PRESETS, init_random_weights
+from chunkwise.model.presets import PRESETS, preset_state_dict
+from chunkwise.platform import cpu_has_bf16_matmul
 from chunkwise.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 SUPPORTED_ARCHITECTURES = {
@@ -47,34 +49,105 @@ class LoadedModel:
 
 
 def load_model(
-    name_or_path: str, *, dtype: torch.dtype, device: str | torch.device, backend: AttentionBackend
+    name_or_path: str,
+    *,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    backend: AttentionBackend,
+    prepare: bool = True,
 ) -> LoadedModel:
+    """The model, its tokenizer and chat template, with weights in `dtype` on `device`.
+
+    With prepare=True (serving) the linear weights are then laid out for the device's matmul library
+    (Linear.prepare) and no longer read as plain tensors; prepare=False keeps them inspectable."""
     if name_or_path in PRESETS:
-        return _load_preset(name_or_path, dtype=dtype, device=device, backend=backend)
-    path = Path(name_or_path)
-    if not path.is_dir():
-        raise ValueError(
-            f"model {name_or_path!r} is neither a built-in preset ({', '.join(sorted(PRESETS))}) nor an "
-            "existing directory (chunkwise never downloads; give the path of a Hugging Face model directory)"
-        )
-    return _load_hf_dir(path, name=name_or_path, dtype=dtype, device=device, backend=backend)
+        loaded = _load_preset(name_or_path, dtype=dtype, device=device, backend=backend)
+    else:
+        path = Path(name_or_path)
+        if not path.is_dir():
+            raise ValueError(
+                f"model {name_or_path!r} is neither a built-in preset ({', '.join(sorted(PRESETS))}) nor an "
+                "existing directory (chunkwise never downloads; give the path of a Hugging Face model directory)"
+            )
+        loaded = _load_hf_dir(path, name=name_or_path, dtype=dtype, device=device, backend=backend)
+    if prepare:
+        loaded.model.prepare(widen_half_on_cpu=not cpu_has_bf16_matmul())
+    return loaded
+
+
+def checkpoint_dtype(name_or_path: str) -> str | None:
+    """The dtype a checkpoint stores its weights in (config.json's torch_dtype, or dtype as transformers 5
+    writes it); None for a preset or when the config does not say."""
+    config_path = Path(name_or_path) / "config.json"
+    if name_or_path in PRESETS or not config_path.is_file():
+        return None
+    raw = _read_json(config_path)
+    value = raw.get("torch_dtype", raw.get("dtype")) if isinstance(raw, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def _load_preset(
     name: str, *, dtype: torch.dtype, device: str | torch.device, backend: AttentionBackend
 ) -> LoadedModel:
     config = PRESETS[name]
-    # Built and filled on the CPU in fp32, then moved: the same weights whatever the target. Built on
-    # the meta device first so nn.Linear's own init (a second of CPU for `small`) is skipped.
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend)
-    model = model.to_empty(device="cpu")
-    model.tie_weights()
-    init_random_weights(model, PRESET_SEEDS[name], config.hidden_size)
-    model = model.to(device=device, dtype=dtype)
-    _freeze(model)
+    model = _empty_model(config, backend, dtype, device)
+    _copy_weights(model, preset_state_dict(name), dtype)
     tokenizer = ByteTokenizer()
     return LoadedModel(name, config, model, tokenizer, tokenizer.chat_template)
+
+
+def _empty_model(
+    config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: str | torch.device
+) -> LlamaForCausalLM:
+    # Built on the meta device and allocated once in the target dtype: no throwaway fp32 init on the device.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, backend)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.tie_weights()
+    return model
+
+
+def hf_weight_names(model: LlamaForCausalLM) -> dict[str, tuple[str, int, tuple[int, ...]]]:
+    """Each Hugging Face tensor the model reads -> (its parameter, first row there, HF shape).
+
+    Fused projections (Linear.stacked) read several HF tensors into consecutive rows of one parameter."""
+    names: dict[str, tuple[str, int, tuple[int, ...]]] = {}
+    stacked = {
+        f"{prefix}.{kind}": module.stacked
+        for prefix, module in model.named_modules()
+        if isinstance(module, Linear) and module.stacked
+        for kind in ("weight", "bias")
+    }
+    # named_parameters() lists a tied weight once, under the embedding's name.
+    for name, p in model.named_parameters():
+        parts = stacked.get(name)
+        if parts is None:
+            names[name] = (name, 0, tuple(p.shape))
+            continue
+        prefix, _, kind = name.rpartition(".")
+        owner = prefix.rpartition(".")[0]
+        row = 0
+        for hf_proj, rows in parts:
+            names[f"{owner}.{hf_proj}.{kind}"] = (name, row, (rows, *p.shape[1:]))
+            row += rows
+    return names
+
+
+def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """The model's weights under Hugging Face's names and shapes (views; before prepare())."""
+    params = dict(model.named_parameters())
+    return {
+        hf: params[name].detach()[row : row + shape[0]].view(shape)
+        for hf, (name, row, shape) in hf_weight_names(model).items()
+    }
+
+
+def _copy_weights(model: LlamaForCausalLM, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for hf, (name, row, shape) in hf_weight_names(model).items():
+            params[name][row : row + shape[0]].copy_(tensors[hf].to(dtype))
+    _freeze(model)
 
 
 def _read_json(path: Path) -> Any:
@@ -128,11 +201,27 @@ def _load_hf_dir(
         )
 
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend)
-    state = _read_safetensors(weight_files, model, config, dtype=dtype, device=device)
-    model.load_state_dict(state, strict=False, assign=True)
-    # assign=True replaced the embedding's Parameter object, so the tie must be made again.
-    model.tie_weights()
+        expected = hf_weight_names(LlamaForCausalLM(config, backend))
+    where = _locate_weights(weight_files, expected, config)
+    model = _empty_model(config, backend, dtype, device)
+    params = dict(model.named_parameters())
+    by_file: dict[Path, list[str]] = {}
+    for key, f in where.items():
+        by_file.setdefault(f, []).append(key)
+    from safetensors import safe_open
+
+    with torch.no_grad():
+        for f, keys in by_file.items():
+            with safe_open(str(f), framework="pt", device="cpu") as st:
+                for key in keys:
+                    tensor = st.get_tensor(key)
+                    param, row, shape = expected[key]
+                    if tuple(tensor.shape) != shape:
+                        raise ValueError(
+                            f"weight {key!r} in {f.name} has shape {tuple(tensor.shape)}, but config.json "
+                            f"implies {shape}"
+                        )
+                    params[param][row : row + shape[0]].copy_(tensor)
     _freeze(model)
     return LoadedModel(name, config, model, tokenizer, tokenizer.chat_template)
 
@@ -149,20 +238,13 @@ def _name_list(names: set[str]) -> str:
     return shown + (f" and {more} more" if more > 0 else "")
 
 
-def _read_safetensors(
-    files: list[Path],
-    model: LlamaForCausalLM,
-    config: ModelConfig,
-    *,
-    dtype: torch.dtype,
-    device: str | torch.device,
-) -> dict[str, torch.Tensor]:
+def _locate_weights(
+    files: list[Path], expected: dict[str, tuple[str, int, tuple[int, ...]]], config: ModelConfig
+) -> dict[str, Path]:
+    """Which file holds each expected tensor; every missing, unexpected or duplicated name is an error."""
     from safetensors import safe_open
 
-    # named_parameters() lists a tied weight once, under the embedding's name.
-    expected = {name: p.shape for name, p in model.named_parameters()}
     where: dict[str, Path] = {}
-    ignored: set[str] = set()
     for f in files:
         try:
             with safe_open(str(f), framework="pt", device="cpu") as st:
@@ -173,7 +255,6 @@ def _read_safetensors(
             if key.endswith(IGNORED_WEIGHT_SUFFIXES) or (
                 config.tie_word_embeddings and key == "lm_head.weight"
             ):
-                ignored.add(key)
                 continue
             if key in where:
                 raise ValueError(f"weight {key!r} appears in both {where[key].name} and {f.name}")
@@ -187,22 +268,7 @@ def _read_safetensors(
         if unexpected:
             parts.append(f"unexpected weights: {_name_list(set(unexpected))}")
         raise ValueError(f"checkpoint does not match its config.json ({'; '.join(parts)})")
-
-    state: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[str]] = {}
-    for key, f in where.items():
-        by_file.setdefault(f, []).append(key)
-    for f, keys in by_file.items():
-        with safe_open(str(f), framework="pt", device="cpu") as st:
-            for key in keys:
-                tensor = st.get_tensor(key)
-                if tuple(tensor.shape) != tuple(expected[key]):
-                    raise ValueError(
-                        f"weight {key!r} in {f.name} has shape {tuple(tensor.shape)}, but config.json "
-                        f"implies {tuple(expected[key])}"
-                    )
-                state[key] = tensor.to(device=device, dtype=dtype)
-    return state
+    return where
 
 
 def _eos_ids(value: Any, source: Path | str) -> tuple[int, ...]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
 from chunkwise.config import ModelConfig
 from chunkwise.tokenizer import ByteTokenizer
@@ -55,18 +54,56 @@ QK_STD_TIMES_SQRT_HIDDEN = 1.7
 LM_HEAD_STD_TIMES_SQRT_HIDDEN = 3.0
 
 
-@torch.no_grad()
-def init_random_weights(model: nn.Module, seed: int, hidden_size: int) -> None:
-    """Fill every parameter from one CPU generator in name order: the same model on every machine,
-    whatever the target device or dtype."""
+def hf_parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter of a Hugging Face Llama with this config, by name (a tied lm_head is not listed)."""
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    for n in range(config.num_hidden_layers):
+        p = f"model.layers.{n}."
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i),
+            }
+        )
+        if config.attention_bias:
+            for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+                shapes[f"{p}self_attn.{proj}.bias"] = (rows,)
+    return shapes
+
+
+def preset_state_dict(name: str) -> dict[str, torch.Tensor]:
+    """A preset's weights under Hugging Face's names, fp32 on the CPU: the same on every machine, whatever
+    the target device or dtype (the loader converts them as it copies)."""
+    config = PRESETS[name]
+    return random_state_dict(hf_parameter_shapes(config), PRESET_SEEDS[name], config.hidden_size)
+
+
+def random_state_dict(
+    shapes: dict[str, tuple[int, ...]], seed: int, hidden_size: int
+) -> dict[str, torch.Tensor]:
+    """Fill every tensor from one CPU generator in name order."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-        if param.device.type != "cpu" or param.dtype != torch.float32:
-            raise ValueError("init_random_weights fills fp32 CPU parameters; move the model afterwards")
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(shapes):
+        t = torch.empty(shapes[name])
         if name.endswith("norm.weight"):
-            param.fill_(1.0)
+            t.fill_(1.0)
         elif name.endswith(".bias"):
-            param.zero_()
+            t.zero_()
         else:
             if name.endswith(("q_proj.weight", "k_proj.weight")):
                 std = QK_STD_TIMES_SQRT_HIDDEN / math.sqrt(hidden_size)
@@ -74,4 +111,6 @@ def init_random_weights(model: nn.Module, seed: int, hidden_size: int) -> None:
                 std = LM_HEAD_STD_TIMES_SQRT_HIDDEN / math.sqrt(hidden_size)
             else:
                 std = INIT_STD
-            param.normal_(0.0, std, generator=gen)
+            t.normal_(0.0, std, generator=gen)
+        out[name] = t
+    return out

@@ -52,6 +52,7 @@ def build_batch(
         seq_lens_host=seq_lens,
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
+        block_size=block_size,
     )
     input_ids = torch.tensor(ids, dtype=torch.long, device=device)
     positions = torch.from_numpy(np.concatenate(pos_parts)).to(device)

@@ -1,0 +1,199 @@
+"""chunkwise's CPU kernels (csrc/cpu_ops.cpp): built once per machine with the system C++ compiler, cached,
+and loaded as torch ops (torch.ops.chunkwise.*).
+
+The build is keyed by the source, the torch version, the compiler and the instruction set it targets, so a
+cache shared between machines (a container image, a home directory) never hands one machine another's build.
+Where to cache: $CHUNKWISE_KERNEL_CACHE, else $XDG_CACHE_HOME/chunkwise/kernels (~/.cache/...); a prebuilt
+copy in $CHUNKWISE_KERNEL_DIR (what an image bakes in) is used as it is.
+
+    python -m chunkwise.kernels      # build now (make's install step does), print where it went
+
+`load()` raises KernelUnavailable with the reason (no compiler, a failed build); the attention backend
+selection turns that into a logged choice of the torch reference, never a silent one.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+# The head sizes csrc/cpu_ops.cpp instantiates its attention kernel for.
+ATTENTION_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
+ATTENTION_MAX_HEADS = 128
+
+
+class KernelUnavailable(RuntimeError):
+    """The CPU kernels cannot be built or loaded here; the message says why."""
+
+
+def _isa_flags() -> tuple[str, list[str]]:
+    """A name for the instruction set and the flags that target it: AVX2+FMA on x86 machines that have them
+    (every x86 server of the last decade), the compiler's baseline elsewhere."""
+    from chunkwise.platform import cpu_capabilities
+
+    caps = cpu_capabilities()
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64") and caps.get("avx2") and caps.get("fma3"):
+        return "avx2", ["-mavx2", "-mfma", "-mf16c"]
+    return machine or "generic", []
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX", "g++")
+    path = shutil.which(cxx)
+    if path is None:
+        raise KernelUnavailable(
+            f"no C++ compiler ({cxx!r} is not on PATH; install g++ or set CXX) to build chunkwise's CPU kernels"
+        )
+    return path
+
+
+def _build_command(cxx: str, isa_flags: list[str], out: Path) -> list[str]:
+    torch_dir = Path(torch.__file__).parent
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
+    return [
+        cxx,
+        "-O3",
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        "-fopenmp-simd",
+        # No code here reads floating-point exception flags or errno: these let clamps and sqrt vectorise.
+        "-fno-trapping-math",
+        "-fno-math-errno",
+        "-w",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *isa_flags,
+        "-I",
+        str(torch_dir / "include"),
+        str(SOURCE),
+        "-L",
+        str(torch_dir / "lib"),
+        "-lc10",
+        "-ltorch_cpu",
+        f"-Wl,-rpath,{torch_dir / 'lib'}",
+        "-o",
+        str(out),
+    ]
+
+
+def _library_name(cxx: str, isa: str, isa_flags: list[str]) -> str:
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"cannot run the C++ compiler {cxx}: {e}") from e
+    key = hashlib.sha256()
+    for part in (
+        SOURCE.read_bytes(),
+        torch.__version__.encode(),
+        version.encode(),
+        " ".join(isa_flags).encode(),
+    ):
+        key.update(part)
+        key.update(b"\0")
+    return f"chunkwise_cpu_ops-{isa}-{key.hexdigest()[:16]}.so"
+
+
+def _cache_dir() -> Path:
+    explicit = os.environ.get("CHUNKWISE_KERNEL_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "chunkwise" / "kernels"
+
+
+def _writable_dir(preferred: Path) -> Path:
+    try:
+        preferred.mkdir(parents=True, exist_ok=True)
+        probe = preferred / f".probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+        return preferred
+    except OSError:
+        # A read-only home (containers): the temp dir is the one place left to write.
+        fallback = Path(tempfile.gettempdir()) / "chunkwise-kernels"
+        fallback.mkdir(parents=True, exist_ok=True)
+        return fallback
+
+
+def build(force: bool = False) -> Path:
+    """Build the library if this machine has no build of the current source yet; returns its path."""
+    if not SOURCE.is_file():
+        raise KernelUnavailable(f"the kernel source {SOURCE} is missing from this installation")
+    cxx = _compiler()
+    isa, isa_flags = _isa_flags()
+    name = _library_name(cxx, isa, isa_flags)
+    prebuilt = os.environ.get("CHUNKWISE_KERNEL_DIR")
+    if prebuilt and (Path(prebuilt) / name).is_file() and not force:
+        return Path(prebuilt) / name
+    directory = _writable_dir(_cache_dir())
+    target = directory / name
+    if target.is_file() and not force:
+        return target
+    tmp = directory / f".{name}.{os.getpid()}.tmp"
+    log.info("building chunkwise's CPU kernels for %s (once per machine, about 20 s) into %s", isa, directory)
+    t0 = time.monotonic()
+    try:
+        result = subprocess.run(
+            _build_command(cxx, isa_flags, tmp), capture_output=True, text=True, timeout=600
+        )
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelUnavailable(f"the C++ compiler failed to run: {e}") from e
+    if result.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        tail = "\n".join(result.stderr.strip().splitlines()[-15:])
+        raise KernelUnavailable(f"building {SOURCE.name} failed (exit {result.returncode}):\n{tail}")
+    # Atomic: a process loading concurrently sees the old state or the whole library, never a partial file.
+    os.replace(tmp, target)
+    log.info("built chunkwise's CPU kernels in %.1fs", time.monotonic() - t0)
+    return target
+
+
+@functools.cache
+def load() -> Path:
+    """Build if needed and load the ops into torch.ops.chunkwise (once per process)."""
+    path = build()
+    try:
+        torch.ops.load_library(str(path))
+    except (OSError, RuntimeError) as e:
+        raise KernelUnavailable(f"cannot load {path}: {e}") from e
+    return path
+
+
+def available() -> bool:
+    try:
+        load()
+    except KernelUnavailable:
+        return False
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    force = "--force" in (argv if argv is not None else sys.argv[1:])
+    try:
+        path = build(force=force)
+        torch.ops.load_library(str(path))
+    except KernelUnavailable as e:
+        print(f"chunkwise CPU kernels unavailable: {e}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

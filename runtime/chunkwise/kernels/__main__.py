@@ -1,0 +1,3 @@
+from chunkwise.kernels import main
+
+raise SystemExit(main())

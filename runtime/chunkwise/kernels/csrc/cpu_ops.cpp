@@ -1,0 +1,395 @@
+// chunkwise's CPU kernels, registered as torch ops under torch.ops.chunkwise.
+//
+// Each op does in one pass what torch would do in several (reading the paged KV cache in place rather than
+// gathering it, normalising a row without temporaries), with Hugging Face's rounding points kept: values are
+// widened to fp32, computed, and rounded back to the tensor's dtype wherever torch would round them.
+//
+// Only TensorBase-level APIs are used (sizes, strides, data pointers), so the file builds in seconds; the
+// Python side (chunkwise/kernels/__init__.py) checks shapes, devices and dtypes before calling in.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/TensorBase.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <type_traits>
+
+namespace {
+
+using at::TensorBase;
+
+// Eight floats: AVX2 registers on x86 (built with -mavx2), pairs of NEON registers on Arm.
+typedef float v8 __attribute__((vector_size(32)));
+
+template <typename T>
+inline float widen(T x) {
+  return static_cast<float>(x);
+}
+
+template <typename T>
+inline T narrow(float x) {
+  return static_cast<T>(x);
+}
+
+// Round a float through T and back: where torch would store an intermediate in T.
+template <typename T>
+inline float through(float x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    return static_cast<float>(static_cast<T>(x));
+  }
+}
+
+// exp(x), x clamped to [-87, 87] (beyond which a softmax weight or a sigmoid is 0 or 1 in fp32 anyway):
+// Cephes-style range reduction and a degree-6 polynomial, relative error about 2e-7, plain arithmetic so
+// that a simd loop vectorises it (built with -fno-trapping-math, which lets the clamps become blends).
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.0f), 87.0f);
+  const float fx = x * 1.44269504088896341f;
+  const float n = (fx + 12582912.0f) - 12582912.0f;  // round to nearest
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+template <typename T, int D>
+inline void load_row(const T* src, v8* dst) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, D * sizeof(float));
+  } else {
+    float tmp[D];
+#pragma omp simd
+    for (int d = 0; d < D; ++d) tmp[d] = widen(src[d]);
+    std::memcpy(dst, tmp, sizeof(tmp));
+  }
+}
+
+inline float hsum(v8 a) {
+  float t[8];
+  std::memcpy(t, &a, sizeof(t));
+  return ((t[0] + t[4]) + (t[1] + t[5])) + ((t[2] + t[6]) + (t[3] + t[7]));
+}
+
+// ---- paged attention for short query rows -----------------------------------------------------------
+//
+// One query token attends to positions [0, len) of its request, read block by block through the request's
+// block table. All heads of the token are done together, so each KV row is read once, whole and in order
+// (reading one head's slice at a time measured 20-30% slower: the hardware prefetcher loses the stride).
+// Two passes: scores and their max, then exp and the weighted sum of values.
+
+constexpr int kMaxHeads = 128;
+
+template <typename T, int D>
+void attend_token(const T* q, int64_t q_head_stride, T* out, int64_t out_head_stride, int num_heads,
+                  int num_kv_heads, const T* k_cache, const T* v_cache, int64_t block_stride,
+                  int64_t slot_stride, int64_t head_stride, const int64_t* table, int64_t block_size,
+                  int64_t len, float scale, float* scores, v8* qv, v8* acc) {
+  constexpr int C = D / 8;
+  const int group = num_heads / num_kv_heads;
+  for (int h = 0; h < num_heads; ++h) {
+    load_row<T, D>(q + h * q_head_stride, qv + h * C);
+    for (int c = 0; c < C; ++c) {
+      qv[h * C + c] *= scale;
+      acc[h * C + c] = v8{};
+    }
+  }
+  float mx[kMaxHeads];
+  for (int h = 0; h < num_heads; ++h) mx[h] = -INFINITY;
+  const int64_t num_blocks = (len + block_size - 1) / block_size;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const T* kb = k_cache + table[b] * block_stride;
+    const int64_t p0 = b * block_size;
+    const int64_t count = std::min(block_size, len - p0);
+    for (int64_t o = 0; o < count; ++o) {
+      for (int kh = 0; kh < num_kv_heads; ++kh) {
+        v8 k[C];
+        load_row<T, D>(kb + o * slot_stride + kh * head_stride, k);
+        for (int g = 0; g < group; ++g) {
+          const int h = kh * group + g;
+          const v8* qh = qv + h * C;
+          v8 a0 = qh[0] * k[0];
+          v8 a1 = C > 1 ? qh[1] * k[1] : v8{};
+          for (int c = 2; c + 1 < C; c += 2) {
+            a0 += qh[c] * k[c];
+            a1 += qh[c + 1] * k[c + 1];
+          }
+          if constexpr (C % 2 == 1 && C > 1) a0 += qh[C - 1] * k[C - 1];
+          const float s = hsum(a0 + a1);
+          scores[h * len + p0 + o] = s;
+          mx[h] = s > mx[h] ? s : mx[h];
+        }
+      }
+    }
+  }
+  float sum[kMaxHeads];
+  for (int h = 0; h < num_heads; ++h) {
+    float total = 0.f;
+    float* row = scores + h * len;
+    const float m = mx[h];
+#pragma omp simd reduction(+ : total)
+    for (int64_t p = 0; p < len; ++p) {
+      const float e = fast_exp(row[p] - m);
+      row[p] = e;
+      total += e;
+    }
+    sum[h] = total;
+  }
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const T* vb = v_cache + table[b] * block_stride;
+    const int64_t p0 = b * block_size;
+    const int64_t count = std::min(block_size, len - p0);
+    for (int64_t o = 0; o < count; ++o) {
+      for (int kh = 0; kh < num_kv_heads; ++kh) {
+        v8 v[C];
+        load_row<T, D>(vb + o * slot_stride + kh * head_stride, v);
+        for (int g = 0; g < group; ++g) {
+          const int h = kh * group + g;
+          const float w = scores[h * len + p0 + o];
+          v8* ah = acc + h * C;
+          for (int c = 0; c < C; ++c) ah[c] += w * v[c];
+        }
+      }
+    }
+  }
+  for (int h = 0; h < num_heads; ++h) {
+    T* oh = out + h * out_head_stride;
+    const float inv = 1.f / sum[h];
+    float tmp[D];
+    std::memcpy(tmp, acc + h * C, sizeof(tmp));
+    for (int d = 0; d < D; ++d) oh[d] = narrow<T>(tmp[d] * inv);
+  }
+}
+
+template <typename T, int D>
+void paged_attention_impl(TensorBase& out, const TensorBase& query, const TensorBase& kv_cache,
+                          const TensorBase& block_tables, const TensorBase& token_rows,
+                          const TensorBase& token_index, const TensorBase& token_lens, double scale) {
+  constexpr int C = D / 8;
+  const int64_t n = token_index.size(0);
+  const int num_heads = static_cast<int>(query.size(1));
+  const int num_kv_heads = static_cast<int>(kv_cache.size(3));
+  const int64_t block_size = kv_cache.size(2);
+  const T* q = query.const_data_ptr<T>();
+  T* o = out.mutable_data_ptr<T>();
+  const T* k_cache = kv_cache.const_data_ptr<T>();
+  const T* v_cache = k_cache + kv_cache.stride(0);
+  const int64_t block_stride = kv_cache.stride(1), slot_stride = kv_cache.stride(2),
+                head_stride = kv_cache.stride(3);
+  const int64_t* tables = block_tables.const_data_ptr<int64_t>();
+  const int64_t table_stride = block_tables.stride(0);
+  const int64_t* rows = token_rows.const_data_ptr<int64_t>();
+  const int64_t* index = token_index.const_data_ptr<int64_t>();
+  const int64_t* lens = token_lens.const_data_ptr<int64_t>();
+  int64_t max_len = 1;
+  for (int64_t i = 0; i < n; ++i) max_len = std::max(max_len, lens[i]);
+  const int64_t qs0 = query.stride(0), qs1 = query.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::unique_ptr<float[]> scores(new float[num_heads * max_len]);
+    std::unique_ptr<v8[]> qv(new v8[num_heads * C]);
+    std::unique_ptr<v8[]> acc(new v8[num_heads * C]);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = index[i];
+      attend_token<T, D>(q + t * qs0, qs1, o + t * os0, os1, num_heads, num_kv_heads, k_cache, v_cache,
+                         block_stride, slot_stride, head_stride, tables + rows[i] * table_stride, block_size,
+                         lens[i], static_cast<float>(scale), scores.get(), qv.get(), acc.get());
+    }
+  });
+}
+
+template <typename T>
+void paged_attention_dtype(TensorBase& out, const TensorBase& query, const TensorBase& kv_cache,
+                           const TensorBase& block_tables, const TensorBase& token_rows,
+                           const TensorBase& token_index, const TensorBase& token_lens, double scale) {
+  switch (query.size(2)) {
+#define CASE(D)                                                                                          \
+  case D:                                                                                                \
+    return paged_attention_impl<T, D>(out, query, kv_cache, block_tables, token_rows, token_index,       \
+                                      token_lens, scale);
+    CASE(16)
+    CASE(32)
+    CASE(64)
+    CASE(80)
+    CASE(96)
+    CASE(128)
+    CASE(256)
+#undef CASE
+    default:
+      TORCH_CHECK(false, "chunkwise::paged_attention: head_dim ", query.size(2), " is not built");
+  }
+}
+
+void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
+                     const at::Tensor& block_tables, const at::Tensor& token_rows, const at::Tensor& token_index,
+                     const at::Tensor& token_lens, double scale) {
+  TORCH_CHECK(query.size(1) <= kMaxHeads, "chunkwise::paged_attention: at most ", kMaxHeads, " heads");
+  TensorBase o = out;
+  switch (query.scalar_type()) {
+    case at::kFloat:
+      return paged_attention_dtype<float>(o, query, kv_cache, block_tables, token_rows, token_index,
+                                          token_lens, scale);
+    case at::kBFloat16:
+      return paged_attention_dtype<c10::BFloat16>(o, query, kv_cache, block_tables, token_rows, token_index,
+                                                  token_lens, scale);
+    case at::kHalf:
+      return paged_attention_dtype<c10::Half>(o, query, kv_cache, block_tables, token_rows, token_index,
+                                              token_lens, scale);
+    default:
+      TORCH_CHECK(false, "chunkwise::paged_attention: unsupported dtype ", query.scalar_type());
+  }
+}
+
+// ---- RMSNorm ------------------------------------------------------------------------------------------
+// HF: x32 = x.float(); y = x32 * rsqrt(mean(x32^2) + eps); out = weight * y.to(x.dtype).
+
+template <typename T>
+void rms_norm_impl(TensorBase& out, const TensorBase& x, const TensorBase& weight, double eps) {
+  const int64_t rows = x.size(0), dim = x.size(1);
+  const T* xp = x.const_data_ptr<T>();
+  const T* wp = weight.const_data_ptr<T>();
+  T* op = out.mutable_data_ptr<T>();
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = xp + r * xs;
+      T* orow = op + r * os;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t d = 0; d < dim; ++d) {
+        const float v = widen(xr[d]);
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + feps);
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) orow[d] = narrow<T>(widen(wp[d]) * through<T>(widen(xr[d]) * inv));
+    }
+  });
+}
+
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TensorBase o = out;
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      return rms_norm_impl<float>(o, x, weight, eps);
+    case at::kBFloat16:
+      return rms_norm_impl<c10::BFloat16>(o, x, weight, eps);
+    case at::kHalf:
+      return rms_norm_impl<c10::Half>(o, x, weight, eps);
+    default:
+      TORCH_CHECK(false, "chunkwise::rms_norm: unsupported dtype ", x.scalar_type());
+  }
+}
+
+// ---- rotary embedding, in place -----------------------------------------------------------------------
+// x [T, heads, D] (rotate-half layout); cos_sin [P, 2, D/2] fp32. HF casts cos/sin to x's dtype and rounds
+// each product and each sum: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s).
+
+template <typename T>
+void rotary_impl(TensorBase& x, const TensorBase& cos_sin, const TensorBase& positions) {
+  const int64_t tokens = x.size(0), heads = x.size(1), half = x.size(2) / 2;
+  T* xp = x.mutable_data_ptr<T>();
+  const float* table = cos_sin.const_data_ptr<float>();
+  const int64_t* pos = positions.const_data_ptr<int64_t>();
+  const int64_t s0 = x.stride(0), s1 = x.stride(1), ts = cos_sin.stride(0);
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = table + pos[t] * ts;
+      const float* s = c + half;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* row = xp + t * s0 + h * s1;
+#pragma omp simd
+        for (int64_t d = 0; d < half; ++d) {
+          const float cd = through<T>(c[d]), sd = through<T>(s[d]);
+          const float x1 = widen(row[d]), x2 = widen(row[d + half]);
+          row[d] = narrow<T>(through<T>(x1 * cd) - through<T>(x2 * sd));
+          row[d + half] = narrow<T>(through<T>(x2 * cd) + through<T>(x1 * sd));
+        }
+      }
+    }
+  });
+}
+
+void rotary_embedding(at::Tensor x, const at::Tensor& cos_sin, const at::Tensor& positions) {
+  TensorBase xb = x;
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      return rotary_impl<float>(xb, cos_sin, positions);
+    case at::kBFloat16:
+      return rotary_impl<c10::BFloat16>(xb, cos_sin, positions);
+    case at::kHalf:
+      return rotary_impl<c10::Half>(xb, cos_sin, positions);
+    default:
+      TORCH_CHECK(false, "chunkwise::rotary_embedding: unsupported dtype ", x.scalar_type());
+  }
+}
+
+// ---- silu(gate) * up ------------------------------------------------------------------------------------
+// x [T, 2I] = [gate | up] -> out [T, I]; HF rounds silu(gate) to the dtype before the product.
+
+template <typename T>
+void silu_and_mul_impl(TensorBase& out, const TensorBase& x) {
+  const int64_t rows = x.size(0), inner = out.size(1);
+  const T* xp = x.const_data_ptr<T>();
+  T* op = out.mutable_data_ptr<T>();
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = xp + r * xs;
+      const T* u = g + inner;
+      T* orow = op + r * os;
+#pragma omp simd
+      for (int64_t d = 0; d < inner; ++d) {
+        const float gv = widen(g[d]);
+        orow[d] = narrow<T>(through<T>(gv / (1.f + fast_exp(-gv))) * widen(u[d]));
+      }
+    }
+  });
+}
+
+void silu_and_mul(at::Tensor out, const at::Tensor& x) {
+  TensorBase o = out;
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      return silu_and_mul_impl<float>(o, x);
+    case at::kBFloat16:
+      return silu_and_mul_impl<c10::BFloat16>(o, x);
+    case at::kHalf:
+      return silu_and_mul_impl<c10::Half>(o, x);
+    default:
+      TORCH_CHECK(false, "chunkwise::silu_and_mul: unsupported dtype ", x.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(chunkwise, m) {
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, Tensor token_rows, "
+      "Tensor token_index, Tensor token_lens, float scale) -> ()");
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("rotary_embedding(Tensor(a!) x, Tensor cos_sin, Tensor positions) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(chunkwise, CPU, m) {
+  m.impl("paged_attention", TORCH_FN(paged_attention));
+  m.impl("rms_norm", TORCH_FN(rms_norm));
+  m.impl("rotary_embedding", TORCH_FN(rotary_embedding));
+  m.impl("silu_and_mul", TORCH_FN(silu_and_mul));
+}

@@ -1,0 +1,136 @@
+"""chunkwise's C++ CPU kernels against the torch code they replace, and how they are built and chosen."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from chunkwise import kernels
+from chunkwise.model.layers import Rope, RotaryEmbedding
+
+kernels.load()
+ops = torch.ops.chunkwise
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def assert_close_in(dtype: torch.dtype, got: torch.Tensor, want: torch.Tensor) -> None:
+    # fp32: reduction order only. Half precision: one unit in the last place of the dtype, where the
+    # kernel's fp32 intermediate landed on the other side of a rounding boundary.
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:
+        tol = 8e-3 if dtype == torch.bfloat16 else 1e-3
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_hf(dtype):
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(37, 96, generator=gen) * 3
+    x = base.to(dtype)
+    weight = (1 + 0.1 * torch.randn(96, generator=gen)).to(dtype)
+    out = torch.empty_like(x)
+    ops.rms_norm(out, x, weight, 1e-5)
+    assert_close_in(dtype, out, hf_rms_norm(x, weight, 1e-5))
+    # Rows with a stride (a view into a wider tensor) read correctly.
+    wide = torch.randn(37, 200, generator=gen).to(dtype)
+    view = wide[:, 8:104]
+    out2 = torch.empty(37, 96, dtype=dtype)
+    ops.rms_norm(out2, view, weight, 1e-5)
+    assert_close_in(dtype, out2, hf_rms_norm(view, weight, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_matches_the_torch_path_in_place_on_a_strided_view(dtype):
+    head_dim, heads = 64, 6
+    rotary = RotaryEmbedding(head_dim, max_positions=512, theta=10000.0)
+    gen = torch.Generator().manual_seed(1)
+    positions = torch.randint(0, 512, (23,), generator=gen)
+    # q and k inside a fused qkv output: rows are strided, as the model hands them over.
+    qkv = torch.randn(23, (heads + 2) * head_dim, generator=gen).to(dtype)
+    x = qkv[:, : heads * head_dim].view(23, heads, head_dim)
+    rope: Rope = rotary.lookup(positions, dtype)
+    want = rotary.apply(x.clone(), rope)  # not fused: a rotated copy
+    untouched = qkv[:, heads * head_dim :].clone()
+    ops.rotary_embedding(x, rope.table, positions)
+    assert_close_in(dtype, x, want)
+    assert torch.equal(qkv[:, heads * head_dim :], untouched)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_torch(dtype):
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(19, 2 * 130, generator=gen) * 6).to(dtype)
+    out = torch.empty(19, 130, dtype=dtype)
+    ops.silu_and_mul(out, x)
+    assert_close_in(dtype, out, F.silu(x[:, :130]) * x[:, 130:])
+    # Saturated inputs: silu(-100) = 0 (not NaN), silu(100) = 100.
+    extreme = torch.tensor([[-100.0, 100.0, 2.0, 3.0]])
+    out = torch.empty(1, 2)
+    ops.silu_and_mul(out, extreme)
+    torch.testing.assert_close(out, torch.tensor([[0.0, 300.0]]))
+
+
+def test_the_build_is_keyed_by_source_flags_and_compiler(monkeypatch, tmp_path):
+    cxx = kernels._compiler()
+    name = kernels._library_name(cxx, "avx2", ["-mavx2"])
+    assert name != kernels._library_name(cxx, "avx2", ["-mavx2", "-mfma"])
+    assert name != kernels._library_name(cxx, "x86_64", [])
+    assert name.startswith("chunkwise_cpu_ops-avx2-")
+    # A fresh cache directory gets its own build; a second call reuses it.
+    monkeypatch.setenv("CHUNKWISE_KERNEL_CACHE", str(tmp_path))
+    first = kernels.build()
+    assert first.parent == tmp_path and first.is_file()
+    mtime = first.stat().st_mtime_ns
+    assert kernels.build() == first and first.stat().st_mtime_ns == mtime
+
+
+def test_a_failed_build_says_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("CHUNKWISE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler-anywhere")
+    with pytest.raises(kernels.KernelUnavailable, match="no C\\+\\+ compiler"):
+        kernels.build()
+    monkeypatch.setenv("CXX", "false")  # runs, prints nothing, fails
+    with pytest.raises(kernels.KernelUnavailable, match="failed"):
+        kernels.build()
+    assert not list(tmp_path.glob("*.so")), "a failed build must leave nothing to load"
+
+
+def test_auto_falls_back_to_the_torch_reference_and_says_so(tmp_path):
+    code = (
+        "import logging, sys\n"
+        "logging.basicConfig(level=logging.WARNING, stream=sys.stdout)\n"
+        "from chunkwise.attention import get_attention_backend\n"
+        "print('backend', get_attention_backend('auto', 'cpu').name)\n"
+        "try:\n"
+        "    get_attention_backend('cpu', 'cpu')\n"
+        "except Exception as e:\n"
+        "    print('explicit', type(e).__name__)\n"
+    )
+    env = {"PATH": "/usr/bin:/bin", "CXX": "no-such-compiler", "CHUNKWISE_KERNEL_CACHE": str(tmp_path)}
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert "backend torch" in result.stdout
+    assert "CPU kernels are unavailable: no C++ compiler" in result.stdout
+    assert "explicit KernelUnavailable" in result.stdout
+
+
+def test_the_build_command_prints_the_library():
+    result = subprocess.run(
+        [sys.executable, "-m", "chunkwise.kernels"], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    path = result.stdout.strip().splitlines()[-1]
+    assert path.endswith(".so") and kernels.load().name == path.rsplit("/", 1)[-1]
