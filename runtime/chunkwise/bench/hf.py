@@ -6,8 +6,8 @@ ignored (every row runs to the end, as `generate` does for a batch); each reques
 max_tokens tokens, the useful work. A streamer timestamps every decoding step, so TTFT and ITL mean what
 they mean for chunkwise; a request's latency ends when `generate` returns its batch.
 
-The weights are chunkwise's own: a preset's ModelConfig becomes a LlamaConfig and its state dict loads
-unchanged (the names are Hugging Face's); an HF directory is loaded by both sides from disk.
+The weights are chunkwise's own: a preset's ModelConfig becomes a LlamaConfig and its state dict (under
+Hugging Face's names, chunkwise.model.presets.preset_state_dict) loads unchanged; an HF directory is loaded by both sides from disk.
 """
 
 from __future__ import annotations
@@ -60,14 +60,10 @@ def load_hf_model(model: str, dtype: str = "float32") -> Any:
     if Path(model).is_dir():
         hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
     else:
-        from chunkwise.attention import get_attention_backend
-        from chunkwise.model.loader import load_model
+        from chunkwise.model.presets import PRESETS, preset_state_dict
 
-        ours = load_model(
-            model, dtype=torch.float32, device="cpu", backend=get_attention_backend("torch", "cpu")
-        )
-        built: Any = LlamaForCausalLM(hf_config(ours.config))
-        missing, unexpected = built.load_state_dict(ours.model.state_dict(), strict=False)
+        built: Any = LlamaForCausalLM(hf_config(PRESETS[model]))
+        missing, unexpected = built.load_state_dict(preset_state_dict(model), strict=False)
         # Only buffers HF recomputes itself may be missing (the rotary table).
         if unexpected or [m for m in missing if "rotary" not in m]:
             raise RuntimeError(
