@@ -37,7 +37,7 @@ from chunkwise.sched.shedding import LoadSnapshot, Overloaded, ServiceRate, Shed
 from chunkwise.spec.adaptive import AdaptiveDraftLength, StepCostModel
 from chunkwise.spec.draft import DraftModelProposer
 from chunkwise.spec.ngram import NgramProposer
-from chunkwise.tokenizer import IncrementalDetokenizer, Tokenizer
+from chunkwise.tokenizer import Tokenizer, make_detokenizer
 from chunkwise.worker.model_runner import ModelRunner, Proposer, kv_bytes_per_token
 
 # KV memory when neither blocks nor bytes are given: modest on CPU, most of a GPU's free memory on CUDA.
@@ -51,7 +51,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class StepStats:
-    """One step's timings, for metrics and the cost model."""
+    """One step's timings, for metrics, the cost model and the host-overhead benchmark.
+
+    step = schedule + prepare + forward + sample + update + output (+ the little between them): the forward is
+    the device's share (the model, logits and sampler up to the sampled ids on the host); the rest is host
+    work, which on a GPU is time the device may sit idle."""
 
     step_seconds: float
     schedule_seconds: float
@@ -59,19 +63,34 @@ class StepStats:
     num_batched_tokens: int
     num_prefill_tokens: int
     num_decode_rows: int
+    prepare_seconds: float = 0.0
+    sample_seconds: float = 0.0
+    update_seconds: float = 0.0
+    output_seconds: float = 0.0
+
+    @property
+    def host_seconds(self) -> float:
+        """Everything in the step outside the forward."""
+        return self.step_seconds - self.forward_seconds
 
 
 class _OutputState:
     """Per-request emission state: incremental detokenization and stop strings."""
 
+    # Text kept behind what was sent, for stop strings straddling steps, is trimmed past this many characters.
+    TRIM_TEXT_AT = 4096
+
     def __init__(self, req: Request, prompt: str | None, tokenizer: Tokenizer) -> None:
         self.req = req
         self.prompt = prompt
+        self.num_prompt_tokens = req.num_prompt_tokens
         params = req.sampling_params
-        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self.detok = make_detokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
         self.stops = tuple(params.stop)
+        self.max_stop = max((len(s) for s in self.stops), default=0)
         # Hold back this many characters while running: they could be the start of a stop string.
-        self.holdback = max((len(s) for s in self.stops), default=1) - 1
+        self.holdback = max(self.max_stop - 1, 0)
+        # Only with stop strings: the text not yet sent plus enough before it to find a straddling match.
         self.text = ""
         self.sent_chars = 0
         self.sent_tokens = 0
@@ -92,46 +111,54 @@ class OutputProcessor:
         scheduler: Scheduler,
     ) -> list[RequestOutput]:
         outs = []
+        states = self.states
         for req in updated:
-            st = self.states.get(req.request_id)
+            st = states.get(req.request_id)
             if st is None:
                 continue
-            new_tokens = req.token_ids[req.num_prompt_tokens + st.sent_tokens :]
-            for t in new_tokens:
-                st.text += st.detok.step(t)
+            new_tokens = req.token_ids[st.num_prompt_tokens + st.sent_tokens :]
+            step = st.detok.step
+            piece = step(new_tokens[0]) if len(new_tokens) == 1 else "".join([step(t) for t in new_tokens])
             if req.is_finished:
-                st.text += st.detok.flush()
-            if st.stops and not req.is_finished:
-                self._check_stop_strings(st, len(new_tokens), scheduler)
-            outs.append(self._emit(st, new_tokens, logprobs.get(req.request_id)))
+                piece += st.detok.flush()
+            delta = self._stop_strings(st, piece, scheduler) if st.stops else piece
+            outs.append(self._emit(st, new_tokens, delta, logprobs.get(req.request_id)))
         return outs
 
-    def _check_stop_strings(self, st: _OutputState, num_new: int, scheduler: Scheduler) -> None:
-        # Only the tail can hold a new match: the new text plus a stop string's length before it.
-        window_start = max(0, st.sent_chars - max(len(s) for s in st.stops))
-        best: tuple[int, str] | None = None
-        for s in st.stops:
-            idx = st.text.find(s, window_start)
-            if idx != -1 and (best is None or idx < best[0]):
-                best = (idx, s)
-        if best is None:
-            return
-        idx, s = best
-        keep = idx + len(s) if st.req.sampling_params.include_stop_str_in_output else idx
-        st.text = st.text[:keep]
-        scheduler.finish(st.req, RequestStatus.FINISHED_STOPPED, s)
+    def _stop_strings(self, st: _OutputState, piece: str, scheduler: Scheduler) -> str:
+        """Append `piece`, finish the request at the first stop string, and return what may be sent."""
+        st.text += piece
+        if not st.req.is_finished:
+            # Only the tail can hold a new match: the new text plus a stop string's length before it.
+            window_start = max(0, st.sent_chars - st.max_stop)
+            best: tuple[int, str] | None = None
+            for s in st.stops:
+                idx = st.text.find(s, window_start)
+                if idx != -1 and (best is None or idx < best[0]):
+                    best = (idx, s)
+            if best is not None:
+                idx, s = best
+                keep = idx + len(s) if st.req.sampling_params.include_stop_str_in_output else idx
+                st.text = st.text[:keep]
+                scheduler.finish(st.req, RequestStatus.FINISHED_STOPPED, s)
+        upto = len(st.text) if st.req.is_finished else max(st.sent_chars, len(st.text) - st.holdback)
+        delta = st.text[st.sent_chars : upto]
+        st.sent_chars = upto
+        drop = st.sent_chars - st.max_stop
+        if drop > st.TRIM_TEXT_AT:
+            st.text = st.text[drop:]
+            st.sent_chars -= drop
+        return delta
 
     def _emit(
         self,
         st: _OutputState,
         new_tokens: list[int],
+        delta: str,
         logprobs: list[tuple[float, list[tuple[int, float]]]] | None,
     ) -> RequestOutput:
         req = st.req
         finished = req.is_finished
-        upto = len(st.text) if finished else max(st.sent_chars, len(st.text) - st.holdback)
-        delta = st.text[st.sent_chars : upto]
-        st.sent_chars = upto
         st.sent_tokens += len(new_tokens)
         lp = None
         if logprobs is not None:
@@ -234,6 +261,9 @@ class EngineCore:
             num_host_blocks=num_host_blocks,
             dtype=dtype,
             device=device,
+            max_num_tokens=sched_cfg.max_num_batched_tokens,
+            max_num_reqs=sched_cfg.max_num_seqs,
+            max_model_len=self.max_model_len,
             proposer=proposer,
         )
         self.cost_model = PreemptionCostModel(
@@ -398,25 +428,33 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
-        schedule_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
         result = self.runner.execute(so)
+        t2 = time.perf_counter()
         updated = self.scheduler.update_from_output(so, result.sampled, result.drafted)
         if self.draft_length is not None and so.num_batched_tokens:
             self.step_cost.observe(so.num_batched_tokens, result.forward_seconds)
             drafted = sum(result.drafted.values())
             accepted = sum(len(result.sampled[r]) - 1 for r in result.drafted)
             self.draft_length.observe_acceptance(drafted, accepted)
+        t3 = time.perf_counter()
         outs = self.outputs.process(updated, result.logprobs, self.scheduler)
-        step_s = time.perf_counter() - t0
+        t4 = time.perf_counter()
         if so.num_prefill_tokens >= so.num_batched_tokens // 2 and so.num_prefill_tokens > 0:
             self.cost_model.observe_prefill(so.num_batched_tokens, result.forward_seconds)
         self.last_step = StepStats(
-            step_seconds=step_s,
-            schedule_seconds=schedule_s,
+            step_seconds=t4 - t0,
+            schedule_seconds=t1 - t0,
             forward_seconds=result.forward_seconds,
             num_batched_tokens=so.num_batched_tokens,
             num_prefill_tokens=so.num_prefill_tokens,
             num_decode_rows=sum(1 for s in so.scheduled if len(s.token_ids) == 1),
+            # The runner's own host work, and what it spent outside its three phases (swaps, cleanup).
+            prepare_seconds=result.prepare_seconds
+            + (t2 - t1 - result.prepare_seconds - result.forward_seconds - result.sample_seconds),
+            sample_seconds=result.sample_seconds,
+            update_seconds=t3 - t2,
+            output_seconds=t4 - t3,
         )
         return outs
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -27,6 +28,13 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return generator
+
+
+def _to_device_array(values: np.ndarray, dtype: torch.dtype, device: torch.device) -> Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _to_device(values: Sequence[object], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -74,32 +82,67 @@ class SamplingBatch:
             )
         device = torch.device(device)
         row_generators: list[torch.Generator | None] = []
+        all_greedy = True
+        any_penalty = any_top_k_or_p = any_logprobs = False
+        max_num_logprobs = 0
         for p, g in zip(params, generators):
-            if p.seed is not None and g is None and not p.greedy:
-                # Silently falling back to the shared generator would make a seeded request irreproducible.
-                raise ValueError(f"a row with seed={p.seed} needs its generator (see make_generator)")
-            # A greedy row never draws, so its generator's state cannot depend on its companions.
-            row_generators.append(None if p.greedy else g)
-
-        any_penalty = any(p.has_penalty for p in params)
+            greedy = p.greedy
+            if greedy:
+                # A greedy row never draws, so its generator's state cannot depend on its companions.
+                row_generators.append(None)
+            else:
+                if p.seed is not None and g is None:
+                    # Silently falling back to the shared generator would make a seeded request irreproducible.
+                    raise ValueError(f"a row with seed={p.seed} needs its generator (see make_generator)")
+                row_generators.append(g)
+                all_greedy = False
+                if p.top_k > 0 or p.top_p < 1.0:
+                    any_top_k_or_p = True
+            if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+                any_penalty = True
+            if p.logprobs is not None:
+                any_logprobs = True
+                max_num_logprobs = max(max_num_logprobs, p.logprobs)
         penalty_outputs = (
             [list(ids) if p.has_penalty else [] for p, ids in zip(params, output_token_ids)]
             if any_penalty
             else None
         )
+        if all_greedy and not any_penalty:
+            # The argmax needs no per-row parameter: the common serving case builds no tensor at all.
+            none = torch.empty(0, device=device)
+            return cls(
+                none,
+                none,
+                none,
+                none,
+                none,
+                None,
+                row_generators,
+                max_num_logprobs,
+                True,
+                False,
+                False,
+                any_logprobs,
+            )
+        table = np.array(
+            [(p.temperature, p.top_p, p.presence_penalty, p.frequency_penalty, p.top_k) for p in params],
+            dtype=np.float32,
+        )
+        floats = _to_device_array(table[:, :4], torch.float32, device)
         return cls(
-            temperature=_to_device([p.temperature for p in params], torch.float32, device),
-            top_k=_to_device([p.top_k for p in params], torch.int64, device),
-            top_p=_to_device([p.top_p for p in params], torch.float32, device),
-            presence_penalty=_to_device([p.presence_penalty for p in params], torch.float32, device),
-            frequency_penalty=_to_device([p.frequency_penalty for p in params], torch.float32, device),
+            temperature=floats[:, 0],
+            top_k=_to_device_array(table[:, 4].astype(np.int64), torch.int64, device),
+            top_p=floats[:, 1],
+            presence_penalty=floats[:, 2],
+            frequency_penalty=floats[:, 3],
             output_token_ids=penalty_outputs,
             generators=row_generators,
-            max_num_logprobs=max((p.logprobs or 0 for p in params), default=0),
-            all_greedy=all(p.greedy for p in params),
+            max_num_logprobs=max_num_logprobs,
+            all_greedy=all_greedy,
             any_penalty=any_penalty,
-            any_top_k_or_p=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params),
-            any_logprobs=any(p.logprobs is not None for p in params),
+            any_top_k_or_p=any_top_k_or_p,
+            any_logprobs=any_logprobs,
         )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -201,6 +201,46 @@ def _read_chat_template(path: Path, cfg: dict[str, Any]) -> str | None:
         if isinstance(data, dict) and isinstance(data.get("chat_template"), str):
             return str(data["chat_template"])
     return None
+
+
+class Detokenizer(Protocol):
+    def step(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+def make_detokenizer(
+    tokenizer: Tokenizer, prompt_ids: Sequence[int] | None = None, *, skip_special_tokens: bool = True
+) -> Detokenizer:
+    """The incremental detokenizer for `tokenizer`: bytes need no window (ByteDetokenizer); anything else
+    re-decodes a short window per token (IncrementalDetokenizer)."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return ByteDetokenizer(skip_special_tokens=skip_special_tokens)
+    return IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
+
+
+class ByteDetokenizer:
+    """The byte tokenizer's ids through Python's incremental UTF-8 decoder: one call per token, holding back
+    only an incomplete character, with exactly the output of ByteTokenizer.decode over the same ids."""
+
+    _SPECIAL: ClassVar[dict[int, bytes]] = {ByteTokenizer.BOS: b"<s>", ByteTokenizer.EOS: b"</s>"}
+
+    def __init__(self, *, skip_special_tokens: bool = True) -> None:
+        import codecs
+
+        self.skip_special_tokens = skip_special_tokens
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def step(self, token_id: int) -> str:
+        if 0 <= token_id < 256:
+            return self._decoder.decode(bytes((token_id,)))
+        special = self._SPECIAL.get(token_id)
+        if special is None or self.skip_special_tokens:
+            return ""
+        return self._decoder.decode(special)
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)
 
 
 class IncrementalDetokenizer:

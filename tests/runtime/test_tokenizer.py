@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from chunkwise.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDetokenizer
+from chunkwise.tokenizer import ByteDetokenizer, ByteTokenizer, HFTokenizer, IncrementalDetokenizer
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -24,6 +24,17 @@ def stream(tokenizer, ids, prompt_ids=None, **kw) -> list[str]:
     pieces = [detok.step(i) for i in ids]
     pieces.append(detok.flush())
     return pieces
+
+
+def byte_stream(tokenizer, ids, prompt_ids=None, **kw) -> list[str]:
+    detok = ByteDetokenizer(**kw)
+    pieces = [detok.step(i) for i in ids]
+    pieces.append(detok.flush())
+    return pieces
+
+
+# Both detokenizers the byte tokenizer can use: the generic window and the one the engine picks for it.
+BYTE_STREAMS = [stream, byte_stream]
 
 
 # ---------------------------------------------------------------- byte tokenizer
@@ -47,8 +58,9 @@ def test_byte_roundtrip_and_specials():
     assert tok.chat_template is not None
 
 
+@pytest.mark.parametrize("stream", BYTE_STREAMS)
 @pytest.mark.parametrize("text", TEXTS)
-def test_incremental_bytes_never_emit_partial_characters(text):
+def test_incremental_bytes_never_emit_partial_characters(text, stream):
     tok = ByteTokenizer()
     ids = tok.encode(text, add_special_tokens=False)
     pieces = stream(tok, ids)
@@ -64,7 +76,8 @@ def test_incremental_bytes_never_emit_partial_characters(text):
         assert emitted == i + 1 or bytes(ids[emitted : i + 1]).decode("utf-8", errors="ignore") == ""
 
 
-def test_incremental_with_prompt_and_special_tokens():
+@pytest.mark.parametrize("stream", BYTE_STREAMS)
+def test_incremental_with_prompt_and_special_tokens(stream):
     tok = ByteTokenizer()
     prompt = tok.encode("Prompt ends mid-way: ")
     out = [
@@ -76,8 +89,9 @@ def test_incremental_with_prompt_and_special_tokens():
     assert "".join(stream(tok, out, prompt, skip_special_tokens=False)) == "中文</s>ok"
 
 
+@pytest.mark.parametrize("stream", BYTE_STREAMS)
 @pytest.mark.parametrize("seed", range(20))
-def test_incremental_random_bytes_match_full_decode(seed):
+def test_incremental_random_bytes_match_full_decode(seed, stream):
     # A random model emits arbitrary bytes: invalid sequences, truncated characters, long runs of them.
     rng = random.Random(seed)
     tok = ByteTokenizer()
@@ -88,6 +102,7 @@ def test_incremental_random_bytes_match_full_decode(seed):
         )
     pieces = stream(tok, ids)
     assert "".join(pieces) == tok.decode(ids)
+    assert "".join(stream(tok, ids, skip_special_tokens=False)) == tok.decode(ids, skip_special_tokens=False)
 
 
 def test_long_invalid_run_is_streamed_not_hoarded():

@@ -72,6 +72,14 @@ class CpuAttentionBackend:
                 )
             plan.fallback = self._reference.plan(meta, num_heads, num_kv_heads, head_dim)
             return plan
+        device = meta.block_tables.device
+        if meta.max_query_len == 1:
+            # All decode rows (the common step): one query token per row, in row order.
+            n = meta.num_reqs
+            plan.token_rows = plan.token_index = torch.arange(n, device=device)
+            plan.token_lens = _int64(meta.seq_lens)
+            plan.block_tables = _int64(meta.block_tables)
+            return plan
         short, long = split_short_rows(meta)
         if short:
             rows: list[int] = []
@@ -83,11 +91,10 @@ class CpuAttentionBackend:
                     rows.append(row)
                     index.append(start + j)
                     lens.append(first + j)
-            device = meta.block_tables.device
             plan.token_rows = torch.tensor(rows, dtype=torch.int64, device=device)
             plan.token_index = torch.tensor(index, dtype=torch.int64, device=device)
             plan.token_lens = torch.tensor(lens, dtype=torch.int64, device=device)
-            plan.block_tables = meta.block_tables.to(torch.int64).contiguous()
+            plan.block_tables = _int64(meta.block_tables)
         for row, start, n in long:
             seq_len = meta.seq_lens_host[row]
             mask = None
@@ -158,3 +165,8 @@ class CpuAttentionBackend:
                 enable_gqa=True,
             )
             out[c.start : c.start + c.num_query] = o[0].transpose(0, 1).to(out.dtype)
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    """What the kernel reads: int64 with a contiguous last dimension (a view when it already is)."""
+    return t if t.dtype == torch.int64 and t.stride(-1) == 1 else t.to(torch.int64).contiguous()

@@ -227,7 +227,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     hf.add_argument("--concurrency", type=int, default=32, help="batch size of both (32)")
     add_workload_args(hf, num_requests=64, max_output=128)
 
-    so = csub.add_parser("sched-overhead", help="scheduler CPU time per step with a full batch")
+    so = csub.add_parser(
+        "sched-overhead",
+        help="host work per step (schedule, prepare, sample, update, output) at a full batch",
+    )
     _common(so)
     so.add_argument("--num-running", type=int, default=256, help="requests running at once (256)")
     so.add_argument("--prompt-len", type=int, default=32, help="prompt tokens each (32)")

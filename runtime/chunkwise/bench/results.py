@@ -35,6 +35,17 @@ class StepRecord:
     replica: int = 0
     # The engine's own wall-clock measure of the step (StepStats.step_seconds), the base of schedule_s's share.
     engine_step_s: float = 0.0
+    # The rest of the engine's host work (StepStats): inputs and plan, sampled ids to lists, scheduler
+    # update, output processing.
+    prepare_s: float = 0.0
+    sample_s: float = 0.0
+    update_s: float = 0.0
+    output_s: float = 0.0
+
+    @property
+    def host_s(self) -> float:
+        """The engine's step outside the forward."""
+        return self.engine_step_s - self.forward_s
 
 
 @dataclass

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from chunkwise.sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     req_id: str
     # Tokens whose KV this step computes: positions start_pos .. start_pos + len(token_ids) - 1.

@@ -1,9 +1,17 @@
-"""Flat-batch inputs: token rows at their positions over a paged cache -> ids, positions, attention metadata."""
+"""Flat-batch inputs: token rows at their positions over a paged cache -> ids, positions, attention metadata.
+
+`InputBatch` is the runner's: buffers sized at start-up and filled in place each step (pinned on CUDA, so the
+copy to the device is one asynchronous transfer per tensor), with each request's block table kept in a
+persistent row that a step only extends by the blocks added since the last one. Positions and slots are
+computed for the whole step with numpy, not per token in Python. `build_batch` is the same fill into fresh
+buffers, for callers that run a batch once (the draft proposer, tests).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -11,49 +19,195 @@ import torch
 from chunkwise.attention.backend import AttentionMetadata
 
 
-@dataclass(frozen=True)
+class RowLike(Protocol):
+    """What a step needs of one request (the scheduler's ScheduledRequest is one)."""
+
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def start_pos(self) -> int: ...
+
+    @property
+    def block_table(self) -> Sequence[int]: ...
+
+    @property
+    def req_id(self) -> str | None: ...
+
+
+@dataclass(frozen=True, slots=True)
 class Row:
     """One request's slice of a step: tokens at positions start_pos.. over its block table."""
 
     token_ids: Sequence[int]
     start_pos: int
     block_table: Sequence[int]
+    # Keyed rows keep their block table in a persistent row of InputBatch across steps.
+    req_id: str | None = None
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] on the device
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+
+
+def _host(shape: tuple[int, ...], pin: bool) -> tuple[torch.Tensor, np.ndarray]:
+    t = torch.zeros(shape, dtype=torch.int64, pin_memory=pin)
+    return t, t.numpy()
+
+
+class InputBatch:
+    def __init__(
+        self,
+        *,
+        max_num_tokens: int,
+        max_num_reqs: int,
+        max_blocks_per_req: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.max_blocks_per_req = max_blocks_per_req
+        self._pin = device.type == "cuda"
+        self._alloc_tokens(max_num_tokens)
+        self._alloc_reqs(max_num_reqs)
+        # Persistent block tables: one row per live request, extended as its table grows.
+        self._tables = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int64)
+        self._table_row: dict[str, int] = {}
+        self._table_src: dict[str, tuple[Sequence[int], int]] = {}  # the live list and how much is copied
+        self._free_table_rows = list(range(max_num_reqs - 1, -1, -1))
+
+    def _alloc_tokens(self, n: int) -> None:
+        self.max_num_tokens = n
+        self._ids_t, self._ids = _host((n,), self._pin)
+        self._pos_t, self._pos = _host((n,), self._pin)
+        self._slots_t, self._slots = _host((n,), self._pin)
+
+    def _alloc_reqs(self, n: int) -> None:
+        self.max_num_reqs = n
+        self._qsl_t, self._qsl = _host((n + 1,), self._pin)
+        self._seq_t, self._seq = _host((n,), self._pin)
+        self._bt_t, self._bt = _host((n, self.max_blocks_per_req), self._pin)
+
+    # -- persistent block tables ------------------------------------------------------------------------
+
+    def forget(self, req_ids: Sequence[str] | set[str]) -> None:
+        """Release the table rows of requests that left (finished, aborted or preempted)."""
+        for rid in req_ids:
+            row = self._table_row.pop(rid, None)
+            if row is not None:
+                self._table_src.pop(rid, None)
+                self._free_table_rows.append(row)
+
+    def _table_index(self, rid: str, table: Sequence[int]) -> int:
+        row = self._table_row.get(rid)
+        src = self._table_src.get(rid)
+        # The KV manager grows a table in place and replaces the list on free or swap: a new list (or a
+        # shorter one) is rewritten from the start.
+        if row is None or src is None or src[0] is not table or len(table) < src[1]:
+            if row is None:
+                if not self._free_table_rows:
+                    self._grow_tables()
+                row = self._free_table_rows.pop()
+                self._table_row[rid] = row
+            done = 0
+        else:
+            done = src[1]
+        n = len(table)
+        if n > self.max_blocks_per_req:
+            raise ValueError(f"a block table of {n} blocks exceeds the batch's {self.max_blocks_per_req}")
+        if n > done:
+            self._tables[row, done:n] = table[done:n]
+        self._table_src[rid] = (table, n)
+        return row
+
+    def _grow_tables(self) -> None:
+        old = self._tables.shape[0]
+        self._tables = np.concatenate([self._tables, np.zeros_like(self._tables)])
+        self._free_table_rows.extend(range(2 * old - 1, old - 1, -1))
+
+    # -- one step ---------------------------------------------------------------------------------------
+
+    def fill(self, rows: Sequence[RowLike]) -> StepInputs:
+        n = len(rows)
+        if n == 0:
+            raise ValueError("a step needs at least one row")
+        lens = [len(r.token_ids) for r in rows]
+        total = sum(lens)
+        if total > self.max_num_tokens:
+            self._alloc_tokens(max(total, 2 * self.max_num_tokens))
+        if n > self.max_num_reqs:
+            self._alloc_reqs(max(n, 2 * self.max_num_reqs))
+        bs = self.block_size
+        ids, pos, slots, qsl, seq = self._ids, self._pos, self._slots, self._qsl, self._seq
+        if total == n:
+            ids[:n] = [r.token_ids[0] for r in rows]
+        else:
+            ids[:total] = [t for r in rows for t in r.token_ids]
+        lens_a = np.asarray(lens, dtype=np.int64)
+        starts = np.asarray([r.start_pos for r in rows], dtype=np.int64)
+        qsl[0] = 0
+        np.cumsum(lens_a, out=qsl[1 : n + 1])
+        np.add(starts, lens_a, out=seq[:n])
+        max_seq = int(seq[:n].max())
+        width = -(-max_seq // bs)
+        if width > self.max_blocks_per_req:
+            raise ValueError(
+                f"a context of {max_seq} tokens needs {width} blocks; the batch holds {self.max_blocks_per_req}"
+            )
+        tables = self._bt[:n, :width]
+        if all(r.req_id is not None for r in rows):
+            index = [self._table_index(r.req_id, r.block_table) for r in rows]  # type: ignore[arg-type]
+            np.take(self._tables[:, :width], index, axis=0, out=tables)
+        else:
+            tables[:] = 0
+            for i, r in enumerate(rows):
+                need = -(-int(seq[i]) // bs)
+                tables[i, :need] = r.block_table[:need]
+        # Every token's position and cache slot, for the whole step at once.
+        if total == n:
+            np.copyto(pos[:n], starts)
+            token_row = np.arange(n)
+        else:
+            token_row = np.repeat(np.arange(n), lens_a)
+            np.subtract(np.arange(total), np.repeat(qsl[:n] - starts, lens_a), out=pos[:total])
+        p = pos[:total]
+        np.add(tables[token_row, p // bs] * bs, p % bs, out=slots[:total])
+
+        meta = AttentionMetadata(
+            query_start_loc=self._to_device(self._qsl_t[: n + 1]),
+            seq_lens=self._to_device(self._seq_t[:n]),
+            block_tables=self._to_device(self._bt_t[:n, :width]),
+            slot_mapping=self._to_device(self._slots_t[:total]),
+            query_lens_host=lens,
+            seq_lens_host=seq[:n].tolist(),
+            max_query_len=max(lens),
+            max_seq_len=max_seq,
+            block_size=bs,
+        )
+        return StepInputs(self._to_device(self._ids_t[:total]), self._to_device(self._pos_t[:total]), meta)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return t
+        # From pinned memory: queued behind nothing, overlapping the host's next work.
+        return t.to(self.device, non_blocking=True)
 
 
 def build_batch(
     rows: Sequence[Row], block_size: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    ids: list[int] = []
-    pos_parts = []
-    slot_parts = []
-    qsl = [0]
-    seq_lens = []
-    for row in rows:
-        n = len(row.token_ids)
-        ids.extend(row.token_ids)
-        pos = np.arange(row.start_pos, row.start_pos + n)
-        table = np.asarray(row.block_table, dtype=np.int64)
-        pos_parts.append(pos)
-        slot_parts.append(table[pos // block_size] * block_size + pos % block_size)
-        qsl.append(qsl[-1] + n)
-        seq_lens.append(row.start_pos + n)
-    max_blocks = max(-(-s // block_size) for s in seq_lens)
-    tables = np.zeros((len(rows), max_blocks), dtype=np.int64)
-    for i, row in enumerate(rows):
-        nb = -(-seq_lens[i] // block_size)
-        tables[i, :nb] = row.block_table[:nb]
-    query_lens = [qsl[i + 1] - qsl[i] for i in range(len(rows))]
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor(qsl, dtype=torch.long, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=device),
-        block_tables=torch.from_numpy(tables).to(device),
-        slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(device),
-        query_lens_host=query_lens,
-        seq_lens_host=seq_lens,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
+    """Inputs for one batch in buffers of its own (nothing is kept)."""
+    seq_max = max(r.start_pos + len(r.token_ids) for r in rows)
+    batch = InputBatch(
+        max_num_tokens=sum(len(r.token_ids) for r in rows),
+        max_num_reqs=len(rows),
+        max_blocks_per_req=-(-seq_max // block_size),
         block_size=block_size,
+        device=device,
     )
-    input_ids = torch.tensor(ids, dtype=torch.long, device=device)
-    positions = torch.from_numpy(np.concatenate(pos_parts)).to(device)
-    return input_ids, positions, meta
+    step = batch.fill([Row(r.token_ids, r.start_pos, r.block_table) for r in rows])
+    return step.input_ids, step.positions, step.meta

@@ -8,14 +8,14 @@ from typing import Protocol
 
 import torch
 
-from chunkwise.attention.backend import AttentionBackend, AttentionMetadata, kv_cache_shape
+from chunkwise.attention.backend import AttentionBackend, kv_cache_shape
 from chunkwise.config import ModelConfig
 from chunkwise.model.llama import LlamaForCausalLM
-from chunkwise.sampler import Sampler, SamplingBatch, apply_top_k_top_p, make_generator
+from chunkwise.sampler import Sampler, SamplerOutput, SamplingBatch, apply_top_k_top_p, make_generator
 from chunkwise.sampling_params import SamplingParams
 from chunkwise.sched.output import ScheduledRequest, SchedulerOutput
 from chunkwise.spec.verify import verify_greedy, verify_sampled
-from chunkwise.worker.inputs import Row, build_batch
+from chunkwise.worker.inputs import InputBatch, Row, RowLike
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -30,7 +30,12 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] = field(default_factory=dict)
     # Draft tokens proposed per speculating request (the accepted ones are in `sampled`, before its last).
     drafted: dict[str, int] = field(default_factory=dict)
+    # Host work before the forward: drafts, inputs, the attention plan, the sampling parameters.
+    prepare_seconds: float = 0.0
+    # The model, the logits and the sampler's tensor work, up to the sampled ids back on the host.
     forward_seconds: float = 0.0
+    # Turning sampled ids (and log-probs) into per-request lists.
+    sample_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,9 @@ class ModelRunner:
         num_host_blocks: int,
         dtype: torch.dtype,
         device: torch.device,
+        max_num_tokens: int,
+        max_num_reqs: int,
+        max_model_len: int,
         proposer: Proposer | None = None,
     ) -> None:
         self.model = model
@@ -82,6 +90,13 @@ class ModelRunner:
             torch.empty(host_shape, dtype=dtype, pin_memory=pin) for _ in range(config.num_hidden_layers)
         ]
         self.sampler = Sampler()
+        self.inputs = InputBatch(
+            max_num_tokens=max_num_tokens,
+            max_num_reqs=max_num_reqs,
+            max_blocks_per_req=-(-max_model_len // block_size),
+            block_size=block_size,
+            device=device,
+        )
         # Per-request sampling state that must persist across steps: a seeded request's generator.
         self._generators: dict[str, torch.Generator] = {}
 
@@ -118,8 +133,10 @@ class ModelRunner:
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for rid in so.finished_req_ids:
             self._generators.pop(rid, None)
-        if self.proposer is not None and so.finished_req_ids:
-            self.proposer.forget(so.finished_req_ids)
+        if so.finished_req_ids:
+            self.inputs.forget(so.finished_req_ids)
+            if self.proposer is not None:
+                self.proposer.forget(so.finished_req_ids)
         # Out before in: a block swapped out this step may be the target of a swap-in.
         self._copy_blocks(self.kv_caches, self.host_caches, so.swap_out)
         self._copy_blocks(self.host_caches, self.kv_caches, so.swap_in)
@@ -136,17 +153,43 @@ class ModelRunner:
             ]
             if wanted:
                 drafts = {rid: d for rid, d in self.proposer.propose(wanted).items() if d}
-        input_ids, positions, meta, sample_rows = self._prepare(so, drafts)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        out = ModelRunnerOutput()
+        rows: list[RowLike] = so.scheduled  # type: ignore[assignment]
+        if drafts:
+            # A speculating row computes its drafts' KV too: its tokens, then the drafts to verify.
+            rows = [
+                Row(sr.token_ids + drafts[sr.req_id], sr.start_pos, sr.block_table, sr.req_id)
+                if sr.req_id in drafts
+                else sr
+                for sr in so.scheduled
+            ]
+        step = self.inputs.fill(rows)
+        meta = step.meta
+        cfg = self.config
+        plan = self.backend.plan(meta, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        sample_rows = [i for i, sr in enumerate(so.scheduled) if sr.samples]
         plain = [i for i in sample_rows if so.scheduled[i].req_id not in drafts]
+        batch = self._sampling_batch(so, plain) if plain else None
+        t1 = time.perf_counter()
+
+        out = ModelRunnerOutput(prepare_seconds=t1 - t0)
+        hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta, plan)
+        result = None
         if plain:
-            self._sample_plain(so, plain, hidden, meta, out)
+            assert batch is not None
+            last = meta.query_start_loc[1:][torch.tensor(plain, dtype=torch.long, device=self.device)] - 1
+            result = self.sampler(self.model.compute_logits(hidden[last]), batch)
+            tokens = result.token_ids.tolist()  # the step's one host sync
+        t2 = time.perf_counter()
+        if plain:
+            assert result is not None
+            self._emit_plain(so, plain, tokens, result, out)
         for i in sample_rows:
             sr = so.scheduled[i]
             if sr.req_id in drafts:
                 self._verify(sr, drafts[sr.req_id], hidden, int(meta.query_start_loc[i]), out)
-        out.forward_seconds = time.perf_counter() - t0
+        t3 = time.perf_counter()
+        out.forward_seconds = t2 - t1
+        out.sample_seconds = t3 - t2
         return out
 
     def _generator(self, sr: ScheduledRequest) -> torch.Generator | None:
@@ -158,33 +201,36 @@ class ModelRunner:
             gen = self._generators[sr.req_id] = make_generator(seed, self.device)
         return gen
 
-    def _sample_plain(
-        self,
-        so: SchedulerOutput,
-        rows: list[int],
-        hidden: torch.Tensor,
-        meta: AttentionMetadata,
-        out: ModelRunnerOutput,
-    ) -> None:
+    def _sampling_batch(self, so: SchedulerOutput, rows: list[int]) -> SamplingBatch:
         sampling = [so.scheduled[i] for i in rows]
-        last = meta.query_start_loc[1:][torch.tensor(rows, dtype=torch.long, device=self.device)] - 1
-        logits = self.model.compute_logits(hidden[last])
-        batch = SamplingBatch.build(
+        return SamplingBatch.build(
             [sr.sampling_params for sr in sampling],
             [sr.output_token_ids or [] for sr in sampling],
             [self._generator(sr) for sr in sampling],
             self.device,
         )
-        result = self.sampler(logits, batch)
-        tokens = result.token_ids.tolist()
-        chosen = result.logprobs.tolist() if result.logprobs is not None else None
+
+    def _emit_plain(
+        self,
+        so: SchedulerOutput,
+        rows: list[int],
+        tokens: list[int],
+        result: SamplerOutput,
+        out: ModelRunnerOutput,
+    ) -> None:
+        sampled = out.sampled
+        for i, tok in zip(rows, tokens):
+            sampled[so.scheduled[i].req_id] = [tok]
+        if result.logprobs is None:
+            return
+        chosen = result.logprobs.tolist()
         top_ids = top_vals = None
         if result.top_logprobs is not None:
             top_ids, top_vals = (t.tolist() for t in result.top_logprobs)
-        for row, (sr, tok) in enumerate(zip(sampling, tokens)):
-            out.sampled[sr.req_id] = [tok]
+        for row, i in enumerate(rows):
+            sr = so.scheduled[i]
             k = sr.sampling_params.logprobs
-            if k is not None and chosen is not None:
+            if k is not None:
                 top = list(zip(top_ids[row][:k], top_vals[row][:k])) if k and top_ids and top_vals else []
                 out.logprobs[sr.req_id] = [(chosen[row], top)]
 
@@ -206,16 +252,6 @@ class ModelRunner:
             tokens = verify_sampled(_target_probs(logits, params), drafts, None, self._generator(sr))
         out.sampled[sr.req_id] = tokens
         out.drafted[sr.req_id] = len(drafts)
-
-    def _prepare(
-        self, so: SchedulerOutput, drafts: dict[str, list[int]]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        rows = []
-        for sr in so.scheduled:
-            d = drafts.get(sr.req_id)
-            rows.append(Row(sr.token_ids + d if d else sr.token_ids, sr.start_pos, sr.block_table))
-        input_ids, positions, meta = build_batch(rows, self.block_size, self.device)
-        return input_ids, positions, meta, [i for i, sr in enumerate(so.scheduled) if sr.samples]
 
 
 def _target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
