@@ -74,6 +74,25 @@ class StepStats:
         return self.step_seconds - self.forward_seconds
 
 
+@dataclass(slots=True)
+class TokenUpdate:
+    """What one step did to one request, as of the end of that step: the output side reads this snapshot
+    (and a finished request's finish fields, which never change again), not the live request, which the
+    step loop may already be advancing on another thread."""
+
+    req: Request
+    num_tokens: int  # len(req.token_ids) when the step ended: the new tokens are the ones before it
+    finished: bool
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # Set by the output side when the text reached a stop string (the request ends there).
+    stop: str | None = None
+    stop_time: float | None = None
+
+
+# Ends a request at a stop string, found in the text after the step that produced it (see OutputProcessor).
+StopFinisher = Callable[[Request, str], None]
+
+
 class _OutputState:
     """Per-request emission state: incremental detokenization and stop strings."""
 
@@ -104,31 +123,35 @@ class OutputProcessor:
     def add(self, req: Request, prompt: str | None) -> None:
         self.states[req.request_id] = _OutputState(req, prompt, self.tokenizer)
 
-    def process(
-        self,
-        updated: Sequence[Request],
-        logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]],
-        scheduler: Scheduler,
-    ) -> list[RequestOutput]:
+    def process(self, updates: Sequence[TokenUpdate], finish_by_stop: StopFinisher) -> list[RequestOutput]:
+        """Detokenize each update's new tokens and look for stop strings; a match ends the request's output
+        here and is reported through `finish_by_stop` (the scheduler frees it: at once when this runs in
+        the step loop's thread, at its next step when it runs on AsyncEngine's output thread)."""
         outs = []
         states = self.states
-        for req in updated:
+        for u in updates:
+            req = u.req
             st = states.get(req.request_id)
             if st is None:
-                continue
-            new_tokens = req.token_ids[st.num_prompt_tokens + st.sent_tokens :]
+                continue  # already finished here (a stop string), the step loop not yet told
+            new_tokens = req.token_ids[st.num_prompt_tokens + st.sent_tokens : u.num_tokens]
             step = st.detok.step
             piece = step(new_tokens[0]) if len(new_tokens) == 1 else "".join([step(t) for t in new_tokens])
-            if req.is_finished:
+            if u.finished:
                 piece += st.detok.flush()
-            delta = self._stop_strings(st, piece, scheduler) if st.stops else piece
-            outs.append(self._emit(st, new_tokens, delta, logprobs.get(req.request_id)))
+            if st.stops:
+                delta = self._stop_strings(st, u, piece, finish_by_stop)
+            else:
+                delta = piece
+            outs.append(self._emit(st, u, new_tokens, delta))
         return outs
 
-    def _stop_strings(self, st: _OutputState, piece: str, scheduler: Scheduler) -> str:
+    def _stop_strings(
+        self, st: _OutputState, u: TokenUpdate, piece: str, finish_by_stop: StopFinisher
+    ) -> str:
         """Append `piece`, finish the request at the first stop string, and return what may be sent."""
         st.text += piece
-        if not st.req.is_finished:
+        if not u.finished:
             # Only the tail can hold a new match: the new text plus a stop string's length before it.
             window_start = max(0, st.sent_chars - st.max_stop)
             best: tuple[int, str] | None = None
@@ -140,8 +163,9 @@ class OutputProcessor:
                 idx, s = best
                 keep = idx + len(s) if st.req.sampling_params.include_stop_str_in_output else idx
                 st.text = st.text[:keep]
-                scheduler.finish(st.req, RequestStatus.FINISHED_STOPPED, s)
-        upto = len(st.text) if st.req.is_finished else max(st.sent_chars, len(st.text) - st.holdback)
+                u.finished, u.stop, u.stop_time = True, s, time.monotonic()
+                finish_by_stop(st.req, s)
+        upto = len(st.text) if u.finished else max(st.sent_chars, len(st.text) - st.holdback)
         delta = st.text[st.sent_chars : upto]
         st.sent_chars = upto
         drop = st.sent_chars - st.max_stop
@@ -150,21 +174,30 @@ class OutputProcessor:
             st.sent_chars -= drop
         return delta
 
-    def _emit(
-        self,
-        st: _OutputState,
-        new_tokens: list[int],
-        delta: str,
-        logprobs: list[tuple[float, list[tuple[int, float]]]] | None,
-    ) -> RequestOutput:
-        req = st.req
-        finished = req.is_finished
+    def _emit(self, st: _OutputState, u: TokenUpdate, new_tokens: list[int], delta: str) -> RequestOutput:
+        req = u.req
+        finished = u.finished
         st.sent_tokens += len(new_tokens)
         lp = None
-        if logprobs is not None:
-            lp = [TokenLogprob(t, v, top) for t, (v, top) in zip(new_tokens, logprobs)]
+        if u.logprobs is not None:
+            lp = [TokenLogprob(t, v, top) for t, (v, top) in zip(new_tokens, u.logprobs)]
+        finish_reason: str | None = None
+        stop_reason: int | str | None = None
+        finished_time: float | None = None
         if finished:
             self.states.pop(req.request_id, None)
+            if u.stop is not None:
+                finish_reason, stop_reason, finished_time = (
+                    RequestStatus.FINISHED_STOPPED.value,
+                    u.stop,
+                    u.stop_time,
+                )
+            else:
+                finish_reason, stop_reason, finished_time = (
+                    req.finish_reason,
+                    req.stop_reason,
+                    req.finished_time,
+                )
         return RequestOutput(
             request_id=req.request_id,
             prompt=st.prompt,
@@ -174,8 +207,8 @@ class OutputProcessor:
                     index=0,
                     text=delta,
                     token_ids=new_tokens,
-                    finish_reason=req.finish_reason if finished else None,
-                    stop_reason=req.stop_reason if finished else None,
+                    finish_reason=finish_reason,
+                    stop_reason=stop_reason,
                     logprobs=lp,
                 )
             ],
@@ -183,7 +216,7 @@ class OutputProcessor:
             num_cached_tokens=req.num_cached_tokens,
             arrival_time=req.arrival_time,
             first_token_time=req.first_token_time,
-            finished_time=req.finished_time,
+            finished_time=finished_time,
         )
 
     def aborted(self, req: Request) -> RequestOutput:
@@ -329,7 +362,10 @@ class EngineCore:
         self.runner.execute(so)  # warm-up
         t0 = time.perf_counter()
         self.runner.execute(so)
-        return time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        # The runner keeps per-request state (a block-table row) until told the request is gone.
+        self.runner.execute(SchedulerOutput(scheduled=[], num_batched_tokens=0, finished_req_ids={sr.req_id}))
+        return elapsed
 
     def _measure_step_cost(self) -> tuple[float, float]:
         """(fixed seconds per step, seconds per token) from two timed forwards, to seed the adaptive draft length."""
@@ -426,6 +462,18 @@ class EngineCore:
 
     # -- the step loop ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step and its outputs (text, stop strings), in this thread."""
+        updates = self.run_step()
+        t0 = time.perf_counter()
+        outs = self.outputs.process(updates, self.finish_by_stop)
+        if self.last_step is not None:
+            self.last_step.output_seconds = time.perf_counter() - t0
+            self.last_step.step_seconds += self.last_step.output_seconds
+        return outs
+
+    def run_step(self) -> list[TokenUpdate]:
+        """The step loop's part of a step (schedule, forward and sample, update): what changed, as
+        snapshots for the output side (OutputProcessor.process), which may run on another thread."""
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
         t1 = time.perf_counter()
@@ -437,13 +485,19 @@ class EngineCore:
             drafted = sum(result.drafted.values())
             accepted = sum(len(result.sampled[r]) - 1 for r in result.drafted)
             self.draft_length.observe_acceptance(drafted, accepted)
+        logprobs = result.logprobs
+        # finish() sets finish_reason: whether it is set is whether the request is finished.
+        updates = [
+            TokenUpdate(r, len(r.token_ids), r.finish_reason is not None, logprobs.get(r.request_id))
+            if logprobs
+            else TokenUpdate(r, len(r.token_ids), r.finish_reason is not None)
+            for r in updated
+        ]
         t3 = time.perf_counter()
-        outs = self.outputs.process(updated, result.logprobs, self.scheduler)
-        t4 = time.perf_counter()
         if so.num_prefill_tokens >= so.num_batched_tokens // 2 and so.num_prefill_tokens > 0:
             self.cost_model.observe_prefill(so.num_batched_tokens, result.forward_seconds)
         self.last_step = StepStats(
-            step_seconds=t4 - t0,
+            step_seconds=t3 - t0,
             schedule_seconds=t1 - t0,
             forward_seconds=result.forward_seconds,
             num_batched_tokens=so.num_batched_tokens,
@@ -454,9 +508,13 @@ class EngineCore:
             + (t2 - t1 - result.prepare_seconds - result.forward_seconds - result.sample_seconds),
             sample_seconds=result.sample_seconds,
             update_seconds=t3 - t2,
-            output_seconds=t4 - t3,
         )
-        return outs
+        return updates
+
+    def finish_by_stop(self, req: Request, stop: str) -> None:
+        """End a request at a stop string its text reached (no-op if it has already ended)."""
+        if not req.is_finished and req.request_id in self.scheduler.requests:
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop)
 
 
 def _merge(acc: RequestOutput, delta: RequestOutput) -> None:
@@ -562,7 +620,11 @@ class AsyncEngine:
     """Runs EngineCore's step loop on its own thread and streams each request's deltas to asyncio.
 
     The step loop never waits on HTTP work: requests and aborts reach it through a thread-safe inbox that it
-    drains between steps, and outputs go back to each request's asyncio queue with call_soon_threadsafe.
+    drains between steps. Nor does it wait on output work: each step's TokenUpdates go to an output thread,
+    which detokenizes, finds stop strings, delivers to each request's asyncio queue (one call_soon_threadsafe
+    per event loop per step) and runs the observers, while the loop runs the next step (torch releases the
+    GIL while it computes). A stop string found there ends the request's output at once and reaches the
+    scheduler through the inbox, so at most one more step computes a token nobody sees, as in vLLM.
     HTTP handlers never wait on a step either: `add_request` validates, runs the admission (load-shedding)
     check and queues without blocking.
 
@@ -572,14 +634,17 @@ class AsyncEngine:
       `load()` adds the requests accepted but not yet seen by the loop, so a burst cannot overshoot the bound;
     - a copy of the scheduler's stats with the gauges (running, waiting, swapped, KV usage) refreshed, so an
       abort while idle shows at once (`scheduler_stats()`).
-    Observers (`add_observer`, e.g. metrics) are called on the loop thread with each step's StepStats (None
-    for outputs produced between steps, such as aborts), its outputs, and the requests that finished.
+    Observers (`add_observer`, e.g. metrics) are called on the output thread with each step's StepStats
+    (None for outputs produced between steps, such as aborts), its outputs, and the requests that finished.
     """
 
     def __init__(self, config: EngineConfig) -> None:
         self.core = EngineCore(config)
-        # An add is (request, prompt text); an abort is the request id.
-        self._inbox: queue.SimpleQueue[tuple[Request, str | None] | str] = queue.SimpleQueue()
+        # An add is (request, prompt text); an abort is the request id; a stop string found by the output
+        # thread is (request, the stop string).
+        self._inbox: queue.SimpleQueue[tuple[Request, str | _StopString | None] | str] = queue.SimpleQueue()
+        # To the output thread, in step order: requests to track, each step's updates, aborts; None ends it.
+        self._out_q: queue.SimpleQueue[_OutputEvent | None] = queue.SimpleQueue()
         self._streams: dict[
             str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | Exception]]
         ] = {}
@@ -587,12 +652,12 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="chunkwise-engine", daemon=True)
+        self._output_thread = threading.Thread(target=self._output_loop, name="chunkwise-output", daemon=True)
         self.error: BaseException | None = None
         self._ids = itertools.count()
         self._consecutive_failures = 0
         self._observers: list[Callable[[StepStats | None, list[RequestOutput], list[Request]], None]] = []
-        # Loop-thread state: live requests (for observers' timings), the routes seen, the service rate.
-        self._requests: dict[str, Request] = {}
+        # Loop-thread state: the routes seen, the service rate.
         self._routes: set[str] = {""}
         self._drained: list[str] = []
         self._rate = ServiceRate(self.core.cost_model.prefill_tokens_per_s)
@@ -607,6 +672,7 @@ class AsyncEngine:
         self._pending_decode = 0
 
     def start(self) -> None:
+        self._output_thread.start()
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -614,6 +680,9 @@ class AsyncEngine:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self._out_q.put(None)
+        if self._output_thread.is_alive():
+            self._output_thread.join(timeout)
         # Whoever still waits on a stream hears that no more output will come.
         self._fail_streams(RuntimeError("the engine was shut down"))
 
@@ -733,6 +802,26 @@ class AsyncEngine:
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(q.put_nowait, out)
 
+    def _deliver_all(self, outs: Sequence[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams: one wake-up of each event loop, not one per request."""
+        by_loop: dict[
+            asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[RequestOutput | Exception], RequestOutput]]
+        ]
+        by_loop = {}
+        with self._lock:
+            streams = self._streams
+            for out in outs:
+                entry = streams.get(out.request_id)
+                if entry is None:
+                    continue
+                if out.finished:
+                    del streams[out.request_id]
+                loop, q = entry
+                by_loop.setdefault(loop, []).append((q, out))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_put_all, items)
+
     def _fail_streams(self, error: Exception) -> None:
         with self._lock:
             streams = list(self._streams.values())
@@ -744,40 +833,35 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(q.put_nowait, error)
 
     def _drain_inbox(self) -> bool:
-        """Apply queued adds and aborts; returns whether there were any."""
+        """Apply queued adds, aborts and stop strings; returns whether there were any."""
         core = self.core
         any_item = False
-        aborted: list[RequestOutput] = []
-        finished: list[Request] = []
+        aborted: list[Request] = []
         while True:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 break
             any_item = True
-            if not isinstance(item, str):
-                req, text = item
-                self._drained.append(req.request_id)
-                try:
-                    core.scheduler.add_request(req)
-                    core.outputs.add(req, text)
-                except ValueError as e:
-                    self._deliver(e, req.request_id)
-                    continue
-                self._requests[req.request_id] = req
-                self._routes.add(req.route)
-            else:
-                rid = item
-                for out in core.abort([rid]):
-                    self._deliver(out, out.request_id)
-                    aborted.append(out)
-                    done = self._requests.pop(out.request_id, None)
-                    if done is not None:
-                        finished.append(done)
-                with self._lock:
-                    self._streams.pop(rid, None)
+            if isinstance(item, str):
+                # Its stream ends with the "abort" output the output thread sends (or, if it had already
+                # finished, with its last output, which may still be on its way there).
+                aborted.extend(core.scheduler.abort([item]))
+                continue
+            req, extra = item
+            if isinstance(extra, _StopString):
+                core.finish_by_stop(req, extra.text)
+                continue
+            self._drained.append(req.request_id)
+            try:
+                core.scheduler.add_request(req)
+            except ValueError as e:
+                self._deliver(e, req.request_id)
+                continue
+            self._out_q.put(_OutputEvent(added=[(req, extra)]))
+            self._routes.add(req.route)
         if aborted:
-            self._notify(None, aborted, finished)
+            self._out_q.put(_OutputEvent(aborted=aborted))
         return any_item
 
     def _publish(self) -> None:
@@ -823,22 +907,48 @@ class AsyncEngine:
         self._consecutive_failures += 1
         logging.getLogger(__name__).exception("engine step failed; aborting the requests in flight")
         core = self.core
-        aborted = core.abort(list(core.scheduler.requests))
+        aborted = core.scheduler.abort(list(core.scheduler.requests))
         failure = RuntimeError(f"the engine step failed and this request was aborted: {error!r}")
-        finished = []
-        for out in aborted:
-            self._deliver(failure, out.request_id)
-            done = self._requests.pop(out.request_id, None)
-            if done is not None:
-                finished.append(done)
+        for req in aborted:
+            self._deliver(failure, req.request_id)
         self._publish()
-        self._notify(None, aborted, finished)
+        # The output side forgets them (their streams are gone: nothing more is delivered) and observers
+        # count them as aborted.
+        self._out_q.put(_OutputEvent(aborted=aborted))
         core.kv.pool.check_invariants()
         if (
             core.kv.num_free_blocks != core.num_blocks
             or self._consecutive_failures >= _MAX_CONSECUTIVE_FAILURES
         ):
             raise error
+
+    def _finish_by_stop(self, req: Request, stop: str) -> None:
+        """On the output thread: a stop string ended req's output; the scheduler frees it next drain."""
+        self._inbox.put((req, _StopString(stop)))
+        self._wake.set()
+
+    def _output_loop(self) -> None:
+        """The output thread: detokenize, find stop strings, deliver, observe; in the order steps ran."""
+        outputs = self.core.outputs
+        while True:
+            event = self._out_q.get()
+            if event is None:
+                return
+            try:
+                for req, text in event.added:
+                    outputs.add(req, text)
+                outs = outputs.process(event.updates, self._finish_by_stop) if event.updates else []
+                finished = [u.req for u, o in zip(event.updates, outs) if o.finished] if outs else []
+                if event.aborted:
+                    for req in event.aborted:
+                        if req.request_id in outputs.states:
+                            outs.append(outputs.aborted(req))
+                            finished.append(req)
+                if outs:
+                    self._deliver_all(outs)
+                self._notify(event.step, outs, finished)
+            except Exception:  # one bad event must not end every stream's output
+                logging.getLogger(__name__).exception("engine output processing failed")
 
     def _loop(self) -> None:
         try:
@@ -850,7 +960,7 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 try:
-                    outs = self.core.step()
+                    updates = self.core.run_step()
                 except Exception as e:
                     self._recover(e)
                     continue
@@ -858,18 +968,31 @@ class AsyncEngine:
                 step = self.core.last_step
                 if step is not None:
                     self._rate.observe(step.num_batched_tokens, step.step_seconds)
-                # Publish before delivering: a client that sees its first token must never find itself
-                # still counted as waiting by the next admission check.
+                # Publish before the outputs go out: a client that sees its first token must never find
+                # itself still counted as waiting by the next admission check.
                 self._publish()
-                finished: list[Request] = []
-                for out in outs:
-                    self._deliver(out, out.request_id)
-                    if out.finished:
-                        done = self._requests.pop(out.request_id, None)
-                        if done is not None:
-                            finished.append(done)
-                self._notify(step, outs, finished)
+                self._out_q.put(_OutputEvent(step=step, updates=updates))
         except BaseException as e:  # the engine thread must not die silently
             self.error = e
             self._fail_streams(RuntimeError(f"engine failed: {e!r}"))
             raise
+
+
+@dataclass
+class _StopString:
+    text: str
+
+
+@dataclass
+class _OutputEvent:
+    """One batch of work for AsyncEngine's output thread, applied in this order."""
+
+    added: list[tuple[Request, str | None]] = dataclasses.field(default_factory=list)
+    step: StepStats | None = None
+    updates: list[TokenUpdate] = dataclasses.field(default_factory=list)
+    aborted: list[Request] = dataclasses.field(default_factory=list)
+
+
+def _put_all(items: list[tuple[asyncio.Queue[RequestOutput | Exception], RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)

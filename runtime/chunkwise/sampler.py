@@ -125,10 +125,12 @@ class SamplingBatch:
                 False,
                 any_logprobs,
             )
-        table = np.array(
-            [(p.temperature, p.top_p, p.presence_penalty, p.frequency_penalty, p.top_k) for p in params],
-            dtype=np.float32,
-        )
+        # A huge temperature becomes inf in float32, as torch.tensor would make it: no warning for that.
+        with np.errstate(over="ignore"):
+            table = np.array(
+                [(p.temperature, p.top_p, p.presence_penalty, p.frequency_penalty, p.top_k) for p in params],
+                dtype=np.float32,
+            )
         floats = _to_device_array(table[:, :4], torch.float32, device)
         return cls(
             temperature=floats[:, 0],

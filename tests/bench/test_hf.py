@@ -8,6 +8,8 @@ from chunkwise.bench.offline import build_engine
 
 def test_a_preset_in_transformers_generates_what_chunkwise_does():
     hf = load_hf_model("tiny")
-    engine = build_engine("tiny", {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": 1 << 24})
+    engine = build_engine(
+        "tiny", {"dtype": "float32", "max_model_len": 256, "kv_cache_memory_bytes": 1 << 24}
+    )
     prompts = [list(range(40, 70)), [7, 8, 9] * 5]
     assert greedy_agreement(hf, engine, prompts, 12) == [(12, 12), (12, 12)]

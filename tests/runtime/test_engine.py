@@ -236,3 +236,34 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving() -> Non
         asyncio.run(main())
     finally:
         engine.shutdown()
+
+
+def test_async_stop_strings_end_the_output_then_free_the_request() -> None:
+    """The output thread finds the stop string and ends the stream at once; the scheduler learns of it through
+    the inbox (at most a step later), frees its blocks, and the text is what the offline API gives."""
+    engine = AsyncEngine(engine_config_from_kwargs("tiny", max_model_len=256, block_size=8))
+    engine.start()
+    ref_sp = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    ref = LLM("tiny", max_model_len=256, block_size=8).generate(["stop me"], ref_sp)[0].outputs[0]
+    stop = ref.text[10:13]  # a stop string the greedy output is known to reach
+    assert stop and ref.text.find(stop) >= 0
+
+    async def main() -> None:
+        sp = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, stop=[stop])
+        deltas = [o async for o in engine.generate("stop me", sp)]
+        last = deltas[-1].outputs[0]
+        assert deltas[-1].finished and last.finish_reason == "stop" and last.stop_reason == stop
+        assert "".join(d.outputs[0].text for d in deltas) == ref.text[: ref.text.find(stop)]
+        for _ in range(200):
+            if not engine.core.has_unfinished():
+                break
+            await asyncio.sleep(0.01)
+        assert not engine.core.has_unfinished()
+        assert engine.core.kv.num_free_blocks == engine.core.num_blocks
+        # It did not run on to max_tokens.
+        assert engine.core.stats.num_decode_tokens < 60
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()

@@ -123,6 +123,10 @@ class Scheduler:
     # -- one step ---------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         t0 = time.perf_counter()
+        out = self._schedule_decodes()
+        if out is not None:
+            self.last_schedule_seconds = time.perf_counter() - t0
+            return out
         budget = self.config.max_num_batched_tokens
         num_new: dict[str, int] = {}
         cached_hits: dict[str, int] = {}
@@ -178,6 +182,58 @@ class Scheduler:
         self._update_gauges()
         self.last_schedule_seconds = time.perf_counter() - t0
         return out
+
+    def _schedule_decodes(self) -> SchedulerOutput | None:
+        """The steady state in one pass: nothing waits, no speculation, and every running request decodes
+        one token into room it already has (or gets without pressure). The same outcome as the general
+        path; None sends anything else there (what was allocated here stays valid for it)."""
+        running = self.running
+        if (
+            self.spec is not None
+            or self.swapped
+            or len(self.waiting)
+            or not running
+            or len(running) > self.config.max_num_batched_tokens
+        ):
+            return None
+        kv = self.kv
+        capacity = kv.block_size
+        tables = kv.block_tables
+        scheduled: list[ScheduledRequest] = []
+        append = scheduled.append
+        num_prefill = 0
+        for req in running:
+            tokens = req.token_ids
+            start = req.num_computed_tokens
+            if len(tokens) - start != 1:
+                return None
+            if start < len(req.prompt_token_ids):
+                num_prefill += (
+                    1  # a prompt's last token (after a prefix-cache hit): prefill, as _compose counts
+                )
+            table = tables.get(req.request_id)
+            if table is None or start >= len(table) * capacity or (start + 1) % capacity == 0:
+                # A new block, or one that fills up now (its hash goes to the prefix cache).
+                if not kv.allocate(req, 1):
+                    return None
+                table = tables[req.request_id]
+            params = req.sampling_params
+            append(
+                ScheduledRequest(
+                    req.request_id,
+                    tokens[start:],
+                    start,
+                    table,
+                    True,
+                    params,
+                    req.output_token_ids if params.has_penalty else None,
+                )
+            )
+        finished, self._finished_ids = self._finished_ids, set()
+        self._update_gauges()
+        return SchedulerOutput(
+            scheduled, len(scheduled), finished_req_ids=finished, num_prefill_tokens=num_prefill
+        )
 
     def _resume_swapped(self, budget: int, num_new: dict[str, int], swap_in: list[tuple[int, int]]) -> int:
         while self.swapped and len(self.running) < self.config.max_num_seqs:
@@ -344,25 +400,34 @@ class Scheduler:
         self.stats.num_decode_tokens += out.num_batched_tokens - out.num_prefill_tokens
         if drafted:
             self.stats.spec_num_draft_tokens += sum(drafted.values())
+        requests = self.requests
+        running = RequestStatus.RUNNING
+        max_model_len = self.max_model_len
         for sr in out.scheduled:
-            req = self.requests.get(sr.req_id)
-            if req is None or req.status != RequestStatus.RUNNING:
+            req = requests.get(sr.req_id)
+            if req is None or req.status is not running:
                 continue  # aborted while the step ran
             tokens = sampled.get(sr.req_id)
-            accepted = len(tokens) - 1 if tokens and sr.num_spec_tokens else 0
+            if not tokens:
+                req.num_computed_tokens += len(sr.token_ids)
+                continue
+            accepted = len(tokens) - 1 if sr.num_spec_tokens else 0
             req.num_computed_tokens += len(sr.token_ids) + accepted
             self.stats.spec_num_accepted_tokens += accepted
-            if not tokens:
-                continue
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
+            token_ids = req.token_ids
+            params = req.sampling_params
+            # The length at which the request ends: max_tokens generated, or max_model_len.
+            limit = min(len(req.prompt_token_ids) + req.max_tokens, max_model_len)
             for t in tokens:
-                req.append_token(t)
-                status, reason = self._check_stop(req, t)
-                if status is not None:
-                    self.finish(req, status, reason)
-                    break
+                token_ids.append(t)
+                if len(token_ids) >= limit or t in req.eos_token_ids or t in params.stop_token_ids:
+                    status, reason = self._check_stop(req, t)  # which one it is (EOS may be ignored)
+                    if status is not None:
+                        self.finish(req, status, reason)
+                        break
             updated.append(req)
         return updated
 

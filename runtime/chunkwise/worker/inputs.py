@@ -74,10 +74,10 @@ class InputBatch:
         self._pin = device.type == "cuda"
         self._alloc_tokens(max_num_tokens)
         self._alloc_reqs(max_num_reqs)
-        # Persistent block tables: one row per live request, extended as its table grows.
+        # Persistent block tables: one row per live request, extended as its table grows. Per request:
+        # [its row, the live list the KV manager grows, how many of its entries the row holds].
         self._tables = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int64)
-        self._table_row: dict[str, int] = {}
-        self._table_src: dict[str, tuple[Sequence[int], int]] = {}  # the live list and how much is copied
+        self._table_state: dict[str, list] = {}
         self._free_table_rows = list(range(max_num_reqs - 1, -1, -1))
 
     def _alloc_tokens(self, n: int) -> None:
@@ -97,32 +97,45 @@ class InputBatch:
     def forget(self, req_ids: Sequence[str] | set[str]) -> None:
         """Release the table rows of requests that left (finished, aborted or preempted)."""
         for rid in req_ids:
-            row = self._table_row.pop(rid, None)
-            if row is not None:
-                self._table_src.pop(rid, None)
-                self._free_table_rows.append(row)
+            state = self._table_state.pop(rid, None)
+            if state is not None:
+                self._free_table_rows.append(state[0])
 
-    def _table_index(self, rid: str, table: Sequence[int]) -> int:
-        row = self._table_row.get(rid)
-        src = self._table_src.get(rid)
+    def _table_rows(self, rows: Sequence[RowLike]) -> list[int]:
+        """Each row's persistent table row, brought up to date. Unchanged tables (most, in a decode step)
+        cost a dict lookup and two comparisons."""
+        states = self._table_state
+        index: list[int] = []
+        for r in rows:
+            table = r.block_table
+            state = states.get(r.req_id)  # type: ignore[arg-type]
+            if state is not None and state[1] is table and state[2] == len(table):
+                index.append(state[0])
+            else:
+                index.append(self._update_table(r.req_id, table, state))  # type: ignore[arg-type]
+        return index
+
+    def _update_table(self, rid: str, table: Sequence[int], state: list | None) -> int:
         # The KV manager grows a table in place and replaces the list on free or swap: a new list (or a
         # shorter one) is rewritten from the start.
-        if row is None or src is None or src[0] is not table or len(table) < src[1]:
-            if row is None:
-                if not self._free_table_rows:
-                    self._grow_tables()
-                row = self._free_table_rows.pop()
-                self._table_row[rid] = row
-            done = 0
-        else:
-            done = src[1]
+        if state is None:
+            if not self._free_table_rows:
+                self._grow_tables()
+            state = [self._free_table_rows.pop(), table, 0]
+            self._table_state[rid] = state
+            # A row another request used: its old entries would show as padding (the contract is zeros).
+            self._tables[state[0]] = 0
+        elif state[1] is not table or len(table) < state[2]:
+            self._tables[state[0]] = 0
+            state[1], state[2] = table, 0
         n = len(table)
         if n > self.max_blocks_per_req:
             raise ValueError(f"a block table of {n} blocks exceeds the batch's {self.max_blocks_per_req}")
+        done = state[2]
         if n > done:
-            self._tables[row, done:n] = table[done:n]
-        self._table_src[rid] = (table, n)
-        return row
+            self._tables[state[0], done:n] = table[done:n]
+        state[2] = n
+        return int(state[0])
 
     def _grow_tables(self) -> None:
         old = self._tables.shape[0]
@@ -148,7 +161,7 @@ class InputBatch:
         else:
             ids[:total] = [t for r in rows for t in r.token_ids]
         lens_a = np.asarray(lens, dtype=np.int64)
-        starts = np.asarray([r.start_pos for r in rows], dtype=np.int64)
+        starts = np.fromiter((r.start_pos for r in rows), dtype=np.int64, count=n)
         qsl[0] = 0
         np.cumsum(lens_a, out=qsl[1 : n + 1])
         np.add(starts, lens_a, out=seq[:n])
@@ -160,7 +173,7 @@ class InputBatch:
             )
         tables = self._bt[:n, :width]
         if all(r.req_id is not None for r in rows):
-            index = [self._table_index(r.req_id, r.block_table) for r in rows]  # type: ignore[arg-type]
+            index = self._table_rows(rows)  # first: it may grow the persistent tables
             np.take(self._tables[:, :width], index, axis=0, out=tables)
         else:
             tables[:] = 0

@@ -166,9 +166,18 @@ class ModelRunner:
         meta = step.meta
         cfg = self.config
         plan = self.backend.plan(meta, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-        sample_rows = [i for i, sr in enumerate(so.scheduled) if sr.samples]
-        plain = [i for i in sample_rows if so.scheduled[i].req_id not in drafts]
+        scheduled = so.scheduled
+        num_rows = len(scheduled)
+        # Every row one token that samples (a one-token chunk mid-prompt does not), none speculating.
+        decode_only = meta.num_tokens == num_rows and all(sr.samples for sr in scheduled)
+        if decode_only:
+            sample_rows = plain = list(range(num_rows))
+        else:
+            sample_rows = [i for i, sr in enumerate(scheduled) if sr.samples]
+            plain = [i for i in sample_rows if scheduled[i].req_id not in drafts]
         batch = self._sampling_batch(so, plain) if plain else None
+        if plain and not decode_only:
+            last = meta.query_start_loc[1:][torch.tensor(plain, dtype=torch.long, device=self.device)] - 1
         t1 = time.perf_counter()
 
         out = ModelRunnerOutput(prepare_seconds=t1 - t0)
@@ -176,8 +185,8 @@ class ModelRunner:
         result = None
         if plain:
             assert batch is not None
-            last = meta.query_start_loc[1:][torch.tensor(plain, dtype=torch.long, device=self.device)] - 1
-            result = self.sampler(self.model.compute_logits(hidden[last]), batch)
+            # A decode-only step's hidden rows are its last tokens, in row order.
+            result = self.sampler(self.model.compute_logits(hidden if decode_only else hidden[last]), batch)
             tokens = result.token_ids.tolist()  # the step's one host sync
         t2 = time.perf_counter()
         if plain:
@@ -202,13 +211,17 @@ class ModelRunner:
         return gen
 
     def _sampling_batch(self, so: SchedulerOutput, rows: list[int]) -> SamplingBatch:
-        sampling = [so.scheduled[i] for i in rows]
-        return SamplingBatch.build(
-            [sr.sampling_params for sr in sampling],
-            [sr.output_token_ids or [] for sr in sampling],
-            [self._generator(sr) for sr in sampling],
-            self.device,
-        )
+        scheduled = so.scheduled
+        params = []
+        outputs = []
+        generators = []
+        for i in rows:
+            sr = scheduled[i]
+            p = sr.sampling_params
+            params.append(p)
+            outputs.append(sr.output_token_ids or ())
+            generators.append(None if p.seed is None or p.greedy else self._generator(sr))
+        return SamplingBatch.build(params, outputs, generators, self.device)
 
     def _emit_plain(
         self,

@@ -1,0 +1,66 @@
+"""The runner's persistent InputBatch against a fresh fill of the same rows, step after step."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from chunkwise.worker.inputs import InputBatch, Row, build_batch
+
+
+def assert_same_step(batch: InputBatch, rows: list[Row], block_size: int) -> None:
+    got = batch.fill(rows)
+    ids, pos, meta = build_batch(rows, block_size, torch.device("cpu"))
+    assert torch.equal(got.input_ids, ids)
+    assert torch.equal(got.positions, pos)
+    for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+        assert torch.equal(getattr(got.meta, name), getattr(meta, name)), name
+    assert got.meta.query_lens_host == meta.query_lens_host
+    assert got.meta.seq_lens_host == meta.seq_lens_host
+    assert (got.meta.max_query_len, got.meta.max_seq_len) == (meta.max_query_len, meta.max_seq_len)
+
+
+def test_slots_and_positions_of_a_mixed_step():
+    rows = [Row([5, 6, 7], 2, [9, 4], "a"), Row([1], 6, [3, 8], "b"), Row([2, 3], 0, [7], "c")]
+    step = InputBatch(
+        max_num_tokens=8, max_num_reqs=4, max_blocks_per_req=4, block_size=4, device=torch.device("cpu")
+    ).fill(rows)
+    assert step.positions.tolist() == [2, 3, 4, 6, 0, 1]
+    # a: positions 2, 3 in block 9, position 4 in block 4; b: position 6 in block 8; c: block 7.
+    assert step.meta.slot_mapping.tolist() == [38, 39, 16, 34, 28, 29]
+    assert step.meta.block_tables.tolist() == [[9, 4], [3, 8], [7, 0]]
+    assert step.meta.seq_lens.tolist() == [5, 7, 2]
+
+
+def test_persistent_tables_follow_growth_replacement_and_departures():
+    rng = random.Random(0)
+    bs = 4
+    # Deliberately small: requests and tokens outgrow the start-up sizes and the buffers must grow.
+    batch = InputBatch(
+        max_num_tokens=4, max_num_reqs=2, max_blocks_per_req=64, block_size=bs, device=torch.device("cpu")
+    )
+    tables: dict[str, list[int]] = {}
+    computed: dict[str, int] = {}
+    next_block = iter(range(10_000))
+    for step in range(60):
+        # Requests arrive, decode, occasionally lose their blocks (a new list: preemption), and leave.
+        if len(tables) < 6 and rng.random() < 0.5:
+            rid = f"r{step}"
+            tables[rid], computed[rid] = [], 0
+        rows = []
+        for rid, table in tables.items():
+            n = rng.choice([1, 1, 1, 3]) if computed[rid] else rng.randint(1, 9)
+            while len(table) * bs < computed[rid] + n:
+                table.append(next(next_block))
+            rows.append(Row([rng.randrange(100) for _ in range(n)], computed[rid], table, rid))
+            computed[rid] += n
+        if rows:
+            assert_same_step(batch, rows, bs)
+        for rid in list(tables):
+            if rng.random() < 0.1:
+                del tables[rid], computed[rid]
+                batch.forget([rid])
+            elif rng.random() < 0.05:
+                tables[rid] = [next(next_block) for _ in tables[rid]]  # reallocated elsewhere
+    assert batch.max_num_reqs >= 6 and batch.max_num_tokens > 4
