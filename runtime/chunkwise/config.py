@@ -166,6 +166,9 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     attention_backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
+    # vLLM's flag. True (the default until a GPU run here has shown graphs give identical tokens; see
+    # docs/benchmarks.md): every step eager. False on CUDA: decode steps replayed from captured graphs.
+    enforce_eager: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
@@ -200,7 +203,7 @@ _CACHE_ARGS = {
     "enable_prefix_caching",
     "swap_space_bytes",
 }
-_ENGINE_ARGS = {"dtype", "device", "seed", "attention_backend"}
+_ENGINE_ARGS = {"dtype", "device", "seed", "attention_backend", "enforce_eager"}
 _SPEC_ARGS = {
     "speculative_method": "method",
     "num_speculative_tokens": "num_speculative_tokens",

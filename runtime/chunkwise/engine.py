@@ -38,6 +38,7 @@ from chunkwise.spec.adaptive import AdaptiveDraftLength, StepCostModel
 from chunkwise.spec.draft import DraftModelProposer
 from chunkwise.spec.ngram import NgramProposer
 from chunkwise.tokenizer import Tokenizer, make_detokenizer
+from chunkwise.worker.cuda_graphs import bucket_sizes
 from chunkwise.worker.model_runner import ModelRunner, Proposer, kv_bytes_per_token
 
 # KV memory when neither blocks nor bytes are given: modest on CPU, most of a GPU's free memory on CUDA.
@@ -311,10 +312,34 @@ class EngineCore:
             self.draft_length = AdaptiveDraftLength(
                 config.spec.num_speculative_tokens, self.step_cost, adaptive=config.spec.adaptive
             )
+        self._set_up_graphs(config, device, backend)
         self.scheduler = Scheduler(sched_cfg, self.kv, self.cost_model, draft_length=self.draft_length)
         self.outputs = OutputProcessor(self.tokenizer)
         self.num_blocks = num_blocks
         self.last_step: StepStats | None = None
+
+    def _set_up_graphs(self, config: EngineConfig, device: torch.device, backend: AttentionBackend) -> None:
+        if config.enforce_eager:
+            if device.type == "cuda":
+                log.info(
+                    "CUDA graphs off (enforce_eager): they stay off by default until a GPU run has shown them "
+                    "to give identical tokens; --no-enforce-eager replays decode steps from graphs"
+                )
+            return
+        if device.type != "cuda":
+            log.info("enforce_eager=False has no effect on %s: CUDA graphs need a CUDA device", device.type)
+            return
+        if not getattr(backend, "graph_safe", False):
+            log.warning(
+                "CUDA graphs off: the %s attention backend plans from host-side lengths, which a replayed "
+                "graph would not see; use the triton backend",
+                backend.name,
+            )
+            return
+        sizes = bucket_sizes(config.scheduler.max_num_seqs)
+        t0 = time.perf_counter()
+        self.runner.use_decode_graphs(sizes, capture=True)
+        log.info("CUDA graph capture took %.1fs", time.perf_counter() - t0)
 
     def _make_proposer(
         self,

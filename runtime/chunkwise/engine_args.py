@@ -92,6 +92,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="adapt the draft length to load (default: on; off drafts a fixed k)",
     )
     g.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run every step eagerly (default: on, until CUDA graphs are verified on a GPU); "
+        "--no-enforce-eager replays decode steps from CUDA graphs on a GPU",
+    )
+    g.add_argument(
         "--attention-backend",
         choices=["auto", "torch", "cpu", "triton"],
         default=None,
@@ -123,6 +130,7 @@ _FLAGS = (
     "speculative_model",
     "adaptive_speculation",
     "attention_backend",
+    "enforce_eager",
 )
 
 

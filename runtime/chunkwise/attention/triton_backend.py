@@ -92,6 +92,9 @@ def _sm_count(device: torch.device) -> int:
 
 class TritonAttentionBackend:
     name = "triton"
+    # The kernels read each row's length and block table from device memory: a plan made for the longest
+    # context serves any step of its batch size, so a captured CUDA graph can replay it.
+    graph_safe = True
 
     def __init__(self, config: TritonAttentionConfig | None = None) -> None:
         self.config = config or TritonAttentionConfig()

@@ -8,6 +8,7 @@ a wrong checkpoint fails at start-up rather than serving noise.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,14 @@ from chunkwise.attention.backend import AttentionBackend
 from chunkwise.config import ModelConfig
 from chunkwise.model.layers import Linear
 from chunkwise.model.llama import LlamaForCausalLM
-from chunkwise.model.presets import PRESETS, preset_state_dict
+from chunkwise.model.presets import (
+    DEVICE_DRAWN_PRESETS,
+    PRESET_SEEDS,
+    PRESETS,
+    hf_parameter_shapes,
+    preset_state_dict,
+    random_tensors,
+)
 from chunkwise.platform import cpu_has_bf16_matmul
 from chunkwise.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -91,7 +99,13 @@ def _load_preset(
 ) -> LoadedModel:
     config = PRESETS[name]
     model = _empty_model(config, backend, dtype, device)
-    _copy_weights(model, preset_state_dict(name), dtype)
+    if name in DEVICE_DRAWN_PRESETS:
+        tensors = random_tensors(
+            hf_parameter_shapes(config), PRESET_SEEDS[name], config.hidden_size, torch.device(device)
+        )
+    else:
+        tensors = iter(preset_state_dict(name).items())
+    _copy_weights(model, tensors, dtype)
     tokenizer = ByteTokenizer()
     return LoadedModel(name, config, model, tokenizer, tokenizer.chat_template)
 
@@ -142,11 +156,18 @@ def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     }
 
 
-def _copy_weights(model: LlamaForCausalLM, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+def _copy_weights(
+    model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype
+) -> None:
+    """Copy HF-named tensors into the model (converting to its dtype), one at a time."""
     params = dict(model.named_parameters())
+    expected = hf_weight_names(model)
     with torch.no_grad():
-        for hf, (name, row, shape) in hf_weight_names(model).items():
-            params[name][row : row + shape[0]].copy_(tensors[hf].to(dtype))
+        for hf, tensor in tensors:
+            name, row, shape = expected.pop(hf)
+            params[name][row : row + shape[0]].copy_(tensor.view(shape))
+    if expected:
+        raise ValueError(f"weights missing from the preset: {_name_list(set(expected))}")
     _freeze(model)
 
 

@@ -7,6 +7,7 @@ pass, not engine overhead, dominates a step, so benchmarks measure the scheduler
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -42,7 +43,27 @@ PRESETS: dict[str, ModelConfig] = {
     ),
 }
 
-PRESET_SEEDS = {"tiny": 1234, "small": 5678}
+# For GPU benchmarks (bench/gpu/run_engine_bench.py): Llama-3-8B's shape, random weights, the byte
+# tokenizer (prompts are token ids; ids past 257 have no text).
+PRESETS["llama3-8b"] = ModelConfig(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    bos_token_id=_BYTE.bos_token_id,
+    eos_token_ids=_BYTE.eos_token_ids,
+)
+
+PRESET_SEEDS = {"tiny": 1234, "small": 5678, "llama3-8b": 8008}
+# Presets too large to draw on the host in fp32 and copy (32 GB for 8B parameters): their weights are drawn
+# tensor by tensor on the target device, so they are the same on every machine of one device type only.
+DEVICE_DRAWN_PRESETS = frozenset({"llama3-8b"})
 
 INIT_STD = 0.02
 # HF's init (std 0.02 everywhere) leaves a deep random model's attention nearly uniform: every position
@@ -96,10 +117,16 @@ def random_state_dict(
     shapes: dict[str, tuple[int, ...]], seed: int, hidden_size: int
 ) -> dict[str, torch.Tensor]:
     """Fill every tensor from one CPU generator in name order."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    out: dict[str, torch.Tensor] = {}
+    return dict(random_tensors(shapes, seed, hidden_size, torch.device("cpu")))
+
+
+def random_tensors(
+    shapes: dict[str, tuple[int, ...]], seed: int, hidden_size: int, device: torch.device
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor in name order, fp32, drawn from one generator on `device` (one at a time)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     for name in sorted(shapes):
-        t = torch.empty(shapes[name])
+        t = torch.empty(shapes[name], device=device)
         if name.endswith("norm.weight"):
             t.fill_(1.0)
         elif name.endswith(".bias"):
@@ -112,5 +139,4 @@ def random_state_dict(
             else:
                 std = INIT_STD
             t.normal_(0.0, std, generator=gen)
-        out[name] = t
-    return out
+        yield name, t

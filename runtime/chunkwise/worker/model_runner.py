@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -15,6 +16,7 @@ from chunkwise.sampler import Sampler, SamplerOutput, SamplingBatch, apply_top_k
 from chunkwise.sampling_params import SamplingParams
 from chunkwise.sched.output import ScheduledRequest, SchedulerOutput
 from chunkwise.spec.verify import verify_greedy, verify_sampled
+from chunkwise.worker.cuda_graphs import DecodeGraphRunner
 from chunkwise.worker.inputs import InputBatch, Row, RowLike
 
 
@@ -78,7 +80,10 @@ class ModelRunner:
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
-        shape = kv_cache_shape(num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        # One block more than the pool hands out: the sink that padding rows of a bucketed decode step write
+        # into (worker/cuda_graphs.py).
+        self.sink_block = num_blocks
+        shape = kv_cache_shape(num_blocks + 1, block_size, config.num_key_value_heads, config.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)
         ]
@@ -90,6 +95,8 @@ class ModelRunner:
             torch.empty(host_shape, dtype=dtype, pin_memory=pin) for _ in range(config.num_hidden_layers)
         ]
         self.sampler = Sampler()
+        self.max_model_len = max_model_len
+        self.graphs: DecodeGraphRunner | None = None
         self.inputs = InputBatch(
             max_num_tokens=max_num_tokens,
             max_num_reqs=max_num_reqs,
@@ -99,6 +106,24 @@ class ModelRunner:
         )
         # Per-request sampling state that must persist across steps: a seeded request's generator.
         self._generators: dict[str, torch.Generator] = {}
+
+    def use_decode_graphs(self, sizes: Sequence[int], capture: bool) -> None:
+        """Run decode-only steps of up to max(sizes) rows through padded static buffers, replayed from CUDA
+        graphs when `capture` (on a GPU, with a backend that reads lengths from device memory)."""
+        self.graphs = DecodeGraphRunner(
+            self.model,
+            self.config,
+            self.backend,
+            self.kv_caches,
+            sizes=sizes,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            sink_block=self.sink_block,
+            device=self.device,
+            capture=capture,
+        )
+        if capture:
+            self.graphs.capture_all()
 
     # -- KV movement ------------------------------------------------------------------------------------
     def _copy_blocks(
@@ -164,8 +189,6 @@ class ModelRunner:
             ]
         step = self.inputs.fill(rows)
         meta = step.meta
-        cfg = self.config
-        plan = self.backend.plan(meta, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         scheduled = so.scheduled
         num_rows = len(scheduled)
         # Every row one token that samples (a one-token chunk mid-prompt does not), none speculating.
@@ -178,10 +201,20 @@ class ModelRunner:
         batch = self._sampling_batch(so, plain) if plain else None
         if plain and not decode_only:
             last = meta.query_start_loc[1:][torch.tensor(plain, dtype=torch.long, device=self.device)] - 1
+        graphed = decode_only and self.graphs is not None and self.graphs.bucket(num_rows) is not None
+        if not graphed:
+            cfg = self.config
+            plan = self.backend.plan(meta, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         t1 = time.perf_counter()
 
         out = ModelRunnerOutput(prepare_seconds=t1 - t0)
-        hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta, plan)
+        if graphed:
+            assert self.graphs is not None
+            graph_hidden = self.graphs.forward(step.input_ids, step.positions, meta)
+            assert graph_hidden is not None  # bucket() said one holds it
+            hidden = graph_hidden
+        else:
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta, plan)
         result = None
         if plain:
             assert batch is not None

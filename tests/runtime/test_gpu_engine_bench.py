@@ -1,0 +1,32 @@
+"""bench/gpu/run_engine_bench.py's smoke mode: every code path the GPU run takes, on tiny shapes on CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_engine_bench_smoke_mode(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("run_engine_bench", REPO / "bench/gpu/run_engine_bench.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "engine_bench.json").read_text())
+    assert report["smoke"] is True and not report["errors"]
+    configs = report["configs"]
+    assert set(configs) == {"torch-eager", "cpu-eager", "cpu-buckets", "triton-interpreted"}
+    # The bucketed path (what CUDA graphs replay) and every backend give the reference's tokens.
+    assert all(c["tokens_match_first_config"] for c in configs.values())
+    assert configs["cpu-buckets"]["graphs"] is True
+    for name in ("cpu-eager", "cpu-buckets"):
+        decode = configs[name]["decode"]
+        assert set(decode) == {"1", "4"} and all(d["steps_timed"] > 0 for d in decode.values())
+        convoy = configs[name]["convoy"]
+        assert convoy["max_itl_ms"] >= convoy["p99_itl_ms"] >= convoy["median_itl_ms"] > 0
+    assert "smoke run" in (tmp_path / "engine_bench.md").read_text()
