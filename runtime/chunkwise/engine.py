@@ -527,7 +527,9 @@ class EngineCore:
             forward_seconds=result.forward_seconds,
             num_batched_tokens=so.num_batched_tokens,
             num_prefill_tokens=so.num_prefill_tokens,
-            num_decode_rows=sum(1 for s in so.scheduled if len(s.token_ids) == 1),
+            num_decode_rows=len(so.scheduled)
+            if so.decode_only
+            else sum(1 for s in so.scheduled if len(s.token_ids) == 1),
             # The runner's own host work, and what it spent outside its three phases (swaps, cleanup).
             prepare_seconds=result.prepare_seconds
             + (t2 - t1 - result.prepare_seconds - result.forward_seconds - result.sample_seconds),

@@ -81,18 +81,24 @@ def test_silu_and_mul_matches_torch(dtype):
     torch.testing.assert_close(out, torch.tensor([[0.0, 300.0]]))
 
 
-def test_the_build_is_keyed_by_source_flags_and_compiler(monkeypatch, tmp_path):
-    cxx = kernels._compiler()
-    name = kernels._library_name(cxx, "avx2", ["-mavx2"])
-    assert name != kernels._library_name(cxx, "avx2", ["-mavx2", "-mfma"])
-    assert name != kernels._library_name(cxx, "x86_64", [])
+def test_the_build_is_keyed_by_source_torch_and_isa(monkeypatch, tmp_path):
+    name = kernels._library_name("avx2", ["-mavx2"])
+    assert name != kernels._library_name("avx2", ["-mavx2", "-mfma"])
+    assert name != kernels._library_name("x86_64", [])
     assert name.startswith("chunkwise_cpu_ops-avx2-")
     # A fresh cache directory gets its own build; a second call reuses it.
-    monkeypatch.setenv("CHUNKWISE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CHUNKWISE_KERNEL_CACHE", str(tmp_path / "cache"))
     first = kernels.build()
-    assert first.parent == tmp_path and first.is_file()
+    assert first.parent == tmp_path / "cache" and first.is_file()
     mtime = first.stat().st_mtime_ns
     assert kernels.build() == first and first.stat().st_mtime_ns == mtime
+    # A build baked into an image is used from there, with no compiler to be found.
+    baked = tmp_path / "baked"
+    baked.mkdir()
+    (baked / first.name).write_bytes(first.read_bytes())
+    monkeypatch.setenv("CHUNKWISE_KERNEL_DIR", str(baked))
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    assert kernels.build() == baked / first.name
 
 
 def test_a_failed_build_says_why(monkeypatch, tmp_path):

@@ -31,13 +31,16 @@ def hash_prefix_blocks(
     extra: str | None = None,
     start: int = 0,
     parent: BlockHash | None = None,
+    end: int | None = None,
 ) -> list[BlockHash]:
-    """Hashes of the full blocks of token_ids from block index `start` on (a chain continued from `parent`).
+    """Hashes of the full blocks of token_ids from block index `start` up to `end` (default: every full
+    block), a chain continued from `parent`.
 
     Only full blocks are hashed: a partial block's content is still changing.
     """
     out: list[BlockHash] = []
-    for i in range(start, len(token_ids) // block_size):
+    last = len(token_ids) // block_size if end is None else min(end, len(token_ids) // block_size)
+    for i in range(start, last):
         parent = hash_block(
             parent, token_ids[i * block_size : (i + 1) * block_size], extra if i == 0 else None
         )

@@ -47,11 +47,12 @@ class KVCacheManager:
         if len(hashes) < full:
             hashes.extend(
                 hash_prefix_blocks(
-                    req.token_ids[: full * self.block_size],
+                    req.token_ids,
                     self.block_size,
                     req.cache_salt,
                     start=len(hashes),
                     parent=hashes[-1] if hashes else None,
+                    end=full,
                 )
             )
         return hashes

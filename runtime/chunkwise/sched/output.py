@@ -37,6 +37,8 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     num_prefill_tokens: int = 0
     num_preempted: int = 0
+    # Set by the steady-state path: every row is one token of a decode that samples (none speculating).
+    decode_only: bool = False
 
     @property
     def is_empty(self) -> bool:

@@ -68,6 +68,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self._finished_ids: set[str] = set()
+        # The steady-state path's row per request, reused step after step (the runner reads a step's rows
+        # within the step only): a decode row changes only its token and position.
+        self._decode_rows: dict[str, ScheduledRequest] = {}
         self.last_schedule_seconds = 0.0
 
     # -- requests in and out ----------------------------------------------------------------------------
@@ -109,6 +112,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.forget(req)
         self.requests.pop(req.request_id, None)
+        self._decode_rows.pop(req.request_id, None)
         self._finished_ids.add(req.request_id)
         if status != RequestStatus.FINISHED_ABORTED:
             self.estimator.observe(req.route, req.num_output_tokens)
@@ -199,6 +203,7 @@ class Scheduler:
         kv = self.kv
         capacity = kv.block_size
         tables = kv.block_tables
+        rows = self._decode_rows
         scheduled: list[ScheduledRequest] = []
         append = scheduled.append
         num_prefill = 0
@@ -218,21 +223,25 @@ class Scheduler:
                     return None
                 table = tables[req.request_id]
             params = req.sampling_params
-            append(
-                ScheduledRequest(
-                    req.request_id,
-                    tokens[start:],
-                    start,
-                    table,
-                    True,
-                    params,
-                    req.output_token_ids if params.has_penalty else None,
+            row = rows.get(req.request_id)
+            if row is None or row.block_table is not table:
+                row = rows[req.request_id] = ScheduledRequest(
+                    req.request_id, tokens[start:], start, table, True, params
                 )
-            )
+            else:
+                row.token_ids = tokens[start:]
+                row.start_pos = start
+            if params.has_penalty:
+                row.output_token_ids = req.output_token_ids
+            append(row)
         finished, self._finished_ids = self._finished_ids, set()
         self._update_gauges()
         return SchedulerOutput(
-            scheduled, len(scheduled), finished_req_ids=finished, num_prefill_tokens=num_prefill
+            scheduled,
+            len(scheduled),
+            finished_req_ids=finished,
+            num_prefill_tokens=num_prefill,
+            decode_only=True,
         )
 
     def _resume_swapped(self, budget: int, num_new: dict[str, int], swap_in: list[tuple[int, int]]) -> int:

@@ -148,24 +148,35 @@ class InputBatch:
         n = len(rows)
         if n == 0:
             raise ValueError("a step needs at least one row")
-        lens = [len(r.token_ids) for r in rows]
-        total = sum(lens)
-        if total > self.max_num_tokens:
-            self._alloc_tokens(max(total, 2 * self.max_num_tokens))
         if n > self.max_num_reqs:
             self._alloc_reqs(max(n, 2 * self.max_num_reqs))
+        # One pass over the rows for what only Python can read: lengths, tokens, start positions.
+        lens: list[int] = []
+        starts_l: list[int] = []
+        flat: list[int] = []
+        for r in rows:
+            tokens = r.token_ids
+            lens.append(len(tokens))
+            starts_l.append(r.start_pos)
+            flat.extend(tokens)
+        total = len(flat)
+        if total > self.max_num_tokens:
+            self._alloc_tokens(max(total, 2 * self.max_num_tokens))
         bs = self.block_size
         ids, pos, slots, qsl, seq = self._ids, self._pos, self._slots, self._qsl, self._seq
-        if total == n:
-            ids[:n] = [r.token_ids[0] for r in rows]
-        else:
-            ids[:total] = [t for r in rows for t in r.token_ids]
-        lens_a = np.asarray(lens, dtype=np.int64)
-        starts = np.fromiter((r.start_pos for r in rows), dtype=np.int64, count=n)
+        ids[:total] = flat
+        starts = np.array(starts_l, dtype=np.int64)
+        decode_only = total == n
         qsl[0] = 0
-        np.cumsum(lens_a, out=qsl[1 : n + 1])
-        np.add(starts, lens_a, out=seq[:n])
-        max_seq = int(seq[:n].max())
+        if decode_only:
+            qsl[1 : n + 1] = np.arange(1, n + 1)
+            np.add(starts, 1, out=seq[:n])
+        else:
+            lens_a = np.array(lens, dtype=np.int64)
+            np.cumsum(lens_a, out=qsl[1 : n + 1])
+            np.add(starts, lens_a, out=seq[:n])
+        seq_lens_host = seq[:n].tolist()
+        max_seq = max(seq_lens_host)
         width = -(-max_seq // bs)
         if width > self.max_blocks_per_req:
             raise ValueError(
@@ -178,10 +189,10 @@ class InputBatch:
         else:
             tables[:] = 0
             for i, r in enumerate(rows):
-                need = -(-int(seq[i]) // bs)
+                need = -(-seq_lens_host[i] // bs)
                 tables[i, :need] = r.block_table[:need]
         # Every token's position and cache slot, for the whole step at once.
-        if total == n:
+        if decode_only:
             np.copyto(pos[:n], starts)
             token_row = np.arange(n)
         else:
@@ -196,8 +207,8 @@ class InputBatch:
             block_tables=self._to_device(self._bt_t[:n, :width]),
             slot_mapping=self._to_device(self._slots_t[:total]),
             query_lens_host=lens,
-            seq_lens_host=seq[:n].tolist(),
-            max_query_len=max(lens),
+            seq_lens_host=seq_lens_host,
+            max_query_len=1 if decode_only else max(lens),
             max_seq_len=max_seq,
             block_size=bs,
         )

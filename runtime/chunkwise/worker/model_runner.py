@@ -192,7 +192,7 @@ class ModelRunner:
         scheduled = so.scheduled
         num_rows = len(scheduled)
         # Every row one token that samples (a one-token chunk mid-prompt does not), none speculating.
-        decode_only = meta.num_tokens == num_rows and all(sr.samples for sr in scheduled)
+        decode_only = so.decode_only or (meta.num_tokens == num_rows and all(sr.samples for sr in scheduled))
         if decode_only:
             sample_rows = plain = list(range(num_rows))
         else:
