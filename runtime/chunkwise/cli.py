@@ -1,4 +1,4 @@
-"""The `chunkwise` command: serve, router, bench, replay, operator."""
+"""The `chunkwise` command: serve, router, bench, replay, inspect, operator."""
 
 from __future__ import annotations
 
@@ -24,6 +24,11 @@ def main(argv: list[str] | None = None) -> int:
     add_replay_args(
         sub.add_parser("replay", help="the scheduler on a virtual clock with a calibrated cost model")
     )
+    from chunkwise.inspect import add_inspect_args
+
+    add_inspect_args(
+        sub.add_parser("inspect", help="what the loader understands of a checkpoint, and the memory it needs")
+    )
     sub.add_parser(
         "operator", help="run the Kubernetes operator (kopf run -m chunkwise_operator.main)", add_help=False
     )
@@ -47,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         from chunkwise.bench.cli import run_bench
 
         return run_bench(args)
+    if args.command == "inspect":
+        from chunkwise.inspect import run_inspect
+
+        return run_inspect(args)
     if args.command == "replay":
         from chunkwise.sim.cli import run_replay_cli
 

@@ -21,8 +21,32 @@ def _positive(name: str, value: int | float | None) -> None:
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """A rotary scaling, with the fields of transformers' rope_parameters that its type reads (see
+    model/rope.py; the loader checks each type has what it needs)."""
+
+    rope_type: str
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    # llama3
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    # yarn, longrope: the factor cos/sin are scaled by (None: derived from factor, as transformers does)
+    attention_factor: float | None = None
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    # longrope
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """The architecture of a Llama-family model (Llama, Mistral, Qwen2 share this shape)."""
+    """The architecture of a Llama-family model (Llama, Mistral, Qwen2 and Qwen3 share this shape)."""
 
     vocab_size: int
     hidden_size: int
@@ -34,8 +58,11 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    # Qwen3: RMSNorm over each head's query and key before the rotation.
+    qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 

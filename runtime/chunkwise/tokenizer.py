@@ -84,6 +84,46 @@ class ByteTokenizer:
         return out.decode("utf-8", errors="replace")
 
 
+class NoTokenizer:
+    """A checkpoint without tokenizer.json: token ids in, token ids out, and no text either way.
+
+    Guessing a tokenizer (the byte one, say) would serve text that is wrong; instead a text prompt is refused
+    with the reason, and outputs carry their token ids with empty text."""
+
+    def __init__(self, vocab_size: int, bos_token_id: int | None, eos_token_ids: Iterable[int]) -> None:
+        self._vocab_size = vocab_size
+        self._bos = bos_token_id
+        self._eos = tuple(dict.fromkeys(eos_token_ids))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos
+
+    @property
+    def chat_template(self) -> str | None:
+        return None
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        return frozenset(self._eos) | (frozenset() if self._bos is None else frozenset((self._bos,)))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise ValueError(
+            "this model has no tokenizer (no tokenizer.json in its directory): give the prompt as token ids"
+        )
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+
 def _token_content(token: Any) -> str | None:
     """tokenizer_config.json writes special tokens as a string or as an AddedToken dict."""
     if isinstance(token, str):
@@ -110,6 +150,7 @@ class HFTokenizer:
         self._chat_template = chat_template
         added = tokenizer.get_added_tokens_decoder()
         special = {i for i, tok in added.items() if tok.special}
+        self._byte_pieces = _byte_piece_ids(tokenizer)
         special.update(self._eos)
         if bos_token_id is not None:
             special.add(bos_token_id)
@@ -172,11 +213,28 @@ class HFTokenizer:
     def special_token_ids(self) -> frozenset[int]:
         return self._special
 
+    @property
+    def byte_piece_ids(self) -> frozenset[int]:
+        """The <0xXX> pieces a byte-fallback BPE decodes run by run (empty for other tokenizers)."""
+        return self._byte_pieces
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+
+def _byte_piece_ids(tokenizer: Any) -> frozenset[int]:
+    """Ids of <0x00>..<0xFF> when the model falls back to bytes and the decoder joins them (ByteFallback)."""
+    spec = json.loads(tokenizer.to_str())
+    model = spec.get("model") or {}
+    if not model.get("byte_fallback") or "ByteFallback" not in json.dumps(spec.get("decoder")):
+        return frozenset()
+    vocab = tokenizer.get_vocab(with_added_tokens=False)
+    return frozenset(
+        i for piece, i in vocab.items() if len(piece) == 6 and piece.startswith("<0x") and piece[-1] == ">"
+    )
 
 
 def _read_chat_template(path: Path, cfg: dict[str, Any]) -> str | None:
@@ -216,7 +274,19 @@ def make_detokenizer(
     re-decodes a short window per token (IncrementalDetokenizer)."""
     if isinstance(tokenizer, ByteTokenizer):
         return ByteDetokenizer(skip_special_tokens=skip_special_tokens)
+    if isinstance(tokenizer, NoTokenizer):
+        return NoText()
     return IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
+
+
+class NoText:
+    """The detokenizer of a model without a tokenizer: its outputs are token ids only."""
+
+    def step(self, token_id: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
 
 
 class ByteDetokenizer:
@@ -260,6 +330,8 @@ class IncrementalDetokenizer:
     MAX_PENDING = 8
     # Trim the id list once this many ids lie wholly before the window.
     TRIM_AT = 1024
+    # Ids without text (skipped special tokens) the window may hold before they become its start.
+    MAX_TEXTLESS = 32
 
     def __init__(
         self,
@@ -272,6 +344,13 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         context = list(prompt_ids[-self.PROMPT_CONTEXT :]) if prompt_ids else []
         self._ids: list[int] = context
+        # A byte-fallback decoder turns a whole run of byte pieces into text at once (U+FFFD for each byte if
+        # the run is not valid UTF-8, its ASCII bytes included), so a run's text is final only once it ends.
+        self._byte_pieces: frozenset[int] = getattr(tokenizer, "byte_piece_ids", frozenset())
+        # Skipped special tokens vanish before decoding: byte pieces on either side of one join a single run.
+        self._held = self._byte_pieces | (
+            tokenizer.special_token_ids if skip_special_tokens and self._byte_pieces else frozenset()
+        )
         self._prefix = 0  # window start: context for decoding, already emitted
         self._read = len(context)  # first id whose text has not been emitted
 
@@ -281,6 +360,8 @@ class IncrementalDetokenizer:
     def step(self, token_id: int) -> str:
         """Add one generated id; return the text it completes (possibly "")."""
         self._ids.append(token_id)
+        if token_id in self._held:
+            return ""  # a byte run in progress: held whole until a token that is not a byte piece ends it
         prefix_text = self._decode(self._prefix, self._read)
         new_text = self._decode(self._prefix)
         if new_text.endswith(REPLACEMENT_CHAR):
@@ -291,8 +372,12 @@ class IncrementalDetokenizer:
             self._advance(len(self._ids))
             return new_text[len(prefix_text) :]
         if new_text == prefix_text:
-            # The new ids have no text (skipped special tokens): move on rather than widen the window.
-            self._advance(len(self._ids))
+            # The new ids have no text (skipped special tokens). They count as read, but the window keeps
+            # its start: the next word's text depends on the context before them (a decoder that joins
+            # words with spaces would lose the space). A long run of them ends up as context itself.
+            self._read = len(self._ids)
+            if self._read - self._prefix > self.MAX_TEXTLESS:
+                self._advance(self._read)
         return ""
 
     def flush(self) -> str:

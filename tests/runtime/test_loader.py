@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from chunkwise.attention.torch_ref import TorchAttentionBackend
 from chunkwise.model import PRESETS, load_model, model_config_from_hf
 from chunkwise.model.loader import hf_state_dict
-from chunkwise.tokenizer import ByteTokenizer
+from chunkwise.tokenizer import NoTokenizer
 
 BASE = {
     "architectures": ["LlamaForCausalLM"],
@@ -99,12 +99,57 @@ def test_what_transformers_writes_round_trips(llama_dir):
     assert c.rope_theta == LlamaConfig().rope_parameters["rope_theta"]
 
 
-@pytest.mark.parametrize("rope_type", ["llama3", "linear", "yarn", "dynamic"])
-def test_rope_scaling_is_refused(rope_type):
-    with pytest.raises(ValueError, match=f"rope scaling type '{rope_type}'"):
-        model_config_from_hf({**BASE, "rope_parameters": {"rope_theta": 1e4, "rope_type": rope_type}})
-    with pytest.raises(ValueError, match=f"rope scaling type '{rope_type}'"):
-        model_config_from_hf({**BASE, "rope_scaling": {"type": rope_type, "factor": 2.0}})
+def test_rope_scalings_are_read_from_either_layout():
+    llama3 = {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    c = model_config_from_hf(
+        {**BASE, "rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", **llama3}}
+    )
+    assert c.rope_scaling is not None and c.rope_scaling.rope_type == "llama3" and c.rope_theta == 5e5
+    assert (c.rope_scaling.factor, c.rope_scaling.original_max_position_embeddings) == (8.0, 64)
+    # transformers 4's spelling: a top-level rope_theta and rope_scaling with "type".
+    c = model_config_from_hf(
+        {
+            **BASE,
+            "rope_theta": 1e6,
+            "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
+        }
+    )
+    assert c.rope_scaling is not None and c.rope_scaling.rope_type == "yarn" and c.rope_theta == 1e6
+    c = model_config_from_hf({**BASE, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    assert c.rope_scaling is not None and c.rope_scaling.factor == 2.0
+
+
+@pytest.mark.parametrize(
+    ("rope", "message"),
+    [
+        ({"rope_type": "su"}, r"rope scaling type 'su' \(config.json rope_parameters.rope_type\)"),
+        ({"rope_type": "llama3", "factor": 8.0}, r"needs config.json rope_parameters.low_freq_factor"),
+        (
+            {"rope_type": "yarn", "factor": 4.0},
+            r"needs config.json rope_parameters.original_max_position_embeddings",
+        ),
+        ({"rope_type": "linear"}, r"needs config.json rope_parameters.factor"),
+        ({"rope_type": "linear", "factor": "2"}, r"rope_parameters.factor must be a number"),
+        (
+            {
+                "rope_type": "longrope",
+                "short_factor": [1.0],
+                "long_factor": [1.0],
+                "original_max_position_embeddings": 64,
+            },
+            r"short_factor must be a list of head_dim / 2 = 8",
+        ),
+        ({"rope_type": "default", "partial_rotary_factor": 0.5}, r"partial_rotary_factor"),
+    ],
+)
+def test_rope_scalings_we_cannot_compute_are_refused_by_field(rope, message):
+    with pytest.raises(ValueError, match=message):
+        model_config_from_hf({**BASE, "rope_parameters": {"rope_theta": 1e4, **rope}})
 
 
 def test_qwen2_has_qkv_bias_and_mistral_window_caps_length():
@@ -154,13 +199,16 @@ def test_bad_configs_are_refused(change, message):
 # ---------------------------------------------------------------- loading
 
 
-def test_loads_hf_dir_with_byte_tokenizer_fallback(llama_dir):
+def test_a_dir_without_tokenizer_takes_and_gives_token_ids(llama_dir):
     loaded = load(llama_dir)
     assert loaded.name == str(llama_dir)
-    assert isinstance(loaded.tokenizer, ByteTokenizer)
+    # No guessed tokenizer (a byte one would serve wrong text): ids in and out, text prompts refused.
+    assert isinstance(loaded.tokenizer, NoTokenizer)
+    assert loaded.tokenizer.decode([5, 6, 7]) == ""
+    with pytest.raises(ValueError, match=r"no tokenizer.*token ids"):
+        loaded.tokenizer.encode("hello")
     assert loaded.config.eos_token_ids == (2,)
-    # generation stops on the checkpoint's eos and the tokenizer's.
-    assert loaded.eos_token_ids == (2, ByteTokenizer.EOS)
+    assert loaded.eos_token_ids == (2,)
     assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in loaded.model.parameters())
     assert not any(p.requires_grad for p in loaded.model.parameters())
 
@@ -253,9 +301,25 @@ def test_corrupt_safetensors(tmp_path, llama_dir):
         load(d)
 
 
-def test_tokenizer_required_when_vocab_too_small_for_bytes(tmp_path):
-    torch.manual_seed(2)
-    cfg = LlamaConfig(**{**{k: v for k, v in BASE.items() if k != "architectures"}, "vocab_size": 100})
-    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"no tokenizer.json.*vocab_size \(100\)"):
+def test_an_index_names_the_shards_and_bf16_weights_load(tmp_path):
+    """What a real checkpoint directory holds: bf16 shards under model.safetensors.index.json beside a stray
+    consolidated.safetensors (Mistral's repos carry one), and generation_config.json's list of EOS ids."""
+    torch.manual_seed(3)
+    cfg = LlamaConfig(**{k: v for k, v in BASE.items() if k != "architectures"}, num_key_value_heads=2)
+    hf = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    save_file({"layers.0.attention.wq.weight": torch.zeros(4, 4)}, tmp_path / "consolidated.safetensors")
+    gen = json.loads((tmp_path / "generation_config.json").read_text())
+    (tmp_path / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [2, 7, 9]}))
+    loaded = load(tmp_path)
+    assert loaded.eos_token_ids == (2, 7, 9)
+    expected = hf.state_dict()
+    for name, p in hf_state_dict(loaded.model).items():
+        assert p.dtype == torch.float32 and torch.equal(p, expected[name].float()), name
+    # A shard the index names must be there.
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    first = sorted(set(index["weight_map"].values()))[0]
+    (tmp_path / first).unlink()
+    with pytest.raises(ValueError, match="names shards that are not in"):
         load(tmp_path)

@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from chunkwise.tokenizer import ByteDetokenizer, ByteTokenizer, HFTokenizer, IncrementalDetokenizer
+from chunkwise.tokenizer import (
+    ByteDetokenizer,
+    ByteTokenizer,
+    HFTokenizer,
+    IncrementalDetokenizer,
+    make_detokenizer,
+)
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -214,3 +220,57 @@ def test_metaspace_leading_spaces_survive_streaming(tmp_path):
     tok = HFTokenizer.from_dir(tmp_path)
     ids = [2, 3, 4, 5, 3]
     assert "".join(stream(tok, ids)) == tok.decode(ids) == "Hello world again! world"
+
+
+# ---------------------------------------------------------------- a SentencePiece-style byte-fallback BPE
+
+EMOJI_CJK = [
+    "Hello 🙂 world 🚀!",
+    "中文字符和日本語のテキスト",
+    "naïve café — ünïcödé 👩‍👩‍👧 done",
+    "mixed 中 🙂 the end",
+]
+
+
+@pytest.fixture(scope="module")
+def fallback_tok(tmp_path_factory) -> HFTokenizer:
+    from tests.runtime.hf_models import save_byte_fallback_tokenizer
+
+    path = tmp_path_factory.mktemp("fallback")
+    save_byte_fallback_tokenizer(path)
+    return HFTokenizer.from_dir(path)
+
+
+@pytest.mark.parametrize("text", EMOJI_CJK)
+def test_byte_fallback_text_streams_as_the_full_decode(fallback_tok, text):
+    ids = fallback_tok.encode(text, add_special_tokens=False)
+    pieces = fallback_tok_stream(fallback_tok, ids)
+    assert "".join(pieces) == fallback_tok.decode(ids) == text
+    # Characters made of byte pieces are held back until whole, never streamed as U+FFFD.
+    assert not any("\ufffd" in p for p in pieces)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_ids_with_special_tokens_stream_as_the_full_decode(fallback_tok, seed):
+    """What a random model emits: any id, byte pieces that form no character, and special tokens between
+    words (skipped by default, whose neighbours' spaces must survive)."""
+    rng = random.Random(seed)
+    vocab = fallback_tok.vocab_size
+    special = sorted(fallback_tok.special_token_ids)
+    ids = [rng.choice(special) if rng.random() < 0.15 else rng.randrange(vocab) for _ in range(200)]
+    for skip in (True, False):
+        pieces = fallback_tok_stream(fallback_tok, ids, skip_special_tokens=skip)
+        assert "".join(pieces) == fallback_tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_a_skipped_special_token_keeps_the_next_words_space(fallback_tok):
+    words = fallback_tok.encode("The scheduler decides which requests run", add_special_tokens=False)
+    eot = fallback_tok.eos_token_ids[0]
+    ids = [*words[:3], eot, *words[3:]]
+    assert "".join(fallback_tok_stream(fallback_tok, ids)) == fallback_tok.decode(ids)
+
+
+def fallback_tok_stream(tok, ids, **kw) -> list[str]:
+    # As the engine builds it: no prompt context, so the text is exactly that of the output ids alone.
+    detok = make_detokenizer(tok, **kw)
+    return [*(detok.step(i) for i in ids), detok.flush()]

@@ -50,8 +50,10 @@ class LiveServer:
         self.engine.shutdown()
 
 
-def start_server(engine_kwargs: dict[str, Any] | None = None, **app_kwargs: Any) -> LiveServer:
-    engine = AsyncEngine(engine_config_from_kwargs(MODEL, **{**ENGINE_KWARGS, **(engine_kwargs or {})}))
+def start_server(
+    engine_kwargs: dict[str, Any] | None = None, model: str = MODEL, **app_kwargs: Any
+) -> LiveServer:
+    engine = AsyncEngine(engine_config_from_kwargs(model, **{**ENGINE_KWARGS, **(engine_kwargs or {})}))
     engine.start()
     app = build_app(engine, **{"max_request_bytes": MAX_REQUEST_BYTES, **app_kwargs})
     # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets it recognises as TCP (else Nagle adds ~40 ms).

@@ -16,6 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from chunkwise.config import RopeScaling
+from chunkwise.model.rope import rope_frequencies
+
 log = logging.getLogger(__name__)
 
 
@@ -162,27 +165,31 @@ class RotaryEmbedding:
     it; a step looks its positions up once and every layer reuses the result (`lookup`, then `apply`).
     """
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None = None
+    ) -> None:
         self.head_dim = head_dim
         self.max_positions = max_positions
         self.theta = theta
+        self.scaling = scaling
         self._tables: dict[torch.device, torch.Tensor] = {}
         self.fused = False
 
     def prepare(self, like: torch.Tensor) -> None:
         self.fused = cpu_kernels_for(like)
 
-    def inv_freq(self) -> torch.Tensor:
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
-        return 1.0 / (self.theta**exponents)
-
     def _table(self, device: torch.device) -> torch.Tensor:
         table = self._tables.get(device)
         if table is None:
+            inv_freq, attention_factor = rope_frequencies(self.head_dim, self.theta, self.scaling)
             positions = torch.arange(self.max_positions, dtype=torch.float32)
-            freqs = positions[:, None] * self.inv_freq()[None, :]
-            # [max_positions, 2, head_dim // 2]: cos then sin, one gather per step for both.
-            table = torch.stack((freqs.cos(), freqs.sin()), dim=1).to(device)
+            freqs = positions[:, None] * inv_freq[None, :]
+            # [max_positions, 2, head_dim // 2]: cos then sin, one gather per step for both, scaled in fp32
+            # by the attention factor (YaRN, LongRoPE) before any cast, as transformers does.
+            cs = torch.stack((freqs.cos(), freqs.sin()), dim=1)
+            if attention_factor != 1.0:
+                cs = cs * attention_factor
+            table = cs.to(device)
             self._tables[device] = table
         return table
 

@@ -1,4 +1,4 @@
-"""The Llama architecture (also Mistral and Qwen2, which differ only in config), over a flat batch.
+"""The Llama architecture (also Mistral, Qwen2 and Qwen3, which differ only in config), over a flat batch.
 
 There is no batch dimension and no padding: a step's tokens from every request are concatenated, and the
 attention backend uses the step's plan to keep requests apart. q/k/v and gate/up are each one matmul over
@@ -34,6 +34,9 @@ class Attention(nn.Module):
             stacked=(("q_proj", self.q_size), ("k_proj", self.kv_size), ("v_proj", self.kv_size)),
         )
         self.o_proj = Linear(self.q_size, config.hidden_size)
+        # Qwen3 normalises each head's query and key (over head_dim) before rotating them.
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self, x: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, plan: AttentionPlan
@@ -41,7 +44,12 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         # q and k sit side by side in the fused output: one rotation covers both.
-        qk = self.rotary.apply(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), rope)
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat(
+                (self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1
+            )
+        qk = self.rotary.apply(qk, rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         # Write first: a prefill chunk attends to its own keys through the cache, like everything else.
@@ -84,7 +92,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.backend = backend
-        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, backend, self.rotary) for _ in range(config.num_hidden_layers)

@@ -8,6 +8,8 @@ a wrong checkpoint fails at start-up rather than serving noise.
 from __future__ import annotations
 
 import json
+import logging
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -16,7 +18,7 @@ from typing import Any
 import torch
 
 from chunkwise.attention.backend import AttentionBackend
-from chunkwise.config import ModelConfig
+from chunkwise.config import ModelConfig, RopeScaling
 from chunkwise.model.layers import Linear
 from chunkwise.model.llama import LlamaForCausalLM
 from chunkwise.model.presets import (
@@ -28,18 +30,22 @@ from chunkwise.model.presets import (
     random_tensors,
 )
 from chunkwise.platform import cpu_has_bf16_matmul
-from chunkwise.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from chunkwise.tokenizer import ByteTokenizer, HFTokenizer, NoTokenizer, Tokenizer
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
-SUPPORTED_ROPE_TYPES = (None, "default")
+# Rotary scalings computed as transformers does (model/rope.py); "default" is no scaling.
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 # Checkpoints saved by older transformers versions carry the rotary table; we compute it.
 IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
 # How many names an error lists before it summarises.
 MAX_NAMES_IN_ERROR = 10
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -180,9 +186,9 @@ def _read_json(path: Path) -> Any:
         raise ValueError(f"cannot read {path}: {e}") from e
 
 
-def _load_hf_dir(
-    path: Path, *, name: str, dtype: torch.dtype, device: str | torch.device, backend: AttentionBackend
-) -> LoadedModel:
+def read_checkpoint(path: Path) -> tuple[ModelConfig, Tokenizer]:
+    """What a model directory says of itself, weights aside: its config (with generation_config.json's stop
+    ids), its tokenizer and chat template. Raises ValueError naming what it cannot use."""
     config_path = path / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{path} has no config.json; it is not a Hugging Face model directory")
@@ -201,25 +207,21 @@ def _load_hf_dir(
                 merged = tuple(dict.fromkeys((*config.eos_token_ids, *extra)))
                 config = replace(config, eos_token_ids=merged)
 
-    weight_files = sorted(path.glob("*.safetensors"))
-    if not weight_files:
-        hint = (
-            " (PyTorch .bin checkpoints are not supported; convert to safetensors)"
-            if any(path.glob("*.bin"))
-            else ""
-        )
-        raise ValueError(f"{path} has no *.safetensors weight files{hint}")
-
     tokenizer: Tokenizer
     if (path / "tokenizer.json").is_file():
         tokenizer = HFTokenizer.from_dir(path, extra_eos_token_ids=config.eos_token_ids)
-    elif config.vocab_size >= ByteTokenizer.VOCAB_SIZE:
-        tokenizer = ByteTokenizer()
     else:
-        raise ValueError(
-            f"{path} has no tokenizer.json, and its vocab_size ({config.vocab_size}) is too small for the "
-            f"built-in byte tokenizer ({ByteTokenizer.VOCAB_SIZE} ids)"
-        )
+        tokenizer = NoTokenizer(config.vocab_size, config.bos_token_id, config.eos_token_ids)
+    return config, tokenizer
+
+
+def _load_hf_dir(
+    path: Path, *, name: str, dtype: torch.dtype, device: str | torch.device, backend: AttentionBackend
+) -> LoadedModel:
+    config, tokenizer = read_checkpoint(path)
+    if isinstance(tokenizer, NoTokenizer):
+        log.warning("%s has no tokenizer.json: prompts must be token ids, and outputs have no text", path)
+    weight_files = _weight_files(path)
 
     with torch.device("meta"):
         expected = hf_weight_names(LlamaForCausalLM(config, backend))
@@ -245,6 +247,34 @@ def _load_hf_dir(
                     params[param][row : row + shape[0]].copy_(tensor)
     _freeze(model)
     return LoadedModel(name, config, model, tokenizer, tokenizer.chat_template)
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The checkpoint's safetensors shards: those its index names (model.safetensors.index.json), else
+    model.safetensors, else every *.safetensors file. With an index, other files (a consolidated.safetensors
+    in the original format, say) are left alone; a shard it names but the directory lacks is an error."""
+    index_path = path / "model.safetensors.index.json"
+    if index_path.is_file():
+        index = _read_json(index_path)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index_path} has no weight_map")
+        names = sorted({str(v) for v in weight_map.values()})
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise ValueError(f"{index_path} names shards that are not in {path}: {', '.join(missing[:5])}")
+        return [path / n for n in names]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        hint = (
+            " (PyTorch .bin checkpoints are not supported; convert to safetensors)"
+            if any(path.glob("*.bin"))
+            else ""
+        )
+        raise ValueError(f"{path} has no *.safetensors weight files{hint}")
+    return files
 
 
 def _freeze(model: torch.nn.Module) -> None:
@@ -322,33 +352,138 @@ def _float_field(cfg: dict[str, Any], key: str, default: float) -> float:
     return float(value)
 
 
-def _rope(cfg: dict[str, Any]) -> float:
-    """rope_theta, refusing any rope scaling we do not implement.
+def _rope_params(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The rope parameters dict and the config.json key it came from.
 
-    transformers 5 writes {"rope_parameters": {"rope_theta": ..., "rope_type": "default"}}; earlier
-    versions write a top-level rope_theta and an optional rope_scaling dict ("type" or "rope_type").
-    """
-    theta = _float_field(cfg, "rope_theta", 10000.0)
+    transformers 5 writes {"rope_parameters": {"rope_theta": ..., "rope_type": ...}}; earlier versions write a
+    top-level rope_theta and an optional rope_scaling dict ("type" or "rope_type")."""
     for key in ("rope_parameters", "rope_scaling"):
         params = cfg.get(key)
         if params is None:
             continue
         if not isinstance(params, dict):
             raise ValueError(f"config.json field {key!r} must be an object, got {params!r}")
-        rope_type = params.get("rope_type", params.get("type"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
+        return key, params
+    return "rope_scaling", {}
+
+
+def _rope(cfg: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling | None, int]:
+    """(rope_theta, the scaling or None, the longest context served exactly), refusing what is not
+    implemented with the config field named."""
+    key, params = _rope_params(cfg)
+    theta = _float_field(cfg, "rope_theta", 10000.0)
+    if params.get("rope_theta") is not None:
+        theta = _float_field(params, "rope_theta", theta)
+    rope_type = params.get("rope_type", params.get("type")) or "default"
+    where = f"config.json {key}"
+    if params.get("partial_rotary_factor", 1.0) != 1.0 or cfg.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"partial_rotary_factor ({where}) is not supported: every head dimension is rotated")
+    if rope_type == "default":
+        return theta, None, max_pos
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(
+            f"rope scaling type {rope_type!r} ({where}.rope_type) is not supported; chunkwise computes "
+            f"{', '.join(ROPE_TYPES)}"
+        )
+
+    def number(name: str, default: float | None = None) -> float:
+        value = params.get(name)
+        if value is None:
+            if default is None:
+                raise ValueError(f"rope scaling {rope_type!r} needs {where}.{name}")
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{where}.{name} must be a number, got {value!r}")
+        return float(value)
+
+    def original() -> int:
+        value = params.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(
-                f"rope scaling type {rope_type!r} (config.json {key}) is not supported; only the default "
-                "rotary embedding is"
+                f"rope scaling {rope_type!r} needs {where}.original_max_position_embeddings (a positive integer)"
             )
-        if params.get("rope_theta") is not None:
-            theta = _float_field(params, "rope_theta", theta)
-    return theta
+        return value
+
+    if rope_type == "linear":
+        scaling = RopeScaling("linear", factor=number("factor"))
+        if scaling.factor <= 0:
+            raise ValueError(f"{where}.factor must be positive, got {scaling.factor}")
+        return theta, scaling, max_pos
+    if rope_type == "llama3":
+        scaling = RopeScaling(
+            "llama3",
+            factor=number("factor"),
+            low_freq_factor=number("low_freq_factor"),
+            high_freq_factor=number("high_freq_factor"),
+            original_max_position_embeddings=original(),
+        )
+        if scaling.high_freq_factor == scaling.low_freq_factor:
+            raise ValueError(f"{where}: high_freq_factor must differ from low_freq_factor")
+        return theta, scaling, max_pos
+    if rope_type == "yarn":
+        orig = original()
+        factor = params.get("factor")
+        scaling = RopeScaling(
+            "yarn",
+            factor=number("factor") if factor is not None else max_pos / orig,
+            original_max_position_embeddings=orig,
+            attention_factor=number("attention_factor")
+            if params.get("attention_factor") is not None
+            else None,
+            beta_fast=number("beta_fast", 32.0) if params.get("beta_fast") else 32.0,
+            beta_slow=number("beta_slow", 1.0) if params.get("beta_slow") else 1.0,
+            mscale=number("mscale") if params.get("mscale") is not None else None,
+            mscale_all_dim=number("mscale_all_dim") if params.get("mscale_all_dim") is not None else None,
+            truncate=bool(params.get("truncate", True)),
+        )
+        return theta, scaling, max_pos
+    if rope_type == "dynamic":
+        number("factor")
+        # Up to max_position_embeddings, transformers' dynamic NTK frequencies are the default ones; past it
+        # they are recomputed from each forward pass's length, which chunked prefill cannot reproduce.
+        log.info(
+            "rope scaling 'dynamic' (%s): served up to max_position_embeddings (%d), where its frequencies are "
+            "the default ones",
+            where,
+            max_pos,
+        )
+        return theta, RopeScaling("dynamic", factor=number("factor")), max_pos
+    # longrope: short factors up to original_max_position_embeddings, long ones past it (chosen per forward
+    # pass in transformers, so only the short regime is served).
+    orig = original()
+    head_dim = _int_field(
+        cfg, "head_dim", _int_field(cfg, "hidden_size") // _int_field(cfg, "num_attention_heads")
+    )
+    factors = {}
+    for name in ("short_factor", "long_factor"):
+        value = params.get(name)
+        if not isinstance(value, list) or len(value) != head_dim // 2:
+            raise ValueError(f"{where}.{name} must be a list of head_dim / 2 = {head_dim // 2} numbers")
+        factors[name] = tuple(float(v) for v in value)
+    factor = params.get("factor")
+    scaling = RopeScaling(
+        "longrope",
+        factor=number("factor") if factor is not None else max_pos / orig,
+        original_max_position_embeddings=orig,
+        attention_factor=number("attention_factor") if params.get("attention_factor") is not None else None,
+        short_factor=factors["short_factor"],
+        long_factor=factors["long_factor"],
+    )
+    if orig < max_pos:
+        log.info(
+            "rope scaling 'longrope' (%s): context capped at original_max_position_embeddings (%d) of %d: past it "
+            "transformers switches to the long factors for the whole sequence per forward pass, which "
+            "chunked prefill cannot reproduce",
+            where,
+            orig,
+            max_pos,
+        )
+    return theta, scaling, min(max_pos, orig)
 
 
 def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
-    """Map a Hugging Face config.json (Llama, Mistral or Qwen2) onto ModelConfig; raise on what we cannot
-    run exactly."""
+    """Map a Hugging Face config.json (Llama, Mistral, Qwen2 or Qwen3) onto ModelConfig; raise on what we
+    cannot run exactly, naming the field."""
     architectures = cfg.get("architectures") or []
     if not isinstance(architectures, list):
         raise ValueError(f"config.json field 'architectures' must be a list, got {architectures!r}")
@@ -372,8 +507,10 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         attention_bias = True
     else:
         if cfg.get("attention_bias"):
-            # Llama's attention_bias also puts a bias on o_proj, which ModelConfig cannot express.
-            raise ValueError("attention_bias=true is not supported for Llama/Mistral checkpoints")
+            # Llama's and Qwen3's attention_bias also put a bias on o_proj, which ModelConfig cannot express.
+            raise ValueError(
+                "attention_bias=true (config.json) is not supported for Llama/Mistral/Qwen3 checkpoints"
+            )
         attention_bias = False
 
     hidden = _int_field(cfg, "hidden_size")
@@ -385,10 +522,17 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     # We attend over the full context. A sliding window changes nothing until the context outgrows it,
     # so cap the usable length there instead of refusing the checkpoint.
     # The defaults are those of the transformers config classes, which apply when the key is absent.
-    uses_window = cfg.get("use_sliding_window", False) if family == "qwen2" else True
+    uses_window = cfg.get("use_sliding_window", False) if family in ("qwen2", "qwen3") else True
     window = cfg.get("sliding_window", 4096 if family == "mistral" else None)
-    if uses_window and isinstance(window, int) and not isinstance(window, bool) and window > 0:
-        max_pos = min(max_pos, window)
+    if uses_window and isinstance(window, int) and not isinstance(window, bool) and 0 < window < max_pos:
+        log.info(
+            "config.json sliding_window %d: context capped there (max_position_embeddings %d): within the window "
+            "sliding attention is full attention, which is what chunkwise computes",
+            window,
+            max_pos,
+        )
+        max_pos = window
+    rope_theta, rope_scaling, max_pos = _rope(cfg, max_pos)
 
     bos = cfg.get("bos_token_id")
     if bos is not None and (isinstance(bos, bool) or not isinstance(bos, int)):
@@ -404,7 +548,9 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         head_dim=head_dim,
         max_position_embeddings=max_pos,
         rms_norm_eps=_float_field(cfg, "rms_norm_eps", 1e-6),
-        rope_theta=_rope(cfg),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        qk_norm=family == "qwen3",
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=attention_bias,
         bos_token_id=bos,

@@ -35,6 +35,8 @@ class _Sampling(_Strict):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's: each choice (and each streamed chunk) also carries its token ids, and the prompt's.
+    return_token_ids: bool = False
     seed: int | None = None
     stop: str | list[str] | None = None
     presence_penalty: float = 0.0

@@ -379,7 +379,17 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EngineStreamResponse(
-            _completion_events(state, engine, stream, rid, created, model, want_logprobs, include_usage),
+            _completion_events(
+                state,
+                engine,
+                stream,
+                rid,
+                created,
+                model,
+                want_logprobs,
+                include_usage,
+                body.return_token_ids,
+            ),
             stream,
         )
 
@@ -391,15 +401,22 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
     logprobs = None
     if want_logprobs:
         logprobs = _CompletionLogprobs().add(state, engine, result.logprobs)
+    choice: dict[str, Any] = {
+        "index": 0,
+        "text": result.text,
+        "logprobs": logprobs,
+        "finish_reason": result.finish_reason,
+    }
+    if body.return_token_ids:
+        choice["prompt_token_ids"] = stream.prompt_token_ids
+        choice["token_ids"] = result.token_ids
     return _json(
         {
             "id": rid,
             "object": "text_completion",
             "created": created,
             "model": model,
-            "choices": [
-                {"index": 0, "text": result.text, "logprobs": logprobs, "finish_reason": result.finish_reason}
-            ],
+            "choices": [choice],
             "usage": _usage(stream.num_prompt_tokens, len(result.token_ids), result.num_cached_tokens),
         }
     )
@@ -414,9 +431,11 @@ async def _completion_events(
     model: str,
     want_logprobs: bool,
     include_usage: bool,
+    return_token_ids: bool,
 ) -> AsyncIterator[bytes]:
     num_tokens = num_cached = 0
     lp_state = _CompletionLogprobs()
+    first = True
     try:
         async for out in stream:
             c = out.outputs[0]
@@ -427,15 +446,23 @@ async def _completion_events(
                 yield SSE_DONE
                 return
             finish = c.finish_reason if out.finished else None
-            if not c.text and finish is None and not (want_logprobs and c.token_ids):
-                continue  # nothing to say yet (text held back for a possible stop string)
+            if not c.token_ids and not c.text and finish is None:
+                continue
+            # A chunk for every step with new tokens, text or not (held back for a stop string, an
+            # incomplete character, a model without a tokenizer): a client times every token, as with vLLM.
             lp = lp_state.add(state, engine, c.logprobs or []) if want_logprobs else None
+            choice: dict[str, Any] = {"index": 0, "text": c.text, "logprobs": lp, "finish_reason": finish}
+            if return_token_ids:
+                if first:
+                    choice["prompt_token_ids"] = stream.prompt_token_ids
+                choice["token_ids"] = c.token_ids
+            first = False
             chunk: dict[str, Any] = {
                 "id": rid,
                 "object": "text_completion",
                 "created": created,
                 "model": model,
-                "choices": [{"index": 0, "text": c.text, "logprobs": lp, "finish_reason": finish}],
+                "choices": [choice],
             }
             if include_usage:
                 chunk["usage"] = None
@@ -508,7 +535,18 @@ async def create_chat_completion(
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EngineStreamResponse(
-            _chat_events(state, engine, stream, rid, created, model, body.logprobs, top_n, include_usage),
+            _chat_events(
+                state,
+                engine,
+                stream,
+                rid,
+                created,
+                model,
+                body.logprobs,
+                top_n,
+                include_usage,
+                body.return_token_ids,
+            ),
             stream,
         )
 
@@ -518,23 +556,24 @@ async def create_chat_completion(
     if result.finish_reason == "abort":
         raise _aborted_error()
     logprobs = {"content": _chat_logprobs(state, engine, result.logprobs, top_n)} if body.logprobs else None
-    return _json(
-        {
-            "id": rid,
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": result.text},
-                    "logprobs": logprobs,
-                    "finish_reason": result.finish_reason,
-                }
-            ],
-            "usage": _usage(stream.num_prompt_tokens, len(result.token_ids), result.num_cached_tokens),
-        }
-    )
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": {"role": "assistant", "content": result.text},
+        "logprobs": logprobs,
+        "finish_reason": result.finish_reason,
+    }
+    response: dict[str, Any] = {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": _usage(stream.num_prompt_tokens, len(result.token_ids), result.num_cached_tokens),
+    }
+    if body.return_token_ids:
+        choice["token_ids"] = result.token_ids
+        response["prompt_token_ids"] = stream.prompt_token_ids
+    return _json(response)
 
 
 async def _chat_events(
@@ -547,15 +586,24 @@ async def _chat_events(
     want_logprobs: bool,
     top_n: int,
     include_usage: bool,
+    return_token_ids: bool,
 ) -> AsyncIterator[bytes]:
-    def chunk(delta: dict[str, Any], finish: str | None, logprobs: Any = None) -> bytes:
+    def chunk(
+        delta: dict[str, Any], finish: str | None, logprobs: Any = None, token_ids: list[int] | None = None
+    ) -> bytes:
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         data: dict[str, Any] = {
             "id": rid,
             "object": "chat.completion.chunk",
             "created": created,
             "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+            "choices": [choice],
         }
+        if return_token_ids:
+            if token_ids is None:
+                data["prompt_token_ids"] = stream.prompt_token_ids
+            else:
+                choice["token_ids"] = token_ids
         if include_usage:
             data["usage"] = None
         return _sse(data)
@@ -572,12 +620,12 @@ async def _chat_events(
                 yield SSE_DONE
                 return
             finish = c.finish_reason if out.finished else None
-            if not c.text and finish is None and not (want_logprobs and c.token_ids):
-                continue
+            if not c.token_ids and not c.text and finish is None:
+                continue  # one chunk per step with new tokens, as for completions
             lp = (
                 {"content": _chat_logprobs(state, engine, c.logprobs or [], top_n)} if want_logprobs else None
             )
-            yield chunk({"content": c.text} if c.text else {}, finish, lp)
+            yield chunk({"content": c.text} if c.text else {}, finish, lp, c.token_ids)
     except Exception as e:
         yield _sse(_stream_error(e).body())
         yield SSE_DONE

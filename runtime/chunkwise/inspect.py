@@ -1,0 +1,180 @@
+"""`chunkwise inspect MODEL`: what the loader understands of a checkpoint, or why it refuses it, and the
+memory one replica needs, without loading a weight.
+
+    chunkwise inspect /models/Llama-3.1-8B-Instruct --max-model-len 8192 --max-num-seqs 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+GIB = 1 << 30
+
+
+@dataclass
+class ModelReport:
+    model: str
+    family: str
+    checkpoint_dtype: str | None
+    dtype: str
+    dtype_reason: str
+    parameters: int
+    layers: int
+    hidden_size: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    context: int
+    rope: dict[str, Any]
+    eos_token_ids: list[int]
+    tokenizer: str
+    chat_template: bool
+    kv_bytes_per_token: int
+    weight_bytes: int
+    max_model_len: int
+    max_num_seqs: int
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_bytes_per_token * self.max_model_len * self.max_num_seqs
+
+    def lines(self) -> list[str]:
+        rope = self.rope.get("rope_type", "default")
+        extras = ", ".join(
+            f"{k}={v}" for k, v in self.rope.items() if k != "rope_type" and v not in (None, ())
+        )
+        return [
+            f"model:          {self.model}",
+            f"family:         {self.family} ({self.layers} layers, hidden {self.hidden_size}, {self.heads} heads "
+            f"over {self.kv_heads} KV heads of {self.head_dim})",
+            f"parameters:     {self.parameters:,} ({self.parameters / 1e9:.2f}B)",
+            f"dtype:          {self.dtype} ({self.dtype_reason}); the checkpoint stores {self.checkpoint_dtype or 'unknown'}",
+            f"rope:           {rope}"
+            + (f" ({extras})" if extras else "")
+            + f", context {self.context} tokens",
+            f"EOS ids:        {self.eos_token_ids}",
+            f"tokenizer:      {self.tokenizer}; chat template: {'yes' if self.chat_template else 'no'}",
+            f"KV per token:   {self.kv_bytes_per_token:,} bytes",
+            f"memory:         weights {self.weight_bytes / GIB:.2f} GiB + KV {self.kv_bytes / GIB:.2f} GiB "
+            f"({self.max_num_seqs} x {self.max_model_len} tokens) = {(self.weight_bytes + self.kv_bytes) / GIB:.2f} GiB",
+        ]
+
+
+def inspect_model(
+    name_or_path: str,
+    *,
+    dtype: str = "auto",
+    device: str = "cpu",
+    max_model_len: int | None = None,
+    max_num_seqs: int = 1,
+) -> ModelReport:
+    """Raises ValueError with the loader's reason for a checkpoint it refuses."""
+    import torch
+
+    from chunkwise.attention.torch_ref import TorchAttentionBackend
+    from chunkwise.model.layers import Linear
+    from chunkwise.model.llama import LlamaForCausalLM
+    from chunkwise.model.loader import (
+        SUPPORTED_ARCHITECTURES,
+        checkpoint_dtype,
+        hf_weight_names,
+        read_checkpoint,
+    )
+    from chunkwise.model.presets import PRESETS
+    from chunkwise.platform import cpu_has_bf16_matmul, resolve_dtype
+    from chunkwise.tokenizer import NoTokenizer
+    from chunkwise.worker.model_runner import kv_bytes_per_token
+
+    if name_or_path in PRESETS:
+        config = PRESETS[name_or_path]
+        family = "llama (built-in preset)"
+        tokenizer = "byte-level (built in)"
+        chat_template = True
+        eos = config.eos_token_ids
+    else:
+        path = Path(name_or_path)
+        config, tok = read_checkpoint(path)
+        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        family = next(
+            (f for a, f in SUPPORTED_ARCHITECTURES.items() if a in (raw.get("architectures") or [])),
+            str(raw.get("model_type", "?")),
+        )
+        if isinstance(tok, NoTokenizer):
+            tokenizer = "none (no tokenizer.json: token ids in and out)"
+        else:
+            tokenizer = f"tokenizer.json ({tok.vocab_size} ids, {len(tok.special_token_ids)} special)"
+        chat_template = tok.chat_template is not None
+        # The ids that end generation: the config's and the tokenizer's (LoadedModel.eos_token_ids).
+        eos = tuple(dict.fromkeys((*config.eos_token_ids, *tok.eos_token_ids)))
+    choice = resolve_dtype(dtype, torch.device(device), checkpoint_dtype(name_or_path))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, TorchAttentionBackend())
+    shapes = hf_weight_names(model)
+    parameters = sum(int(torch.Size(shape).numel()) for _, _, shape in shapes.values())
+    elem = torch.empty((), dtype=choice.dtype).element_size()
+    weight_bytes = parameters * elem
+    if device == "cpu" and choice.dtype != torch.float32 and not cpu_has_bf16_matmul():
+        # Linear weights widened to float32 for the CPU's matmul library (model/layers.Linear).
+        linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, Linear))
+        weight_bytes += linear * (4 - elem)
+    context = config.max_position_embeddings
+    rope = {"rope_type": "default"} if config.rope_scaling is None else asdict(config.rope_scaling)
+    return ModelReport(
+        model=name_or_path,
+        family=family,
+        checkpoint_dtype=checkpoint_dtype(name_or_path),
+        dtype=choice.name,
+        dtype_reason=choice.reason,
+        parameters=parameters,
+        layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        heads=config.num_attention_heads,
+        kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        context=context,
+        rope={"rope_theta": config.rope_theta, **rope},
+        eos_token_ids=list(eos),
+        tokenizer=tokenizer,
+        chat_template=chat_template,
+        kv_bytes_per_token=kv_bytes_per_token(config, choice.dtype),
+        weight_bytes=weight_bytes,
+        max_model_len=min(max_model_len or context, context),
+        max_num_seqs=max_num_seqs,
+    )
+
+
+def add_inspect_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="a Hugging Face model directory or a built-in preset")
+    p.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"], help="(auto)"
+    )
+    p.add_argument("--device", default="cpu", help="the device the dtype is resolved for (cpu)")
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="context to size the KV cache for (the model's)"
+    )
+    p.add_argument("--max-num-seqs", type=int, default=1, help="requests of that length held at once (1)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    try:
+        report = inspect_model(
+            args.model,
+            dtype=args.dtype,
+            device=args.device,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+        )
+    except (ValueError, OSError, json.JSONDecodeError) as e:
+        print(f"chunkwise cannot serve {args.model}: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({**asdict(report), "kv_bytes": report.kv_bytes}, indent=2))
+    else:
+        print("\n".join(report.lines()))
+    return 0
