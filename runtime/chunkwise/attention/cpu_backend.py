@@ -22,7 +22,12 @@ import torch.nn.functional as F
 
 from chunkwise import kernels
 from chunkwise.attention.backend import AttentionMetadata, AttentionPlan
-from chunkwise.attention.torch_ref import TorchAttentionBackend, context_slots, split_short_rows
+from chunkwise.attention.torch_ref import (
+    TorchAttentionBackend,
+    context_slots,
+    one_token_queries,
+    split_short_rows,
+)
 from chunkwise.platform import cpu_has_bf16_matmul
 
 log = logging.getLogger(__name__)
@@ -82,15 +87,7 @@ class CpuAttentionBackend:
             return plan
         short, long = split_short_rows(meta)
         if short:
-            rows: list[int] = []
-            index: list[int] = []
-            lens: list[int] = []
-            for row, start, n in short:
-                first = meta.seq_lens_host[row] - n + 1
-                for j in range(n):
-                    rows.append(row)
-                    index.append(start + j)
-                    lens.append(first + j)
+            rows, index, lens = one_token_queries(meta, short)
             plan.token_rows = torch.tensor(rows, dtype=torch.int64, device=device)
             plan.token_index = torch.tensor(index, dtype=torch.int64, device=device)
             plan.token_lens = torch.tensor(lens, dtype=torch.int64, device=device)

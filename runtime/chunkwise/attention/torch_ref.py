@@ -67,6 +67,25 @@ def split_short_rows(
     return short, long
 
 
+def one_token_queries(
+    meta: AttentionMetadata, short: list[tuple[int, int, int]]
+) -> tuple[list[int], list[int], list[int]]:
+    """The short rows as one-token queries: (row, query token, context length) for each token.
+
+    Query token j of a row with n queries sees the context up to position seq_len - n + j.
+    """
+    rows: list[int] = []
+    tokens: list[int] = []
+    lens: list[int] = []
+    for row, start, n in short:
+        first = meta.seq_lens_host[row] - n + 1
+        for j in range(n):
+            rows.append(row)
+            tokens.append(start + j)
+            lens.append(first + j)
+    return rows, tokens, lens
+
+
 def context_slots(meta: AttentionMetadata, row: int, seq_len: int, block_size: int) -> torch.Tensor:
     pos = torch.arange(seq_len, device=meta.block_tables.device)
     return meta.block_tables[row, pos // block_size] * block_size + pos % block_size
@@ -93,15 +112,7 @@ class TorchAttentionBackend:
             q_pos = torch.arange(seq_len - n, seq_len, device=device)
             mask = pos[None, :] <= q_pos[:, None]
             plan.prefill.append(PrefillRow(start, n, context_slots(meta, row, seq_len, block_size), mask))
-        rows: list[int] = []
-        tokens: list[int] = []
-        lens: list[int] = []
-        for row, start, n in short:
-            first = meta.seq_lens_host[row] - n + 1
-            for j in range(n):
-                rows.append(row)
-                tokens.append(start + j)
-                lens.append(first + j)
+        rows, tokens, lens = one_token_queries(meta, short)
         budget = max(1, self.decode_gather_elements // (num_kv_heads * head_dim))
         for g_rows, g_tokens, g_lens, max_len in _length_groups(rows, tokens, lens, budget):
             row_idx = torch.tensor(g_rows, device=device)
