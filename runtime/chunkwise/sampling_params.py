@@ -5,6 +5,7 @@ Kept free of torch: the server and the router build these without the model stac
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -138,12 +139,13 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculative"):
             _check_bool(name, getattr(self, name))
 
-    @property
+    # Cached: the step loop reads these for every row of every step (a frozen dataclass's fields never change).
+    @functools.cached_property
     def greedy(self) -> bool:
         """Whether the token is always the argmax, so no randomness (and no seed) is involved."""
         return self.temperature == 0.0 or self.top_k == 1
 
-    @property
+    @functools.cached_property
     def has_penalty(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 

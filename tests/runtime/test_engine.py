@@ -267,3 +267,34 @@ def test_async_stop_strings_end_the_output_then_free_the_request() -> None:
         asyncio.run(main())
     finally:
         engine.shutdown()
+
+
+def test_a_reused_decode_sampling_batch_samples_as_a_fresh_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Steady decode steps reuse the last step's sampling batch while the rows are the same requests. Rows
+    # leaving (staggered max_tokens) and a penalty row (never cached) must not shift anyone's parameters:
+    # every request, greedy or seeded, samples what it samples alone.
+    params = [
+        SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=18, temperature=1.0, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=11, temperature=0.8, top_k=5, seed=8, ignore_eos=True),
+        SamplingParams(max_tokens=14, temperature=1.2, seed=9, presence_penalty=1.0, ignore_eos=True),
+        SamplingParams(max_tokens=9, temperature=0.9, top_p=0.7, seed=10, ignore_eos=True),
+    ]
+    prompts = ["alpha beta", "gamma", "delta epsilon zeta", "eta", "theta iota"]
+    llm = LLM("tiny", max_model_len=128, block_size=8)
+    runner = llm.engine.runner
+    decode = runner._decode_sampling_batch
+    reused = 0
+
+    def spy(scheduled):  # type: ignore[no-untyped-def]
+        nonlocal reused
+        before = runner._decode_batch
+        batch = decode(scheduled)
+        reused += before is not None and batch is before[1]
+        return batch
+
+    monkeypatch.setattr(runner, "_decode_sampling_batch", spy)
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert reused > 0  # the steady state did reuse batches
+    alone = [llm.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    assert together == alone

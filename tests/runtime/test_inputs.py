@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from chunkwise.worker.inputs import InputBatch, Row, build_batch
@@ -64,3 +65,11 @@ def test_persistent_tables_follow_growth_replacement_and_departures():
             elif rng.random() < 0.05:
                 tables[rid] = [next(next_block) for _ in tables[rid]]  # reallocated elsewhere
     assert batch.max_num_reqs >= 6 and batch.max_num_tokens > 4
+
+
+def test_rows_must_all_be_keyed_or_all_unkeyed():
+    batch = InputBatch(
+        max_num_tokens=8, max_num_reqs=4, max_blocks_per_req=4, block_size=4, device=torch.device("cpu")
+    )
+    with pytest.raises(ValueError, match="all keyed or all unkeyed"):
+        batch.fill([Row([1], 0, [3], "a"), Row([2], 0, [5])])

@@ -229,7 +229,8 @@ class Scheduler:
                     req.request_id, tokens[start:], start, table, True, params
                 )
             else:
-                row.token_ids = tokens[start:]
+                # The row's own one-token list (no step keeps it past its own): refilled, not reallocated.
+                row.token_ids[0] = tokens[start]
                 row.start_pos = start
             if params.has_penalty:
                 row.output_token_ids = req.output_token_ids
@@ -412,6 +413,8 @@ class Scheduler:
         requests = self.requests
         running = RequestStatus.RUNNING
         max_model_len = self.max_model_len
+        if out.decode_only and not drafted:
+            return self._update_decodes(out, sampled, now)
         for sr in out.scheduled:
             req = requests.get(sr.req_id)
             if req is None or req.status is not running:
@@ -437,6 +440,36 @@ class Scheduler:
                     if status is not None:
                         self.finish(req, status, reason)
                         break
+            updated.append(req)
+        return updated
+
+    def _update_decodes(
+        self, out: SchedulerOutput, sampled: dict[str, list[int]], now: float
+    ) -> list[Request]:
+        """update_from_output for the steady state: every row computed one token and sampled one."""
+        updated = []
+        requests = self.requests
+        running = RequestStatus.RUNNING
+        max_model_len = self.max_model_len
+        for sr in out.scheduled:
+            req = requests.get(sr.req_id)
+            if req is None or req.status is not running:
+                continue  # aborted while the step ran
+            (t,) = sampled[sr.req_id]
+            req.num_computed_tokens += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            token_ids = req.token_ids
+            token_ids.append(t)
+            if (
+                len(token_ids) >= min(len(req.prompt_token_ids) + req.max_tokens, max_model_len)
+                or t in req.eos_token_ids
+                or t in req.sampling_params.stop_token_ids
+            ):
+                status, reason = self._check_stop(req, t)
+                if status is not None:
+                    self.finish(req, status, reason)
             updated.append(req)
         return updated
 

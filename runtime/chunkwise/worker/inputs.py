@@ -81,12 +81,14 @@ class InputBatch:
         self._free_table_rows = list(range(max_num_reqs - 1, -1, -1))
 
     def _alloc_tokens(self, n: int) -> None:
+        self._view_cache: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
         self.max_num_tokens = n
         self._ids_t, self._ids = _host((n,), self._pin)
         self._pos_t, self._pos = _host((n,), self._pin)
         self._slots_t, self._slots = _host((n,), self._pin)
 
     def _alloc_reqs(self, n: int) -> None:
+        self._view_cache = {}
         self.max_num_reqs = n
         self._qsl_t, self._qsl = _host((n + 1,), self._pin)
         self._seq_t, self._seq = _host((n,), self._pin)
@@ -112,13 +114,15 @@ class InputBatch:
             if state is not None and state[1] is table and state[2] == len(table):
                 index.append(state[0])
             else:
-                index.append(self._update_table(r.req_id, table, state))  # type: ignore[arg-type]
+                index.append(self._update_table(r.req_id, table, state))
         return index
 
-    def _update_table(self, rid: str, table: Sequence[int], state: list | None) -> int:
+    def _update_table(self, rid: str | None, table: Sequence[int], state: list | None) -> int:
         # The KV manager grows a table in place and replaces the list on free or swap: a new list (or a
         # shorter one) is rewritten from the start.
         if state is None:
+            if rid is None:
+                raise ValueError("a step's rows are all keyed or all unkeyed; this one has no req_id")
             if not self._free_table_rows:
                 self._grow_tables()
             state = [self._free_table_rows.pop(), table, 0]
@@ -145,28 +149,28 @@ class InputBatch:
     # -- one step ---------------------------------------------------------------------------------------
 
     def fill(self, rows: Sequence[RowLike]) -> StepInputs:
+        """The step's inputs. Rows are all keyed (a req_id each: their tables persist here) or all not."""
         n = len(rows)
         if n == 0:
             raise ValueError("a step needs at least one row")
         if n > self.max_num_reqs:
             self._alloc_reqs(max(n, 2 * self.max_num_reqs))
-        # One pass over the rows for what only Python can read: lengths, tokens, start positions.
-        lens: list[int] = []
-        starts_l: list[int] = []
-        flat: list[int] = []
-        for r in rows:
-            tokens = r.token_ids
-            lens.append(len(tokens))
-            starts_l.append(r.start_pos)
-            flat.extend(tokens)
-        total = len(flat)
+        # What only Python can read: tokens, lengths, start positions. Comprehensions, not an append loop:
+        # at hundreds of rows this pass is most of the fill.
+        starts_l = [r.start_pos for r in rows]
+        lens = [len(r.token_ids) for r in rows]
+        total = sum(lens)
+        decode_only = total == n
+        if decode_only:
+            flat = [r.token_ids[0] for r in rows]
+        else:
+            flat = [t for r in rows for t in r.token_ids]
         if total > self.max_num_tokens:
             self._alloc_tokens(max(total, 2 * self.max_num_tokens))
         bs = self.block_size
         ids, pos, slots, qsl, seq = self._ids, self._pos, self._slots, self._qsl, self._seq
         ids[:total] = flat
         starts = np.array(starts_l, dtype=np.int64)
-        decode_only = total == n
         qsl[0] = 0
         if decode_only:
             qsl[1 : n + 1] = np.arange(1, n + 1)
@@ -183,7 +187,7 @@ class InputBatch:
                 f"a context of {max_seq} tokens needs {width} blocks; the batch holds {self.max_blocks_per_req}"
             )
         tables = self._bt[:n, :width]
-        if all(r.req_id is not None for r in rows):
+        if rows[0].req_id is not None:
             index = self._table_rows(rows)  # first: it may grow the persistent tables
             np.take(self._tables[:, :width], index, axis=0, out=tables)
         else:
@@ -201,18 +205,37 @@ class InputBatch:
         p = pos[:total]
         np.add(tables[token_row, p // bs] * bs, p % bs, out=slots[:total])
 
+        qsl_t, seq_t, bt_t, slots_t, ids_t, pos_t = self._views(n, total, width)
         meta = AttentionMetadata(
-            query_start_loc=self._to_device(self._qsl_t[: n + 1]),
-            seq_lens=self._to_device(self._seq_t[:n]),
-            block_tables=self._to_device(self._bt_t[:n, :width]),
-            slot_mapping=self._to_device(self._slots_t[:total]),
+            query_start_loc=self._to_device(qsl_t),
+            seq_lens=self._to_device(seq_t),
+            block_tables=self._to_device(bt_t),
+            slot_mapping=self._to_device(slots_t),
             query_lens_host=lens,
             seq_lens_host=seq_lens_host,
             max_query_len=1 if decode_only else max(lens),
             max_seq_len=max_seq,
             block_size=bs,
         )
-        return StepInputs(self._to_device(self._ids_t[:total]), self._to_device(self._pos_t[:total]), meta)
+        return StepInputs(self._to_device(ids_t), self._to_device(pos_t), meta)
+
+    def _views(self, n: int, total: int, width: int) -> tuple[torch.Tensor, ...]:
+        # A step's tensors are views of the buffers at its sizes; the steady state repeats the same sizes,
+        # and six slicings a step cost more than the lookup.
+        key = (n, total, width)
+        views = self._view_cache.get(key)
+        if views is None:
+            if len(self._view_cache) >= 64:
+                self._view_cache.clear()
+            views = self._view_cache[key] = (
+                self._qsl_t[: n + 1],
+                self._seq_t[:n],
+                self._bt_t[:n, :width],
+                self._slots_t[:total],
+                self._ids_t[:total],
+                self._pos_t[:total],
+            )
+        return views
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -106,6 +107,8 @@ class ModelRunner:
         )
         # Per-request sampling state that must persist across steps: a seeded request's generator.
         self._generators: dict[str, torch.Generator] = {}
+        # The last decode-only step's rows and their sampling batch (see _decode_sampling_batch).
+        self._decode_batch: tuple[list[ScheduledRequest], SamplingBatch] | None = None
 
     def use_decode_graphs(self, sizes: Sequence[int], capture: bool) -> None:
         """Run decode-only steps of up to max(sizes) rows through padded static buffers, replayed from CUDA
@@ -198,7 +201,11 @@ class ModelRunner:
         else:
             sample_rows = [i for i, sr in enumerate(scheduled) if sr.samples]
             plain = [i for i in sample_rows if scheduled[i].req_id not in drafts]
-        batch = self._sampling_batch(so, plain) if plain else None
+        batch = None
+        if decode_only:
+            batch = self._decode_sampling_batch(scheduled)
+        elif plain:
+            batch = self._sampling_batch(scheduled, plain)
         if plain and not decode_only:
             last = meta.query_start_loc[1:][torch.tensor(plain, dtype=torch.long, device=self.device)] - 1
         graphed = decode_only and self.graphs is not None and self.graphs.bucket(num_rows) is not None
@@ -243,8 +250,22 @@ class ModelRunner:
             gen = self._generators[sr.req_id] = make_generator(seed, self.device)
         return gen
 
-    def _sampling_batch(self, so: SchedulerOutput, rows: list[int]) -> SamplingBatch:
-        scheduled = so.scheduled
+    def _decode_sampling_batch(self, scheduled: list[ScheduledRequest]) -> SamplingBatch:
+        """A decode-only step's batch: the last one's again when the rows are the same requests in the same
+        order (the scheduler's steady state keeps each request's row object) and nothing reads the outputs."""
+        cached = self._decode_batch
+        if (
+            cached is not None
+            and len(cached[0]) == len(scheduled)
+            and all(map(operator.is_, cached[0], scheduled))
+        ):
+            return cached[1]
+        batch = self._sampling_batch(scheduled, range(len(scheduled)))
+        # Penalties read each step's outputs; every other field is fixed for a request's life.
+        self._decode_batch = None if batch.any_penalty else (scheduled, batch)
+        return batch
+
+    def _sampling_batch(self, scheduled: list[ScheduledRequest], rows: Sequence[int]) -> SamplingBatch:
         params = []
         outputs = []
         generators = []
