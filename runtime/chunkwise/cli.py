@@ -1,4 +1,4 @@
-"""The `chunkwise` command: serve, router, bench, replay, inspect, operator."""
+"""The `chunkwise` command: serve, router, bench, replay, inspect, fetch-model, operator."""
 
 from __future__ import annotations
 
@@ -28,6 +28,13 @@ def main(argv: list[str] | None = None) -> int:
 
     add_inspect_args(
         sub.add_parser("inspect", help="what the loader understands of a checkpoint, and the memory it needs")
+    )
+    from chunkwise.fetch.args import add_fetch_args
+
+    add_fetch_args(
+        sub.add_parser(
+            "fetch-model", help="fetch a model (hf://, s3://, gs://, http(s):// archive) into a directory"
+        )
     )
     sub.add_parser(
         "operator", help="run the Kubernetes operator (kopf run -m chunkwise_operator.main)", add_help=False
