@@ -7,6 +7,7 @@ survives renaming a function.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -23,6 +24,9 @@ from chunkwise_operator.spec import GROUP, PLURAL, VERSION
 # Seconds between autoscaler evaluations of one InferenceService (each scrapes every ready runtime pod).
 AUTOSCALER_INTERVAL_ENV = "CHUNKWISE_AUTOSCALER_INTERVAL_SECONDS"
 DEFAULT_AUTOSCALER_INTERVAL_S = 15.0
+# Seconds between status refreshes of one InferenceService (a list of its runtime pods).
+STATUS_INTERVAL_ENV = "CHUNKWISE_STATUS_INTERVAL_SECONDS"
+DEFAULT_STATUS_INTERVAL_S = 30.0
 # HPA's relative tolerance around each target, within which the count is left alone.
 AUTOSCALER_TOLERANCE_ENV = "CHUNKWISE_AUTOSCALER_TOLERANCE"
 
@@ -51,6 +55,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     if tolerance is not None:
         behavior["tolerance"] = tolerance
     memo.autoscaler_interval = _env_float(AUTOSCALER_INTERVAL_ENV, DEFAULT_AUTOSCALER_INTERVAL_S)
+    memo.status_interval = _env_float(STATUS_INTERVAL_ENV, DEFAULT_STATUS_INTERVAL_S)
     memo.reconciler = Reconciler(Kube.from_environment(), behavior=behavior)
 
 
@@ -73,6 +78,30 @@ def child_deployment(
     type: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any
 ) -> None:
     _reconciler(memo).child_changed(type, body, logger)
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, id="status-refresh", cancellation_timeout=5)
+async def status_refresh(
+    stopped: kopf.DaemonStopped,
+    name: str,
+    namespace: str | None,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    **_: Any,
+) -> None:
+    """Status from fresh reads every interval: a pod that crashes before it is ready changes no Deployment."""
+    if namespace is None:
+        return
+    reconciler = _reconciler(memo)
+    interval = float(memo.get("status_interval") or DEFAULT_STATUS_INTERVAL_S)
+    while not stopped:
+        await stopped.wait(interval)
+        if stopped:
+            break
+        try:
+            await asyncio.to_thread(reconciler.refresh_status, namespace, name)
+        except (ApiException, OSError) as e:
+            logger.warning(f"Status refresh failed: {type(e).__name__}: {e}")
 
 
 def _autoscaling_enabled(spec: kopf.Spec, **_: Any) -> bool:

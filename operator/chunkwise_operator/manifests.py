@@ -6,7 +6,9 @@ kubernetes-validate. Owner references are added by the caller (reconcile.py), wh
 
 from __future__ import annotations
 
+import hashlib
 import math
+import re
 from typing import Any
 
 from chunkwise_operator.spec import GROUP, ServiceSpec
@@ -16,7 +18,14 @@ ROUTER_PORT = 8080
 HEALTH_PATH = "/health"
 METRICS_PATH = "/metrics"
 MODEL_MOUNT_PATH = "/models"
+# Where a fetched model is kept (emptyDir or a shared PVC); each URI gets a directory of its own below it.
+MODEL_CACHE_MOUNT_PATH = "/model-cache"
+SHM_MOUNT_PATH = "/dev/shm"
 GPU_RESOURCE = "nvidia.com/gpu"
+# The runtime image's user (runtime/Dockerfile); fsGroup makes the cache volumes writable for it.
+RUNTIME_UID = 65532
+# The tokenizer is all the router needs of a fetched model.
+ROUTER_TOKENIZER_PATH = "/tokenizer"
 
 # The preStop sleep lets endpoint removal reach every kube-proxy and the router before SIGTERM starts the
 # engine's drain; without it, requests keep arriving at a replica that has begun refusing them.
@@ -77,6 +86,12 @@ def service_url(name: str, namespace: str, spec: ServiceSpec) -> str:
     return f"http://{runtime_name(name)}.{namespace}.svc:{RUNTIME_PORT}"
 
 
+def cache_directory(uri: str) -> str:
+    """A fetched model's directory in the cache: readable, and distinct per URI on a shared PVC."""
+    slug = re.sub(r"[^a-z0-9.]+", "-", uri.lower()).strip("-.")[:48].strip("-.")
+    return f"{slug}-{hashlib.sha256(uri.encode()).hexdigest()[:10]}"
+
+
 def model_argument(spec: ServiceSpec) -> str:
     model = spec.model
     if model.source == "preset":
@@ -84,8 +99,15 @@ def model_argument(spec: ServiceSpec) -> str:
         return model.preset
     if model.source == "pvc":
         return f"{MODEL_MOUNT_PATH}/{model.path}" if model.path else MODEL_MOUNT_PATH
+    if model.source == "uri":
+        assert model.uri is not None
+        return f"{MODEL_CACHE_MOUNT_PATH}/{cache_directory(model.uri)}"
     assert model.path is not None
     return model.path
+
+
+def device(spec: ServiceSpec) -> str:
+    return "cuda" if spec.resources.gpu else "cpu"
 
 
 def engine_command(spec: ServiceSpec) -> list[str]:
@@ -102,6 +124,10 @@ def engine_command(spec: ServiceSpec) -> list[str]:
         "0.0.0.0",
         "--port",
         str(RUNTIME_PORT),
+        "--device",
+        device(spec),
+        "--dtype",
+        e.dtype,
         "--max-num-seqs",
         str(e.max_num_seqs),
         "--max-num-batched-tokens",
@@ -126,7 +152,25 @@ def engine_command(spec: ServiceSpec) -> list[str]:
         "--drain-timeout-seconds",
         str(e.drain_grace_seconds),
     ]
-    return argv
+    # Last, so the runtime's own parser is the judge of them (a bad one becomes the pod's termination message).
+    return argv + list(e.extra_args)
+
+
+def fetch_command(spec: ServiceSpec, tokenizer_only: bool = False) -> list[str]:
+    assert spec.model.uri is not None
+    if tokenizer_only:
+        return ["chunkwise", "fetch-model", spec.model.uri, ROUTER_TOKENIZER_PATH, "--tokenizer-only"]
+    return ["chunkwise", "fetch-model", spec.model.uri, model_argument(spec)]
+
+
+def router_tokenizer(spec: ServiceSpec) -> str:
+    """What `chunkwise router --tokenizer` is given: the model's own tokenizer wherever the router can read it."""
+    source = spec.model.source
+    if source == "preset":
+        return "byte"
+    if source == "uri":
+        return ROUTER_TOKENIZER_PATH
+    return model_argument(spec)  # the PVC mounted read-only as for the engine, or the path in the image
 
 
 def router_command(name: str, namespace: str, spec: ServiceSpec) -> list[str]:
@@ -143,6 +187,10 @@ def router_command(name: str, namespace: str, spec: ServiceSpec) -> list[str]:
         runtime_name(name),
         "--namespace",
         namespace,
+        "--tokenizer",
+        router_tokenizer(spec),
+        "--block-size",
+        str(spec.engine.block_size),
     ]
 
 
@@ -161,6 +209,26 @@ def _http_probe(port: str, period: int, timeout: int, failures: int) -> Manifest
         "periodSeconds": period,
         "timeoutSeconds": timeout,
         "failureThreshold": failures,
+    }
+
+
+# The `restricted` Pod Security profile, for every container the operator builds.
+def container_security_context() -> Manifest:
+    return {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def pod_security_context() -> Manifest:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUNTIME_UID,
+        "runAsGroup": RUNTIME_UID,
+        "fsGroup": RUNTIME_UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
     }
 
 
@@ -205,10 +273,68 @@ def _env(spec: ServiceSpec) -> list[Manifest]:
     return result
 
 
+def _fetch_container(spec: ServiceSpec, tokenizer_only: bool, resources: Manifest) -> Manifest:
+    """The init container that downloads the model (or its tokenizer) before the server starts."""
+    argv = fetch_command(spec, tokenizer_only)
+    container: Manifest = {
+        "name": "fetch-tokenizer" if tokenizer_only else "fetch-model",
+        "image": spec.image,
+        "command": argv[:1],
+        "args": argv[1:],
+        "resources": resources,
+        # The fetcher writes its one-line error here: `kubectl describe pod` and the status show it.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": container_security_context(),
+        "volumeMounts": [
+            {
+                "name": "model-cache",
+                "mountPath": ROUTER_TOKENIZER_PATH if tokenizer_only else MODEL_CACHE_MOUNT_PATH,
+            }
+        ],
+    }
+    if spec.image_pull_policy is not None:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    env = _env(spec)
+    if env:
+        container["env"] = env
+    if spec.model.credentials_secret is not None:
+        container["envFrom"] = [{"secretRef": {"name": spec.model.credentials_secret}}]
+    return container
+
+
+def _model_volumes(spec: ServiceSpec) -> tuple[list[Manifest], list[Manifest]]:
+    """The engine's model volume(s) and its mounts: a claim read-only, or the fetched cache."""
+    model = spec.model
+    if model.source == "pvc":
+        return (
+            [{"name": "model", "persistentVolumeClaim": {"claimName": model.claim_name, "readOnly": True}}],
+            [{"name": "model", "mountPath": MODEL_MOUNT_PATH, "readOnly": True}],
+        )
+    if model.source == "uri":
+        if model.cache.claim_name is not None:
+            volume: Manifest = {
+                "name": "model-cache",
+                "persistentVolumeClaim": {"claimName": model.cache.claim_name},
+            }
+        else:
+            empty: Manifest = {}
+            if model.cache.size_limit is not None:
+                empty["sizeLimit"] = model.cache.size_limit
+            volume = {"name": "model-cache", "emptyDir": empty}
+        return [volume], [{"name": "model-cache", "mountPath": MODEL_CACHE_MOUNT_PATH, "readOnly": True}]
+    return [], []
+
+
 def runtime_deployment(name: str, namespace: str, spec: ServiceSpec) -> Manifest:
     component = RUNTIME
     drain = spec.engine.drain_grace_seconds
     argv = engine_command(spec)
+    volumes, mounts = _model_volumes(spec)
+    # /dev/shm as a memory emptyDir: the runtime's default 64Mi is too small for torch's shared tensors.
+    volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.pod.shm_size}})
+    mounts.append({"name": "dshm", "mountPath": SHM_MOUNT_PATH})
+    volumes += [dict(v) for v in spec.pod.volumes]
+    mounts += [dict(m) for m in spec.pod.volume_mounts]
     container: Manifest = {
         "name": "engine",
         "image": spec.image,
@@ -224,7 +350,10 @@ def runtime_deployment(name: str, namespace: str, spec: ServiceSpec) -> Manifest
             "http", LIVENESS_PERIOD_SECONDS, 5, 3 + math.ceil(drain / LIVENESS_PERIOD_SECONDS)
         ),
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
-        "securityContext": {"allowPrivilegeEscalation": False},
+        # A flag the engine refuses (engine.extraArgs) exits with the reason here; the status reports it.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": container_security_context(),
+        "volumeMounts": mounts,
     }
     if spec.image_pull_policy is not None:
         container["imagePullPolicy"] = spec.image_pull_policy
@@ -243,18 +372,18 @@ def runtime_deployment(name: str, namespace: str, spec: ServiceSpec) -> Manifest
         # The engine never calls the Kubernetes API; no token is mounted into it.
         "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),
+        "securityContext": pod_security_context(),
         "containers": [container],
+        "volumes": volumes,
     }
-    if spec.pod.node_selector:
-        pod["nodeSelector"] = dict(spec.pod.node_selector)
+    if spec.model.source == "uri":
+        r = spec.resources
+        fetch_resources = {"requests": {"cpu": r.cpu, "memory": r.memory}, "limits": {"memory": r.memory}}
+        pod["initContainers"] = [_fetch_container(spec, False, fetch_resources)]
+    _pod_overrides(pod, spec)
     tolerations = _tolerations(spec)
     if tolerations:
         pod["tolerations"] = tolerations
-    if spec.model.source == "pvc":
-        pod["volumes"] = [
-            {"name": "model", "persistentVolumeClaim": {"claimName": spec.model.claim_name, "readOnly": True}}
-        ]
-        container["volumeMounts"] = [{"name": "model", "mountPath": MODEL_MOUNT_PATH, "readOnly": True}]
 
     # A surge pod needs a free accelerator, which GPU pools rarely have: replace in place instead.
     if spec.resources.gpu:
@@ -277,6 +406,22 @@ def runtime_deployment(name: str, namespace: str, spec: ServiceSpec) -> Manifest
             },
         },
     }
+
+
+def _pod_overrides(pod: Manifest, spec: ServiceSpec) -> None:
+    o = spec.pod
+    if o.node_selector:
+        pod["nodeSelector"] = dict(o.node_selector)
+    if o.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": n} for n in o.image_pull_secrets]
+    if o.service_account_name is not None:
+        pod["serviceAccountName"] = o.service_account_name
+    if o.priority_class_name is not None:
+        pod["priorityClassName"] = o.priority_class_name
+    if o.affinity is not None:
+        pod["affinity"] = dict(o.affinity)
+    if o.topology_spread_constraints:
+        pod["topologySpreadConstraints"] = [dict(c) for c in o.topology_spread_constraints]
 
 
 def runtime_service(name: str, namespace: str) -> Manifest:
@@ -329,17 +474,42 @@ def router_deployment(name: str, namespace: str, spec: ServiceSpec) -> Manifest:
     r = spec.router.resources
     container: Manifest = {
         "name": "router",
-        "image": spec.router.image or spec.image,
+        "image": spec.router.image,
         "command": argv[:1],
         "args": argv[1:],
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": r.cpu, "memory": r.memory}, "limits": {"memory": r.memory}},
         "readinessProbe": _http_probe("http", 5, 2, 2),
         "livenessProbe": _http_probe("http", LIVENESS_PERIOD_SECONDS, 5, 3),
-        "securityContext": {"allowPrivilegeEscalation": False},
+        "securityContext": container_security_context(),
     }
-    if spec.router.image is None and spec.image_pull_policy is not None:
+    if spec.router.image == spec.image and spec.image_pull_policy is not None:
         container["imagePullPolicy"] = spec.image_pull_policy
+    pod: Manifest = {
+        # The router watches EndpointSlices of the runtime Service, so it needs its token.
+        "serviceAccountName": router_name(name),
+        "automountServiceAccountToken": True,
+        "securityContext": pod_security_context(),
+        "containers": [container],
+    }
+    model = spec.model
+    if model.source == "pvc":
+        pod["volumes"] = [
+            {"name": "model", "persistentVolumeClaim": {"claimName": model.claim_name, "readOnly": True}}
+        ]
+        container["volumeMounts"] = [{"name": "model", "mountPath": MODEL_MOUNT_PATH, "readOnly": True}]
+    elif model.source == "uri":
+        # Only the tokenizer files, into the router's own small emptyDir.
+        pod["volumes"] = [{"name": "model-cache", "emptyDir": {}}]
+        container["volumeMounts"] = [
+            {"name": "model-cache", "mountPath": ROUTER_TOKENIZER_PATH, "readOnly": True}
+        ]
+        fetch = _fetch_container(spec, True, container["resources"])
+        # The tokenizer fetcher runs the router's image, which is the CPU build unless told otherwise.
+        fetch["image"] = spec.router.image
+        pod["initContainers"] = [fetch]
+    if spec.pod.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": n} for n in spec.pod.image_pull_secrets]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -348,15 +518,7 @@ def router_deployment(name: str, namespace: str, spec: ServiceSpec) -> Manifest:
             "replicas": spec.router.replicas,
             "selector": {"matchLabels": match_labels(name, ROUTER)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "template": {
-                "metadata": {"labels": labels(name, ROUTER)},
-                "spec": {
-                    # The router watches EndpointSlices of the runtime Service, so it needs its token.
-                    "serviceAccountName": router_name(name),
-                    "automountServiceAccountToken": True,
-                    "containers": [container],
-                },
-            },
+            "template": {"metadata": {"labels": labels(name, ROUTER)}, "spec": pod},
         },
     }
 

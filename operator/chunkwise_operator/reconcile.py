@@ -173,6 +173,15 @@ class Reconciler:
                             )
             self._refresh(namespace, owner_name, parsed=parsed, generation=status.KEEP, failure=status.KEEP)
 
+    def refresh_status(self, namespace: str, name: str) -> None:
+        """Status from fresh reads alone: pods that fail to start change no Deployment, so a timer calls this."""
+        with self._lock(namespace, name):
+            current = self.kube.get_inference_service(namespace, name)
+            if current is None or (current.get("metadata") or {}).get("deletionTimestamp"):
+                return
+            parsed = parse_service(name, current.get("spec"))
+            self._refresh(namespace, name, parsed=parsed, generation=status.KEEP, failure=status.KEEP)
+
     def _refresh(
         self,
         namespace: str,
@@ -192,6 +201,7 @@ class Reconciler:
             return obj if obj is not None and owned_by(obj, uid) else None
 
         previous = current.get("status") or {}
+        pods = self.kube.list_pods(namespace, manifests.match_labels(name, manifests.RUNTIME))
         new = status.compute_status(
             name=name,
             namespace=namespace,
@@ -202,6 +212,7 @@ class Reconciler:
             now=self._clock(),
             generation=generation,
             failure=failure,
+            pods=pods,
         )
         patch = status.status_patch(previous, new)
         if patch is not None:

@@ -25,6 +25,13 @@ SINGULAR = "inferenceservice"
 SHORT_NAME = "infsvc"
 
 PRESETS = ("tiny", "small")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# What `chunkwise fetch-model` downloads; pvc:// is mounted instead.
+URI_SCHEMES = ("hf", "s3", "gs", "http", "https", "pvc")
+# The image tag this operator release runs when spec.image is not given; the CUDA build is tagged -cuda.
+DEFAULT_IMAGE = "chunkwise/runtime:0.1.0"
+DEFAULT_CUDA_IMAGE = DEFAULT_IMAGE + "-cuda"
+DEFAULT_SHM_SIZE = "1Gi"
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 ROUTER_POLICIES = ("predicted-completion", "round-robin", "least-loaded", "prefix-affinity")
@@ -71,15 +78,28 @@ class SpecError(ValueError):
 
 
 @dataclass(frozen=True)
-class ModelSpec:
-    """Where the weights come from. Exactly one source: a built-in preset, a PVC directory, or an image path."""
+class ModelCache:
+    """Where a fetched model is kept: a PVC that replicas share (one download), else a per-pod emptyDir."""
 
-    source: str  # "preset" | "pvc" | "image"
+    claim_name: str | None = None
+    size_limit: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where the weights come from: a built-in preset, a PVC directory, an image path or a fetched URI."""
+
+    source: str  # "preset" | "pvc" | "image" | "uri"
     served_name: str
     preset: str | None = None
     claim_name: str | None = None
     # For "pvc": a directory relative to the claim's root ("" is the root); for "image": an absolute path.
     path: str | None = None
+    # For "uri": what `chunkwise fetch-model` downloads (hf://, s3://, gs://, http(s)://).
+    uri: str | None = None
+    cache: ModelCache = field(default_factory=ModelCache)
+    # A Secret whose keys become the fetcher's environment (HF_TOKEN, AWS_*, GOOGLE_OAUTH_ACCESS_TOKEN).
+    credentials_secret: str | None = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +118,7 @@ class Speculation:
 @dataclass(frozen=True)
 class EngineSpec:
     # The engine's own defaults (runtime/chunkwise/config.py), so an empty spec runs the engine as shipped.
+    dtype: str = "auto"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 1024
     block_size: int = 16
@@ -107,6 +128,8 @@ class EngineSpec:
     speculation: Speculation = field(default_factory=Speculation)
     queue_delay_slo_seconds: float = 30.0
     drain_grace_seconds: int = 30
+    # Flags the CRD does not model, appended to `chunkwise serve`; the runtime validates them at start.
+    extra_args: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -139,7 +162,8 @@ class RouterSpec:
     enabled: bool = False
     policy: str = "predicted-completion"
     replicas: int = 1
-    image: str | None = None
+    # spec.router.image, else spec.image, else the CPU image: the router never needs CUDA.
+    image: str = DEFAULT_IMAGE
     resources: RouterResources = field(default_factory=RouterResources)
 
 
@@ -166,6 +190,15 @@ class PodOverrides:
     tolerations: tuple[Toleration, ...] = ()
     env: tuple[EnvVar, ...] = ()
     annotations: tuple[tuple[str, str], ...] = ()
+    image_pull_secrets: tuple[str, ...] = ()
+    service_account_name: str | None = None
+    priority_class_name: str | None = None
+    # core/v1 objects passed through as given (read-only views): the API server validates them.
+    affinity: Mapping[str, Any] | None = None
+    topology_spread_constraints: tuple[Mapping[str, Any], ...] = ()
+    volumes: tuple[Mapping[str, Any], ...] = ()
+    volume_mounts: tuple[Mapping[str, Any], ...] = ()
+    shm_size: str = DEFAULT_SHM_SIZE
 
 
 @dataclass(frozen=True)
@@ -315,18 +348,22 @@ def validate_name(name: str) -> None:
 def _model(spec: Mapping[str, Any]) -> ModelSpec:
     reason = "InvalidModelSource"
     if spec.get("model") is None:
-        raise SpecError(reason, "spec.model is required: give one of preset, pvc or path")
+        raise SpecError(reason, "spec.model is required: give one of preset, pvc, path or uri")
     data = _section(spec, "model", "spec.", reason)
-    given = [key for key in ("preset", "pvc", "path") if data.get(key) is not None]
+    given = [key for key in ("preset", "pvc", "path", "uri") if data.get(key) is not None]
     if len(given) != 1:
         raise SpecError(
             reason,
-            "spec.model must give exactly one of preset, pvc or path; "
+            "spec.model must give exactly one of preset, pvc, path or uri; "
             + (f"got {', '.join(given)}" if given else "got none"),
         )
     served = _str(
         data, "servedName", "spec.model.", reason, None, pattern=SERVED_NAME_PATTERN, max_length=256
     )
+    fetched = given == ["uri"] and not str(data.get("uri")).startswith("pvc://")
+    for key in ("cache", "credentialsSecret"):
+        if data.get(key) is not None and not fetched:
+            raise SpecError(reason, f"spec.model.{key} applies only to a fetched spec.model.uri")
     if given == ["preset"]:
         preset = _str(data, "preset", "spec.model.", reason, None, choices=PRESETS)
         assert preset is not None
@@ -337,6 +374,8 @@ def _model(spec: Mapping[str, Any]) -> ModelSpec:
         if not path.startswith("/") or _bad_path(path):
             raise SpecError(reason, f"spec.model.path must be an absolute path without '..', got {path!r}")
         return ModelSpec(source="image", served_name=served or _base_name(path), path=path)
+    if given == ["uri"]:
+        return _model_uri(data, served)
     pvc = _section(data, "pvc", "spec.model.", reason)
     claim = _str(
         pvc, "claimName", "spec.model.pvc.", reason, None, pattern=DNS_SUBDOMAIN_PATTERN, max_length=253
@@ -345,12 +384,82 @@ def _model(spec: Mapping[str, Any]) -> ModelSpec:
         raise SpecError(reason, "spec.model.pvc.claimName is required")
     sub = _str(pvc, "path", "spec.model.pvc.", reason, "")
     assert sub is not None
+    return _pvc_model(claim, sub, served, "spec.model.pvc.path")
+
+
+def _pvc_model(claim: str, sub: str, served: str | None, where: str) -> ModelSpec:
     if sub.startswith("/") or _bad_path(sub):
         raise SpecError(
-            reason, f"spec.model.pvc.path must be relative to the claim's root, without '..'; got {sub!r}"
+            "InvalidModelSource", f"{where} must be relative to the claim's root, without '..'; got {sub!r}"
         )
     sub = sub.strip("/")
     return ModelSpec(source="pvc", served_name=served or _base_name(sub or claim), claim_name=claim, path=sub)
+
+
+# The shape of each scheme's remainder; `chunkwise fetch-model` parses it fully in the init container.
+HF_REPO_PATTERN = r"^[A-Za-z0-9][-A-Za-z0-9_.]*/[-A-Za-z0-9_.]+(@[-A-Za-z0-9_./]+)?$"
+BUCKET_PATTERN = r"^[a-z0-9][-a-z0-9._]{1,220}[a-z0-9](/[^\s]*)?$"
+URL_REST_PATTERN = r"^[^/\s]+(/\S*)?$"
+URI_PATTERN = r"^(hf|s3|gs|https?|pvc)://\S+$"
+ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar.xz", ".txz", ".tar", ".zip")
+
+
+def _model_uri(data: Mapping[str, Any], served: str | None) -> ModelSpec:
+    reason = "InvalidModelSource"
+    p = "spec.model."
+    uri = _str(data, "uri", p, reason, None, max_length=4096)
+    assert uri is not None
+    scheme, sep, rest = uri.partition("://")
+    if not sep or scheme not in URI_SCHEMES or not rest or any(c.isspace() for c in uri):
+        raise SpecError(
+            reason, f"{p}uri must start with one of {', '.join(s + '://' for s in URI_SCHEMES)}; got {uri!r}"
+        )
+    if scheme == "pvc":
+        claim, _, sub = rest.partition("/")
+        if not re.fullmatch(DNS_SUBDOMAIN_PATTERN, claim) or len(claim) > 253:
+            raise SpecError(reason, f"{p}uri {uri!r}: {claim!r} is not a PersistentVolumeClaim name")
+        return _pvc_model(claim, sub, served, f"{p}uri's path")
+    if scheme == "hf":
+        if not re.fullmatch(HF_REPO_PATTERN, rest):
+            raise SpecError(reason, f"{p}uri {uri!r} must be hf://org/name or hf://org/name@revision")
+        default_name = rest.split("@", 1)[0].split("/", 1)[1]
+    elif scheme in ("s3", "gs"):
+        if not re.fullmatch(BUCKET_PATTERN, rest):
+            raise SpecError(reason, f"{p}uri {uri!r} must be {scheme}://bucket/prefix")
+        default_name = rest.rstrip("/").rsplit("/", 1)[-1]
+    else:
+        # An archive; the fetcher tells its type from the name, the Content-Type or the bytes themselves.
+        path = rest.split("#", 1)[0].split("?", 1)[0]
+        if not re.fullmatch(URL_REST_PATTERN, path):
+            raise SpecError(reason, f"{p}uri {uri!r} is not an http(s) URL")
+        default_name = path.rsplit("/", 1)[-1]
+        for suffix in ARCHIVE_SUFFIXES:
+            if default_name.lower().endswith(suffix):
+                default_name = default_name[: -len(suffix)]
+                break
+    cache_data = _section(data, "cache", p, reason)
+    cache = ModelCache(
+        claim_name=_str(
+            cache_data, "claimName", p + "cache.", reason, None, pattern=DNS_SUBDOMAIN_PATTERN, max_length=253
+        ),
+        size_limit=_quantity_or_none(cache_data, "sizeLimit", p + "cache.", reason),
+    )
+    if cache.claim_name is not None and cache.size_limit is not None:
+        raise SpecError(reason, f"{p}cache.sizeLimit is for the default emptyDir, not a claim")
+    secret = _str(data, "credentialsSecret", p, reason, None, pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)
+    if served is None and not re.fullmatch(SERVED_NAME_PATTERN, default_name or ""):
+        raise SpecError(reason, f"give spec.model.servedName: {uri!r} has no usable base name")
+    return ModelSpec(
+        source="uri",
+        served_name=served or default_name,
+        uri=uri,
+        cache=cache,
+        credentials_secret=secret,
+    )
+
+
+def _quantity_or_none(data: Mapping[str, Any], key: str, path: str, reason: str) -> str | None:
+    return None if data.get(key) is None else _quantity(data, key, path, reason, "")
 
 
 def _base_name(path: str) -> str:
@@ -399,6 +508,7 @@ def _engine(spec: Mapping[str, Any]) -> EngineSpec:
         num_tokens=_req_int(spec_data, "numTokens", p + "speculation.", reason, sd.num_tokens, 1, 16),
     )
     return EngineSpec(
+        dtype=_str(data, "dtype", p, reason, d.dtype, choices=DTYPES) or d.dtype,
         max_num_seqs=_req_int(data, "maxNumSeqs", p, reason, d.max_num_seqs, 1, 4096),
         max_num_batched_tokens=_req_int(
             data, "maxNumBatchedTokens", p, reason, d.max_num_batched_tokens, 1, 1 << 20
@@ -413,7 +523,54 @@ def _engine(spec: Mapping[str, Any]) -> EngineSpec:
             data, "queueDelaySloSeconds", p, reason, d.queue_delay_slo_seconds, 0, 3600
         ),
         drain_grace_seconds=_req_int(data, "drainGraceSeconds", p, reason, d.drain_grace_seconds, 0, 3600),
+        extra_args=_extra_args(data, p, reason),
     )
+
+
+# Flags the operator derives from the spec: given again in extraArgs they would fight the field (argparse
+# keeps the last one), so each is refused with the field to use instead.
+MODELED_FLAGS = {
+    "--model": "spec.model",
+    "--served-model-name": "spec.model.servedName",
+    "--host": "(set by the operator)",
+    "--port": "(set by the operator)",
+    "--device": "spec.resources.gpu",
+    "--dtype": "spec.engine.dtype",
+    "--max-num-seqs": "spec.engine.maxNumSeqs",
+    "--max-num-batched-tokens": "spec.engine.maxNumBatchedTokens",
+    "--block-size": "spec.engine.blockSize",
+    "--kv-cache-memory-bytes": "spec.engine.kvCacheMemory",
+    "--preemption-mode": "spec.engine.preemptionMode",
+    "--enable-prefix-caching": "spec.engine.enablePrefixCaching",
+    "--no-enable-prefix-caching": "spec.engine.enablePrefixCaching",
+    "--speculative-method": "spec.engine.speculation.method",
+    "--num-speculative-tokens": "spec.engine.speculation.numTokens",
+    "--queue-delay-slo-seconds": "spec.engine.queueDelaySloSeconds",
+    "--drain-timeout-seconds": "spec.engine.drainGraceSeconds",
+}
+
+
+def _extra_args(data: Mapping[str, Any], p: str, reason: str) -> tuple[str, ...]:
+    raw = data.get("extraArgs")
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not all(isinstance(a, str) for a in raw):
+        raise SpecError(reason, f"{p}extraArgs must be a list of strings, got {raw!r}")
+    if len(raw) > 64:
+        raise SpecError(reason, f"{p}extraArgs holds {len(raw)} items; at most 64")
+    for i, arg in enumerate(raw):
+        if not arg or len(arg) > 4096 or "\x00" in arg:
+            raise SpecError(
+                reason, f"{p}extraArgs[{i}] must be a non-empty string of at most 4096 characters"
+            )
+        flag = arg.split("=", 1)[0]
+        if flag in MODELED_FLAGS:
+            raise SpecError(
+                reason, f"{p}extraArgs[{i}] {flag} is what {MODELED_FLAGS[flag]} sets; use that field instead"
+            )
+    if not raw[0].startswith("-"):
+        raise SpecError(reason, f"{p}extraArgs must start with a flag, got {raw[0]!r}")
+    return tuple(raw)
 
 
 def _autoscaling(spec: Mapping[str, Any]) -> AutoscalingSpec:
@@ -447,6 +604,13 @@ def _autoscaling(spec: Mapping[str, Any]) -> AutoscalingSpec:
             data, "scaleDownStabilizationSeconds", p, reason, d.scale_down_stabilization_seconds, 0, 3600
         ),
     )
+    if result.min_replicas == 0 and not result.delegated:
+        # At 0 replicas there is nothing to scrape, so the built-in autoscaler could never scale back up.
+        raise SpecError(
+            reason,
+            f"{p}minReplicas 0 needs {p}delegated: true (an HPA or KEDA that can scale from zero); the "
+            "built-in autoscaler has no metrics at 0 replicas and would never scale back up",
+        )
     if result.min_replicas > result.max_replicas:
         raise SpecError(
             reason,
@@ -455,7 +619,7 @@ def _autoscaling(spec: Mapping[str, Any]) -> AutoscalingSpec:
     return result
 
 
-def _router(spec: Mapping[str, Any]) -> RouterSpec:
+def _router(spec: Mapping[str, Any], default_image: str) -> RouterSpec:
     reason = "InvalidRouter"
     p = "spec.router."
     data = _section(spec, "router", "spec.", reason)
@@ -466,7 +630,7 @@ def _router(spec: Mapping[str, Any]) -> RouterSpec:
         enabled=_bool(data, "enabled", p, reason, d.enabled),
         policy=_str(data, "policy", p, reason, d.policy, choices=ROUTER_POLICIES) or d.policy,
         replicas=_req_int(data, "replicas", p, reason, d.replicas, 1, 100),
-        image=_str(data, "image", p, reason, None, pattern=IMAGE_PATTERN),
+        image=_str(data, "image", p, reason, default_image, pattern=IMAGE_PATTERN) or default_image,
         resources=RouterResources(
             cpu=_quantity(res, "cpu", p + "resources.", reason, rd.cpu),
             memory=_quantity(res, "memory", p + "resources.", reason, rd.memory),
@@ -527,12 +691,71 @@ def _pod(spec: Mapping[str, Any]) -> PodOverrides:
             )
         )
 
+    pull_secrets = []
+    for i, item in enumerate(_objects(data, "imagePullSecrets", p, reason)):
+        secret = _str(item, "name", f"{p}imagePullSecrets[{i}].", reason, None, pattern=DNS_SUBDOMAIN_PATTERN)
+        if secret is None:
+            raise SpecError(reason, f"{p}imagePullSecrets[{i}].name is required")
+        pull_secrets.append(secret)
+    affinity = data.get("affinity")
+    if affinity is not None and not isinstance(affinity, Mapping):
+        raise SpecError(reason, f"{p}affinity must be an object, got {affinity!r}")
+    volumes = _objects(data, "volumes", p, reason)
+    mounts = _objects(data, "volumeMounts", p, reason)
+    names = [v.get("name") for v in volumes]
+    for i, name in enumerate(names):
+        if not isinstance(name, str) or not re.fullmatch(DNS_LABEL_PATTERN, name):
+            raise SpecError(reason, f"{p}volumes[{i}].name must be a DNS label, got {name!r}")
+        if name in RESERVED_VOLUMES or names.count(name) > 1:
+            raise SpecError(reason, f"{p}volumes[{i}].name {name!r} is taken (reserved: {RESERVED_VOLUMES})")
+    for i, mount in enumerate(mounts):
+        mp = f"{p}volumeMounts[{i}]."
+        if mount.get("name") not in names:
+            raise SpecError(reason, f"{mp}name {mount.get('name')!r} is none of {p}volumes")
+        path = mount.get("mountPath")
+        if not isinstance(path, str) or not path.startswith("/") or _bad_path(path):
+            raise SpecError(reason, f"{mp}mountPath must be an absolute path, got {path!r}")
+        if any(path == r or path.startswith(r + "/") for r in RESERVED_MOUNT_PATHS):
+            raise SpecError(reason, f"{mp}mountPath {path!r} is under one the operator mounts")
+
     return PodOverrides(
         node_selector=_string_map(data, "nodeSelector", p, reason),
         tolerations=tuple(tolerations),
         env=tuple(env),
         annotations=_string_map(data, "annotations", p, reason),
+        image_pull_secrets=tuple(pull_secrets),
+        service_account_name=_str(
+            data, "serviceAccountName", p, reason, None, pattern=DNS_SUBDOMAIN_PATTERN, max_length=253
+        ),
+        priority_class_name=_str(
+            data, "priorityClassName", p, reason, None, pattern=DNS_SUBDOMAIN_PATTERN, max_length=253
+        ),
+        affinity=None if affinity is None else _frozen(affinity),
+        topology_spread_constraints=tuple(
+            _frozen(c) for c in _objects(data, "topologySpreadConstraints", p, reason)
+        ),
+        volumes=tuple(_frozen(v) for v in volumes),
+        volume_mounts=tuple(_frozen(m) for m in mounts),
+        shm_size=_quantity(data, "shmSize", p, reason, DEFAULT_SHM_SIZE),
     )
+
+
+# Volumes and mount paths of the operator's own; spec.pod.volumes must keep clear of them.
+RESERVED_VOLUMES = ("model", "model-cache", "dshm")
+RESERVED_MOUNT_PATHS = ("/models", "/model-cache", "/dev/shm")
+
+
+def _objects(data: Mapping[str, Any], key: str, path: str, reason: str) -> list[Mapping[str, Any]]:
+    value = data.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, Mapping) for v in value):
+        raise SpecError(reason, f"{path}{key} must be a list of objects, got {value!r}")
+    return value
+
+
+def _frozen(value: Mapping[str, Any]) -> Mapping[str, Any]:
+    return MappingProxyType(dict(value))
 
 
 def parse(spec: Mapping[str, Any] | None) -> ServiceSpec:
@@ -540,17 +763,40 @@ def parse(spec: Mapping[str, Any] | None) -> ServiceSpec:
     if spec is None or not isinstance(spec, Mapping):
         raise SpecError("InvalidSpec", f"spec must be an object, got {spec!r}")
     model = _model(spec)
-    image = _str(spec, "image", "spec.", "InvalidImage", None, pattern=IMAGE_PATTERN)
-    if not image:
-        raise SpecError("InvalidImage", "spec.image is required: the chunkwise runtime image to run")
+    resources = _resources(spec)
+    engine = _engine(spec)
+    default_image = DEFAULT_CUDA_IMAGE if resources.gpu else DEFAULT_IMAGE
+    image = _str(spec, "image", "spec.", "InvalidImage", default_image, pattern=IMAGE_PATTERN)
+    assert image is not None
+    _check_memory(resources, engine)
     return ServiceSpec(
         model=model,
         image=image,
         image_pull_policy=_str(spec, "imagePullPolicy", "spec.", "InvalidImage", None, choices=PULL_POLICIES),
         replicas=_req_int(spec, "replicas", "spec.", "InvalidReplicas", 1, 0, 1000),
-        resources=_resources(spec),
-        engine=_engine(spec),
+        resources=resources,
+        engine=engine,
         autoscaling=_autoscaling(spec),
-        router=_router(spec),
+        router=_router(spec, image if spec.get("image") is not None else DEFAULT_IMAGE),
         pod=_pod(spec),
     )
+
+
+def _check_memory(resources: Resources, engine: EngineSpec) -> None:
+    """On CPU the KV cache lives in the pod's memory: a cache the limit cannot hold would be OOM-killed.
+
+    On a GPU the cache is in device memory, which the spec does not state, so only the CPU case is checked.
+    """
+    if resources.gpu or engine.kv_cache_memory_bytes is None:
+        return
+    try:
+        limit = parse_bytes(resources.memory)
+    except ValueError:
+        return  # a quantity such as 1e9 or 500m: valid for Kubernetes, too odd to reason about here
+    if engine.kv_cache_memory_bytes >= limit:
+        raise SpecError(
+            "InsufficientMemory",
+            f"spec.engine.kvCacheMemory ({engine.kv_cache_memory_bytes} bytes) does not fit in "
+            f"spec.resources.memory ({resources.memory} = {limit} bytes), which must also hold the weights; "
+            "raise the memory or lower the cache",
+        )

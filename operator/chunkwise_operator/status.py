@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,14 @@ FORBIDDEN = "Forbidden"
 CHILD_REJECTED = "ChildRejected"
 API_ERROR = "ApiError"
 FAILURE_REASONS = frozenset({CHILD_CONFLICT, FORBIDDEN, CHILD_REJECTED, API_ERROR})
+
+# Why runtime pods fail to start, read from their container statuses.
+ENGINE_ARGS_REJECTED = "EngineArgsRejected"
+MODEL_FETCH_FAILED = "ModelFetchFailed"
+ENGINE_FAILING = "EngineFailing"
+# `chunkwise serve` and `chunkwise fetch-model` exit 2 on arguments they refuse (argparse's usage code).
+USAGE_EXIT_CODE = 2
+_MESSAGE_LIMIT = 512
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,40 @@ def deployment_state(deployment: Mapping[str, Any] | None) -> DeploymentState:
     return DeploymentState(**{**state.__dict__, "rolled_out": done})
 
 
+def pod_failure(pods: Sequence[Mapping[str, Any]]) -> Failure | None:
+    """The first runtime pod container that has exited with an error, as a reason and its own last words.
+
+    The engine and the fetcher end with a one-line reason (their termination message, or the log tail the
+    kubelet keeps under FallbackToLogsOnError), so the condition can say what is wrong, not just that a pod
+    is in CrashLoopBackOff.
+    """
+    for pod in sorted(pods, key=lambda p: str((p.get("metadata") or {}).get("name", ""))):
+        pod_name = (pod.get("metadata") or {}).get("name", "?")
+        status = pod.get("status") or {}
+        for key in ("initContainerStatuses", "containerStatuses"):
+            for c in status.get(key) or []:
+                state = c.get("state") or {}
+                terminated = state.get("terminated") or (c.get("lastState") or {}).get("terminated")
+                if not terminated or not terminated.get("exitCode") or "running" in state:
+                    continue
+                code = terminated["exitCode"]
+                if key == "initContainerStatuses":
+                    reason = MODEL_FETCH_FAILED
+                elif code == USAGE_EXIT_CODE:
+                    reason = ENGINE_ARGS_REJECTED
+                else:
+                    reason = ENGINE_FAILING
+                words = " ".join(str(terminated.get("message") or terminated.get("reason") or "").split())
+                if len(words) > _MESSAGE_LIMIT:
+                    words = "..." + words[-_MESSAGE_LIMIT:]
+                return Failure(
+                    reason,
+                    f"pod {pod_name}: container {c.get('name')} exited with code {code} "
+                    f"({c.get('restartCount', 0)} restarts): {words}",
+                )
+    return None
+
+
 def _condition(ctype: str, status: bool, reason: str, message: str, generation: int | None) -> dict[str, Any]:
     result: dict[str, Any] = {
         "type": ctype,
@@ -131,8 +173,12 @@ def compute_status(
     now: str,
     generation: int | Keep | None = KEEP,
     failure: Failure | Keep | None = KEEP,
+    pods: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
-    """The managed part of .status. `generation` is the generation just reconciled, or KEEP."""
+    """The managed part of .status. `generation` is the generation just reconciled, or KEEP.
+
+    `pods` are the runtime pods: one whose container exits with an error names the reason in Degraded.
+    """
     observed = previous.get("observedGeneration") if generation is KEEP else generation
     run = deployment_state(runtime)
     rtr = deployment_state(router)
@@ -173,6 +219,10 @@ def compute_status(
         degraded = (True, parsed.reason, parsed.message)
     elif failure is not None:
         degraded = (True, failure.reason, failure.message)
+    elif (crashing := pod_failure(pods)) is not None:
+        degraded = (True, crashing.reason, crashing.message)
+        if not ready[0]:
+            ready = (False, crashing.reason, crashing.message)
     else:
         degraded = (False, "AsExpected", "the spec is valid and its children are applied")
 

@@ -37,11 +37,19 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     sub.add_parser(
-        "operator", help="run the Kubernetes operator (kopf run -m chunkwise_operator.main)", add_help=False
+        "operator",
+        help="run the Kubernetes operator (kopf run -m chunkwise_operator.main); `operator render -f FILE` "
+        "prints what it would apply",
+        add_help=False,
     )
 
     args, rest = parser.parse_known_args(argv)
     if args.command == "operator":
+        if rest[:1] == ["render"]:
+            # Pure builders only: rendering needs neither Kopf nor a cluster.
+            from chunkwise_operator.render import main as render
+
+            return render(rest[1:])
         from chunkwise_operator.main import run_operator
 
         return run_operator(rest)
@@ -63,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         from chunkwise.inspect import run_inspect
 
         return run_inspect(args)
+    if args.command == "fetch-model":
+        from chunkwise.fetch.args import run_fetch
+
+        return run_fetch(args)
     if args.command == "replay":
         from chunkwise.sim.cli import run_replay_cli
 

@@ -94,6 +94,8 @@ def service(kube: Kubectl) -> Iterator[str]:
     # A leftover of an interrupted run (KEEP_CLUSTER=1) would carry another spec and history.
     kube.delete(KIND, NAME)
     wait_for(lambda: not kube.items("pods", SELECTOR), 180, "pods of an earlier run gone")
+    # The operator's pods must be admitted where the `restricted` Pod Security level is enforced.
+    kube.run("label", "--overwrite", "namespace", NAMESPACE, "pod-security.kubernetes.io/enforce=restricted")
     kube.run("apply", "-f", str(EXAMPLE))
     yield NAME
     kube.delete(KIND, NAME, wait=False)

@@ -60,6 +60,8 @@ async def cluster(kubeconfig: Callable[[str], Path]) -> AsyncIterator[Cluster]:
         r["v1/services"] = km.ResourceInfo(kind="Service", namespaced=True, verbs=VERBS)
         r["v1/serviceaccounts"] = km.ResourceInfo(kind="ServiceAccount", namespaced=True, verbs=VERBS)
         r["v1/events"] = km.ResourceInfo(kind="Event", namespaced=True, verbs=VERBS)
+        # The status reads runtime pods' container states.
+        r["v1/pods"] = km.ResourceInfo(kind="Pod", namespaced=True, verbs=VERBS)
         r["policy/v1/poddisruptionbudgets"] = km.ResourceInfo(
             kind="PodDisruptionBudget", namespaced=True, verbs=VERBS
         )

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import celpy
 import jsonschema
 import kmock as km
 import kopf
@@ -93,6 +94,10 @@ class Cluster:
                 )
 
         await asyncio.to_thread(call)
+
+    def create_pod(self, body: Mapping[str, Any]) -> None:
+        with self._client() as c:
+            kubernetes.client.CoreV1Api(c).create_namespaced_pod(NAMESPACE, dict(body))
 
     async def patch_isvc(self, name: str, patch: Mapping[str, Any]) -> None:
         def call() -> None:
@@ -266,12 +271,33 @@ def crd_schema() -> dict[str, Any]:
 
 
 def schema_errors(obj: Mapping[str, Any]) -> list[str]:
-    """What the CRD's structural schema says about `obj` (CEL rules are the API server's, not checked here)."""
+    """What the API server says about `obj`: the structural schema, then the CEL rules on the defaulted object."""
     # OpenAPI v3.0 schemas are closest to JSON Schema draft 4; the x-kubernetes-* keywords are ignored.
     validator = jsonschema.Draft4Validator(crd_schema())
-    return sorted(
+    errors = sorted(
         f"{'.'.join(str(p) for p in e.absolute_path)}: {e.message}" for e in validator.iter_errors(obj)
     )
+    if errors:
+        return errors  # the API server runs CEL only on structurally valid objects
+    return cel_errors(crd_schema(), apply_defaults(crd_schema(), obj), "")
+
+
+def cel_errors(schema: Mapping[str, Any], value: Any, path: str) -> list[str]:
+    """Every x-kubernetes-validations rule evaluated where its value is present, as the API server does."""
+    errors = []
+    for rule in schema.get("x-kubernetes-validations", []):
+        env = celpy.Environment()
+        program = env.program(env.compile(rule["rule"]))
+        if not bool(program.evaluate({"self": celpy.json_to_cel(value)})):
+            errors.append(f"{path or '<root>'}: {' '.join(rule['message'].split())}")
+    if isinstance(value, dict):
+        for key, sub in schema.get("properties", {}).items():
+            if key in value:
+                errors += cel_errors(sub, value[key], f"{path}.{key}" if path else key)
+    if isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            errors += cel_errors(schema["items"], item, f"{path}[{i}]")
+    return errors
 
 
 def apply_defaults(schema: Mapping[str, Any], value: Any) -> Any:

@@ -28,10 +28,12 @@ class MetricsServer:
 
     def __init__(self) -> None:
         self.waiting = 0.0
+        self.scrapes = 0
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
+                outer.scrapes += 1
                 body = (
                     "# TYPE vllm:num_requests_waiting gauge\n"
                     f'vllm:num_requests_waiting{{model_name="tiny"}} {outer.waiting}\n'
@@ -211,4 +213,5 @@ async def test_no_autoscaler_without_autoscaling(
     await eventually(lambda: autoscaler_status(cluster, "plain").get("reason") == "Disabled", what="status")
     await asyncio.sleep(0.5)
     assert replicas(cluster, "plain") == 1
-    assert len(cluster.k[km.action.LIST, PODS]) == 0  # no daemon, so no scraping at all
+    # No daemon, so no scraping at all (the status refresh lists pods but never asks them for metrics).
+    assert [p.scrapes for p in pods] == [0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import kmock as km
@@ -9,6 +10,7 @@ import pytest
 from operator_harness import Cluster, Operator, eventually, running_operator
 
 from chunkwise_operator import manifests
+from chunkwise_operator.main import STATUS_INTERVAL_ENV
 from chunkwise_operator.spec import parse
 
 TINY = {"model": {"preset": "tiny"}, "image": "chunkwise:dev"}
@@ -74,7 +76,7 @@ async def test_create_makes_owned_children_with_engine_arguments(
     assert_every_child_owned(cluster, "chat")
     assert args(cluster, "chat") == [
         "chunkwise", "serve", "--model", "tiny", "--served-model-name", "tiny",
-        "--host", "0.0.0.0", "--port", "8000",
+        "--host", "0.0.0.0", "--port", "8000", "--device", "cpu", "--dtype", "auto",
         "--max-num-seqs", "256", "--max-num-batched-tokens", "1024", "--block-size", "16",
         "--preemption-mode", "auto", "--enable-prefix-caching",
         "--queue-delay-slo-seconds", "30.0", "--drain-timeout-seconds", "30",
@@ -82,6 +84,7 @@ async def test_create_makes_owned_children_with_engine_arguments(
     assert args(cluster, "chat-router") == [
         "chunkwise", "router", "--host", "0.0.0.0", "--port", "8080",
         "--policy", "round-robin", "--kube-service", "chat", "--namespace", "default",
+        "--tokenizer", "byte", "--block-size", "16",
     ]  # fmt: skip
     dep = cluster.get(Cluster.DEPLOYMENTS, "chat")
     assert dep is not None and dep["spec"]["replicas"] == 2
@@ -324,3 +327,52 @@ async def test_restart_resumes_without_rewriting_anything(
         assert operator.count("Created ") == operator.count("Updated ") == 0
         # Only Kopf's own bookkeeping on the CR may be written; no child is touched.
         assert child_writes(cluster) == writes
+
+
+@pytest.fixture
+def fast_status(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Read by the operator's start-up handler: the fixture must come before `operator` in a test's arguments.
+    monkeypatch.setenv(STATUS_INTERVAL_ENV, "0.2")
+
+
+async def test_an_engine_that_refuses_its_arguments_is_reported(
+    fast_status: None, cluster: Cluster, operator: Operator
+) -> None:
+    """The runtime judges engine.extraArgs; its refusal reaches the status, not just a CrashLoopBackOff."""
+    await cluster.create_isvc("chat", {**TINY, "engine": {"extraArgs": ["--max-model-lenn", "8192"]}})
+    await eventually(lambda: args(cluster, "chat"), what="runtime Deployment")
+    assert (args(cluster, "chat") or [])[-2:] == ["--max-model-lenn", "8192"]
+    said = "chunkwise serve: error: unrecognized arguments: --max-model-lenn 8192"
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "chat-7d9-x",
+            "namespace": "default",
+            "labels": manifests.labels("chat", "runtime"),
+        },
+        "status": {
+            "phase": "Running",
+            "containerStatuses": [
+                {
+                    "name": "engine",
+                    "image": "chunkwise:dev",
+                    "imageID": "",
+                    "ready": False,
+                    "restartCount": 3,
+                    "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                    "lastState": {"terminated": {"exitCode": 2, "reason": "Error", "message": said + "\n"}},
+                }
+            ],
+        },
+    }
+    await asyncio.to_thread(cluster.create_pod, pod)
+    degraded = await eventually(
+        lambda: (c := condition(cluster, "chat", "Degraded")) and c["reason"] == "EngineArgsRejected" and c,
+        what="Degraded EngineArgsRejected",
+    )
+    assert degraded["message"] == (
+        f"pod chat-7d9-x: container engine exited with code 2 (3 restarts): {said}"
+    )
+    ready = condition(cluster, "chat", "Ready")
+    assert ready is not None and (ready["status"], ready["reason"]) == ("False", "EngineArgsRejected")

@@ -39,6 +39,16 @@ GPU_ROUTER: dict[str, Any] = {
         "annotations": {"prometheus.io/scrape": "false", "team": "ml"},
     },
 }
+HF_GPU: dict[str, Any] = {
+    "model": {"uri": "hf://meta-llama/Llama-3.1-8B-Instruct@main", "credentialsSecret": "hf-token"},
+    "resources": {"cpu": "8", "memory": "48Gi", "gpu": 1},
+    "engine": {"kvCacheMemory": "40Gi", "extraArgs": ["--max-model-len", "8192"]},
+    "router": {"enabled": True},
+    "pod": {
+        "env": [{"name": "HF_ENDPOINT", "value": "http://mirror.internal"}],
+        "imagePullSecrets": [{"name": "r"}],
+    },
+}
 IMAGE_PATH = {
     "model": {"path": "/opt/model"},
     "image": "chunkwise:dev",
@@ -51,6 +61,19 @@ RUNTIME_LABELS = {
     "app.kubernetes.io/component": "runtime",
     "app.kubernetes.io/managed-by": "chunkwise-operator",
     "serving.chunkwise.dev/inferenceservice": "tiny",
+}
+RESTRICTED_CONTAINER = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "runAsNonRoot": True,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+RESTRICTED_POD = {
+    "runAsNonRoot": True,
+    "runAsUser": 65532,
+    "runAsGroup": 65532,
+    "fsGroup": 65532,
+    "seccompProfile": {"type": "RuntimeDefault"},
 }
 OWNER: dict[str, Any] = {
     "apiVersion": "serving.chunkwise.dev/v1alpha1",
@@ -70,6 +93,8 @@ def test_engine_command_minimal() -> None:
         "--served-model-name", "tiny",
         "--host", "0.0.0.0",
         "--port", "8000",
+        "--device", "cpu",
+        "--dtype", "auto",
         "--max-num-seqs", "256",
         "--max-num-batched-tokens", "1024",
         "--block-size", "16",
@@ -87,6 +112,8 @@ def test_engine_command_every_flag() -> None:
         "--served-model-name", "llama-8b",
         "--host", "0.0.0.0",
         "--port", "8000",
+        "--device", "cuda",
+        "--dtype", "auto",
         "--max-num-seqs", "128",
         "--max-num-batched-tokens", "2048",
         "--block-size", "32",
@@ -138,6 +165,7 @@ def test_runtime_deployment_minimal_exactly() -> None:
                     "automountServiceAccountToken": False,
                     # preStop sleep 5 + drain 30 + margin 10
                     "terminationGracePeriodSeconds": 45,
+                    "securityContext": RESTRICTED_POD,
                     "containers": [
                         {
                             "name": "engine",
@@ -169,9 +197,12 @@ def test_runtime_deployment_minimal_exactly() -> None:
                                 "failureThreshold": 6,
                             },
                             "lifecycle": {"preStop": {"exec": {"command": ["sleep", "5"]}}},
-                            "securityContext": {"allowPrivilegeEscalation": False},
+                            "terminationMessagePolicy": "FallbackToLogsOnError",
+                            "securityContext": RESTRICTED_CONTAINER,
+                            "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
                         }
                     ],
+                    "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}],
                 },
             },
         },
@@ -190,10 +221,15 @@ def test_runtime_deployment_gpu_pvc_and_overrides() -> None:
     }
     assert engine["imagePullPolicy"] == "IfNotPresent"
     assert engine["env"] == [{"name": "HF_HUB_OFFLINE", "value": "1"}]
-    assert engine["volumeMounts"] == [{"name": "model", "mountPath": "/models", "readOnly": True}]
-    assert pod["volumes"] == [
-        {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}
+    assert engine["volumeMounts"] == [
+        {"name": "model", "mountPath": "/models", "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},
     ]
+    assert pod["volumes"] == [
+        {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
+    ]
+    assert "initContainers" not in pod
     assert pod["nodeSelector"] == {"pool": "h100"}
     assert pod["tolerations"] == [
         {"operator": "Equal", "key": "dedicated", "value": "llm", "effect": "NoSchedule"},
@@ -250,6 +286,7 @@ def test_router_children() -> None:
     assert manifests.router_command("llama", "ml", parsed) == [
         "chunkwise", "router", "--host", "0.0.0.0", "--port", "8080",
         "--policy", "least-loaded", "--kube-service", "llama", "--namespace", "ml",
+        "--tokenizer", "/models/org/llama", "--block-size", "32",
     ]  # fmt: skip
     assert manifests.router_service_account("llama", "ml") == {
         "apiVersion": "v1",
@@ -339,12 +376,143 @@ def test_builders_return_fresh_objects() -> None:
 
 
 @pytest.mark.parametrize(
-    "variant", [MINIMAL, GPU_ROUTER, IMAGE_PATH], ids=["minimal", "gpu-router", "image-path"]
+    "variant",
+    [MINIMAL, GPU_ROUTER, IMAGE_PATH, HF_GPU],
+    ids=["minimal", "gpu-router", "image-path", "hf-gpu"],
 )
 def test_every_built_child_validates_for_kubernetes_1_30(variant: dict[str, Any]) -> None:
     children = manifests.children("svc", "ml", spec(variant))
     kopf.append_owner_reference(children, owner=kopf.Body(OWNER))  # type: ignore[arg-type]
-    assert len(children) == (7 if variant is GPU_ROUTER else 3)
+    assert len(children) == (7 if variant in (GPU_ROUTER, HF_GPU) else 3)
     for child in children:
         assert child["metadata"]["ownerReferences"][0]["uid"] == OWNER["metadata"]["uid"]
         kubernetes_validate.validate(child, "1.30.0", strict=True)
+
+
+# The `restricted` Pod Security Standard (v1.30), as the admission controller checks it.
+RESTRICTED_VOLUME_TYPES = {
+    "configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected", "secret",
+}  # fmt: skip
+
+
+def restricted_violations(pod: dict[str, Any]) -> list[str]:
+    found = []
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod.get(key):
+            found.append(key)
+    for volume in pod.get("volumes", []):
+        kinds = set(volume) - {"name"}
+        if not kinds <= RESTRICTED_VOLUME_TYPES:
+            found.append(f"volume {volume['name']}: {sorted(kinds)}")
+    pod_ctx = pod.get("securityContext", {})
+    for c in pod.get("initContainers", []) + pod["containers"]:
+        ctx = c.get("securityContext", {})
+        name = c["name"]
+        if ctx.get("privileged"):
+            found.append(f"{name}: privileged")
+        if ctx.get("allowPrivilegeEscalation") is not False:
+            found.append(f"{name}: allowPrivilegeEscalation must be false")
+        if not (ctx.get("runAsNonRoot") or (pod_ctx.get("runAsNonRoot") and ctx.get("runAsNonRoot") is None)):
+            found.append(f"{name}: runAsNonRoot")
+        if ctx.get("runAsUser", pod_ctx.get("runAsUser")) == 0:
+            found.append(f"{name}: runAsUser 0")
+        seccomp = (ctx.get("seccompProfile") or pod_ctx.get("seccompProfile") or {}).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            found.append(f"{name}: seccompProfile")
+        caps = ctx.get("capabilities", {})
+        if "ALL" not in caps.get("drop", []):
+            found.append(f"{name}: capabilities must drop ALL")
+        if set(caps.get("add", [])) - {"NET_BIND_SERVICE"}:
+            found.append(f"{name}: capabilities.add")
+        if any("hostPort" in port for port in c.get("ports", [])):
+            found.append(f"{name}: hostPort")
+    return found
+
+
+def test_the_restricted_check_can_fail() -> None:
+    pod = {"containers": [{"name": "c", "securityContext": {"allowPrivilegeEscalation": False}}]}
+    assert restricted_violations(pod) == [
+        "c: runAsNonRoot",
+        "c: seccompProfile",
+        "c: capabilities must drop ALL",
+    ]
+    assert restricted_violations(
+        {"volumes": [{"name": "h", "hostPath": {"path": "/"}}], "containers": []}
+    ) == ["volume h: ['hostPath']"]
+
+
+def test_a_gpu_service_from_hugging_face() -> None:
+    parsed = spec(HF_GPU)
+    dep = manifests.runtime_deployment("llama", "ml", parsed)
+    pod = dep["spec"]["template"]["spec"]
+    (engine,) = pod["containers"]
+    (fetch,) = pod["initContainers"]
+    model_dir = "/model-cache/" + manifests.cache_directory("hf://meta-llama/Llama-3.1-8B-Instruct@main")
+    assert model_dir.startswith("/model-cache/hf-meta-llama-llama-3.1-8b-instruct-main-")
+    args = engine["args"]
+    assert engine["image"] == fetch["image"] == "chunkwise/runtime:0.1.0-cuda"
+    assert args[args.index("--model") + 1] == model_dir
+    assert args[args.index("--device") + 1] == "cuda"
+    assert args[args.index("--dtype") + 1] == "auto"
+    assert args[-2:] == ["--max-model-len", "8192"]
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert [fetch["command"][0], *fetch["args"]] == [
+        "chunkwise", "fetch-model", "hf://meta-llama/Llama-3.1-8B-Instruct@main", model_dir
+    ]  # fmt: skip
+    assert fetch["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
+    assert fetch["env"] == [{"name": "HF_ENDPOINT", "value": "http://mirror.internal"}]
+    assert "nvidia.com/gpu" not in fetch["resources"]["limits"]
+    # The fetcher writes the cache; the server reads the same volume.
+    assert fetch["volumeMounts"] == [{"name": "model-cache", "mountPath": "/model-cache"}]
+    assert {"name": "model-cache", "mountPath": "/model-cache", "readOnly": True} in engine["volumeMounts"]
+    assert {"name": "model-cache", "emptyDir": {}} in pod["volumes"]
+    assert pod["imagePullSecrets"] == [{"name": "r"}]
+    assert restricted_violations(pod) == []
+
+    router_pod = manifests.router_deployment("llama", "ml", parsed)["spec"]["template"]["spec"]
+    (router,) = router_pod["containers"]
+    (tokenizer,) = router_pod["initContainers"]
+    assert router["image"] == tokenizer["image"] == "chunkwise/runtime:0.1.0"
+    assert tokenizer["args"] == [
+        "fetch-model",
+        "hf://meta-llama/Llama-3.1-8B-Instruct@main",
+        "/tokenizer",
+        "--tokenizer-only",
+    ]
+    assert router["args"][router["args"].index("--tokenizer") + 1] == "/tokenizer"
+    assert router["args"][-2:] == ["--block-size", "16"]
+    assert restricted_violations(router_pod) == []
+
+
+def test_a_shared_cache_claim_and_pod_overrides() -> None:
+    data = copy.deepcopy(HF_GPU)
+    data["model"] = {"uri": "s3://weights/qwen3-8b", "cache": {"claimName": "model-cache"}}
+    data["pod"] = {
+        "serviceAccountName": "llm",
+        "priorityClassName": "serving",
+        "affinity": {"podAntiAffinity": {}},
+        "topologySpreadConstraints": [
+            {"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "ScheduleAnyway"}
+        ],
+        "volumes": [{"name": "scratch", "emptyDir": {}}],
+        "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}],
+        "shmSize": "16Gi",
+    }
+    pod = manifests.runtime_deployment("q", "ml", spec(data))["spec"]["template"]["spec"]
+    assert pod["volumes"] == [
+        {"name": "model-cache", "persistentVolumeClaim": {"claimName": "model-cache"}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
+        {"name": "scratch", "emptyDir": {}},
+    ]
+    assert pod["containers"][0]["volumeMounts"][-1] == {"name": "scratch", "mountPath": "/scratch"}
+    assert (pod["serviceAccountName"], pod["priorityClassName"]) == ("llm", "serving")
+    assert pod["affinity"] == {"podAntiAffinity": {}}
+    assert pod["topologySpreadConstraints"][0]["topologyKey"] == "zone"
+    assert "envFrom" not in pod["initContainers"][0]
+
+
+@pytest.mark.parametrize("variant", [HF_GPU, GPU_ROUTER, MINIMAL], ids=["hf-gpu", "pvc-gpu", "minimal"])
+def test_every_pod_meets_the_restricted_profile(variant: dict[str, Any]) -> None:
+    for child in manifests.children("svc", "ml", spec(variant)):
+        if child["kind"] == "Deployment":
+            assert restricted_violations(child["spec"]["template"]["spec"]) == [], child["metadata"]["name"]

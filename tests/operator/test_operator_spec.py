@@ -13,6 +13,7 @@ from chunkwise_operator.spec import (
     AutoscalingTargets,
     EngineSpec,
     EnvVar,
+    ModelCache,
     ModelSpec,
     PodOverrides,
     Resources,
@@ -42,6 +43,7 @@ def test_minimal_spec_gets_every_default() -> None:
         replicas=1,
         resources=Resources(cpu="1", memory="2Gi", gpu=0),
         engine=EngineSpec(
+            dtype="auto",
             max_num_seqs=256,
             max_num_batched_tokens=1024,
             block_size=16,
@@ -51,6 +53,7 @@ def test_minimal_spec_gets_every_default() -> None:
             speculation=Speculation(method="none", num_tokens=4),
             queue_delay_slo_seconds=30.0,
             drain_grace_seconds=30,
+            extra_args=(),
         ),
         autoscaling=AutoscalingSpec(
             enabled=False,
@@ -70,10 +73,10 @@ def test_minimal_spec_gets_every_default() -> None:
             enabled=False,
             policy="predicted-completion",
             replicas=1,
-            image=None,
+            image="chunkwise:dev",
             resources=RouterResources(cpu="250m", memory="256Mi"),
         ),
-        pod=PodOverrides(node_selector=(), tolerations=(), env=(), annotations=()),
+        pod=PodOverrides(node_selector=(), tolerations=(), env=(), annotations=(), shm_size="1Gi"),
     )
 
 
@@ -211,13 +214,197 @@ def test_model_sources_and_served_name_defaults(model: dict[str, Any], expected:
     assert parse({"model": model, "image": "i"}).model == expected
 
 
-# (spec, reason, message, whether the CRD's structural schema rejects it too). The schema-accepted ones are
-# the checks only the operator (or a CEL rule jsonschema cannot run) makes.
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        (
+            {"uri": "hf://meta-llama/Llama-3.1-8B-Instruct@main", "credentialsSecret": "hf-token"},
+            ModelSpec(
+                source="uri",
+                served_name="Llama-3.1-8B-Instruct",
+                uri="hf://meta-llama/Llama-3.1-8B-Instruct@main",
+                credentials_secret="hf-token",
+            ),
+        ),
+        (
+            {"uri": "s3://weights/org/qwen3-8b/", "cache": {"claimName": "model-cache"}},
+            ModelSpec(
+                source="uri",
+                served_name="qwen3-8b",
+                uri="s3://weights/org/qwen3-8b/",
+                cache=ModelCache(claim_name="model-cache"),
+            ),
+        ),
+        (
+            {"uri": "gs://bucket/m", "cache": {"sizeLimit": "40Gi"}, "servedName": "m1"},
+            ModelSpec(
+                source="uri", served_name="m1", uri="gs://bucket/m", cache=ModelCache(size_limit="40Gi")
+            ),
+        ),
+        (
+            {"uri": "https://host/a/llama-57m.tar.gz#sha256=" + "0" * 64},
+            ModelSpec(
+                source="uri",
+                served_name="llama-57m",
+                uri="https://host/a/llama-57m.tar.gz#sha256=" + "0" * 64,
+            ),
+        ),
+        (
+            {"uri": "pvc://models/org/llama"},
+            ModelSpec(source="pvc", served_name="llama", claim_name="models", path="org/llama"),
+        ),
+    ],
+)
+def test_model_uris(model: dict[str, Any], expected: ModelSpec) -> None:
+    assert parse({"model": model}).model == expected
+    assert schema_errors(inference_service("svc", {"model": model})) == []
+
+
+def test_the_image_follows_the_device_unless_given() -> None:
+    cpu = parse({"model": {"preset": "tiny"}})
+    gpu = parse({"model": {"preset": "tiny"}, "resources": {"gpu": 1}})
+    given = parse({"model": {"preset": "tiny"}, "resources": {"gpu": 1}, "image": "reg/cw:2"})
+    assert (cpu.image, cpu.router.image) == ("chunkwise/runtime:0.1.0", "chunkwise/runtime:0.1.0")
+    # The router never needs CUDA: it keeps the CPU build unless an image is named.
+    assert (gpu.image, gpu.router.image) == ("chunkwise/runtime:0.1.0-cuda", "chunkwise/runtime:0.1.0")
+    assert (given.image, given.router.image) == ("reg/cw:2", "reg/cw:2")
+
+
+def test_zero_replicas_floor_is_allowed_when_delegated() -> None:
+    data = with_(MINIMAL, autoscaling={"enabled": True, "delegated": True, "minReplicas": 0})
+    assert parse(data).autoscaling.min_replicas == 0
+    assert schema_errors(inference_service("svc", data)) == []
+
+
+def test_pod_overrides_pass_through() -> None:
+    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}}}
+    data = with_(
+        MINIMAL,
+        pod={
+            "imagePullSecrets": [{"name": "regcred"}],
+            "serviceAccountName": "llm",
+            "priorityClassName": "serving-high",
+            "affinity": affinity,
+            "topologySpreadConstraints": [
+                {"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule"}
+            ],
+            "volumes": [{"name": "scratch", "emptyDir": {}}],
+            "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}],
+            "shmSize": "8Gi",
+        },
+        engine={"extraArgs": ["--max-model-len", "8192"], "dtype": "bfloat16"},
+    )
+    parsed = parse(data)
+    assert parsed.pod.image_pull_secrets == ("regcred",)
+    assert (parsed.pod.service_account_name, parsed.pod.priority_class_name) == ("llm", "serving-high")
+    assert dict(parsed.pod.affinity or {}) == affinity
+    assert [dict(v) for v in parsed.pod.volumes] == [{"name": "scratch", "emptyDir": {}}]
+    assert parsed.pod.shm_size == "8Gi"
+    assert parsed.engine.extra_args == ("--max-model-len", "8192")
+    assert parsed.engine.dtype == "bfloat16"
+    assert schema_errors(inference_service("svc", data)) == []
+
+
+# (spec, reason, message, whether the API server rejects it too: the CRD's schema or one of its CEL rules).
+# The ones it accepts are the checks only the operator makes.
 INVALID = [
     (
         with_(MINIMAL, autoscaling={"minReplicas": 5, "maxReplicas": 2}),
         "InvalidAutoscaling",
         "spec.autoscaling.minReplicas (5) must not exceed spec.autoscaling.maxReplicas (2)",
+        True,
+    ),
+    (
+        with_(MINIMAL, autoscaling={"enabled": True, "minReplicas": 0}),
+        "InvalidAutoscaling",
+        "spec.autoscaling.minReplicas 0 needs spec.autoscaling.delegated: true (an HPA or KEDA that can scale "
+        "from zero); the built-in autoscaler has no metrics at 0 replicas and would never scale back up",
+        True,
+    ),
+    (
+        with_(MINIMAL, resources={"gpu": -3}),
+        "InvalidResources",
+        "spec.resources.gpu must be an integer in [0, 16], got -3",
+        True,
+    ),
+    (
+        with_(MINIMAL, resources={"memory": "8Gi"}, engine={"kvCacheMemory": "8Gi"}),
+        "InsufficientMemory",
+        f"spec.engine.kvCacheMemory ({8 * 2**30} bytes) does not fit in spec.resources.memory (8Gi = "
+        f"{8 * 2**30} bytes), which must also hold the weights; raise the memory or lower the cache",
+        False,
+    ),
+    (
+        with_(MINIMAL, model={"uri": "ftp://host/model.tar"}),
+        "InvalidModelSource",
+        "spec.model.uri must start with one of hf://, s3://, gs://, http://, https://, pvc://; "
+        "got 'ftp://host/model.tar'",
+        True,
+    ),
+    (
+        with_(MINIMAL, model={"uri": "hf://just-a-name"}),
+        "InvalidModelSource",
+        "spec.model.uri 'hf://just-a-name' must be hf://org/name or hf://org/name@revision",
+        False,
+    ),
+    (
+        with_(MINIMAL, model={"uri": "https://host/?id=7"}),
+        "InvalidModelSource",
+        "give spec.model.servedName: 'https://host/?id=7' has no usable base name",
+        False,
+    ),
+    (
+        with_(MINIMAL, model={"uri": "pvc://models/../etc"}),
+        "InvalidModelSource",
+        "spec.model.uri's path must be relative to the claim's root, without '..'; got '../etc'",
+        False,
+    ),
+    (
+        with_(MINIMAL, model={"preset": "tiny", "credentialsSecret": "hf"}),
+        "InvalidModelSource",
+        "spec.model.credentialsSecret applies only to a fetched spec.model.uri",
+        True,
+    ),
+    (
+        with_(MINIMAL, model={"uri": "pvc://models/llama", "cache": {"claimName": "c"}}),
+        "InvalidModelSource",
+        "spec.model.cache applies only to a fetched spec.model.uri",
+        True,
+    ),
+    (
+        with_(MINIMAL, engine={"extraArgs": ["--max-model-len", "8192", "--block-size=32"]}),
+        "InvalidEngine",
+        "spec.engine.extraArgs[2] --block-size is what spec.engine.blockSize sets; use that field instead",
+        False,
+    ),
+    (
+        with_(MINIMAL, engine={"extraArgs": ["8192"]}),
+        "InvalidEngine",
+        "spec.engine.extraArgs must start with a flag, got '8192'",
+        False,
+    ),
+    (
+        with_(MINIMAL, engine={"dtype": "int4"}),
+        "InvalidEngine",
+        "spec.engine.dtype must be one of auto, float32, bfloat16, float16; got 'int4'",
+        True,
+    ),
+    (
+        with_(MINIMAL, pod={"volumes": [{"name": "dshm", "emptyDir": {}}]}),
+        "InvalidPodOverrides",
+        "spec.pod.volumes[0].name 'dshm' is taken (reserved: ('model', 'model-cache', 'dshm'))",
+        False,
+    ),
+    (
+        with_(
+            MINIMAL,
+            pod={
+                "volumes": [{"name": "x", "emptyDir": {}}],
+                "volumeMounts": [{"name": "x", "mountPath": "/dev/shm"}],
+            },
+        ),
+        "InvalidPodOverrides",
+        "spec.pod.volumeMounts[0].mountPath '/dev/shm' is under one the operator mounts",
         False,
     ),
     (
@@ -229,13 +416,13 @@ INVALID = [
     (
         with_(MINIMAL, model={"preset": "tiny", "path": "/m"}),
         "InvalidModelSource",
-        "spec.model must give exactly one of preset, pvc or path; got preset, path",
+        "spec.model must give exactly one of preset, pvc, path or uri; got preset, path",
         True,
     ),
     (
         with_(MINIMAL, model={"servedName": "x"}),
         "InvalidModelSource",
-        "spec.model must give exactly one of preset, pvc or path; got none",
+        "spec.model must give exactly one of preset, pvc, path or uri; got none",
         True,
     ),
     (
@@ -255,12 +442,6 @@ INVALID = [
         "InvalidModelSource",
         "spec.model.pvc.path must be relative to the claim's root, without '..'; got 'a/../../etc'",
         False,
-    ),
-    (
-        {"model": {"preset": "tiny"}},
-        "InvalidImage",
-        "spec.image is required: the chunkwise runtime image to run",
-        True,
     ),
     (
         with_(MINIMAL, replicas=-1),
@@ -385,3 +566,35 @@ def test_examples_are_valid_specs() -> None:
     for path in sorted((ROOT / "manifests" / "examples").glob("*service.yaml")):
         obj = yaml.safe_load(path.read_text())
         assert isinstance(parse(obj["spec"]), ServiceSpec), path
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "hf://meta-llama/Llama-3.1-8B-Instruct",
+        "hf://Qwen/Qwen3-8B@a1b2c3",
+        "s3://weights/org/qwen3-8b/",
+        "gs://bucket/m",
+        "https://host/a/llama-57m.tar.gz#sha256=" + "0" * 64,
+        "http://10.0.0.1:8080/m.zip",
+    ],
+)
+def test_a_uri_the_operator_accepts_is_one_the_fetcher_parses(uri: str) -> None:
+    """The operator checks the shape at admission; `chunkwise fetch-model` in the init container must agree."""
+    from chunkwise.fetch.uri import parse_uri
+
+    assert parse({"model": {"uri": uri}}).model.uri == uri
+    parse_uri(uri)
+
+
+@pytest.mark.parametrize(
+    "uri", ["hf://onlyorg", "s3://", "ftp://host/m.tar", "gs:///prefix", "https:///m.tar"]
+)
+def test_a_uri_the_fetcher_refuses_is_refused_at_admission(uri: str) -> None:
+    from chunkwise.fetch.errors import UsageError
+    from chunkwise.fetch.uri import parse_uri
+
+    with pytest.raises(UsageError):
+        parse_uri(uri)
+    with pytest.raises(SpecError):
+        parse({"model": {"uri": uri}})

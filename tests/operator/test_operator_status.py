@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from chunkwise_operator import status
 from chunkwise_operator.spec import SpecError, parse
 from chunkwise_operator.status import (
     KEEP,
@@ -291,3 +292,75 @@ def test_status_patch() -> None:
     }
     # Keys it does not manage are never touched, and managed keys that vanish are removed.
     assert status_patch(old, {"conditions": [{"type": "Ready"}]}) == {"replicas": None, "autoscaler": None}
+
+
+def _pod(name: str, key: str, container: dict[str, Any]) -> dict[str, Any]:
+    return {"metadata": {"name": name}, "status": {key: [container]}}
+
+
+def test_pod_failure_names_the_container_and_its_last_words() -> None:
+    fetch = _pod(
+        "svc-1",
+        "initContainerStatuses",
+        {
+            "name": "fetch-model",
+            "restartCount": 1,
+            "state": {
+                "terminated": {"exitCode": 1, "message": "error: 401 Unauthorized from\nhuggingface.co"}
+            },
+        },
+    )
+    assert status.pod_failure([fetch]) == status.Failure(
+        "ModelFetchFailed",
+        "pod svc-1: container fetch-model exited with code 1 (1 restarts): error: 401 Unauthorized from huggingface.co",
+    )
+    crash = _pod(
+        "svc-2",
+        "containerStatuses",
+        {
+            "name": "engine",
+            "restartCount": 2,
+            "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+            "lastState": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}},
+        },
+    )
+    assert status.pod_failure([crash]) == status.Failure(
+        "EngineFailing", "pod svc-2: container engine exited with code 137 (2 restarts): OOMKilled"
+    )
+    long = _pod(
+        "svc-3",
+        "containerStatuses",
+        {"name": "engine", "state": {"terminated": {"exitCode": 2, "message": "x" * 2000}}},
+    )
+    failure = status.pod_failure([long])
+    assert failure is not None and failure.reason == "EngineArgsRejected"
+    assert failure.message.endswith("..." + "x" * 512)
+
+
+def test_pods_that_run_or_finished_cleanly_are_no_failure() -> None:
+    recovered = _pod(
+        "a",
+        "containerStatuses",
+        {"name": "engine", "state": {"running": {}}, "lastState": {"terminated": {"exitCode": 1}}},
+    )
+    fetched = _pod(
+        "b", "initContainerStatuses", {"name": "fetch-model", "state": {"terminated": {"exitCode": 0}}}
+    )
+    assert status.pod_failure([recovered, fetched, {"metadata": {"name": "c"}}]) is None
+
+
+def test_a_crashing_pod_is_degraded_and_not_ready() -> None:
+    parsed = parse({"model": {"preset": "tiny"}})
+    crash = _pod(
+        "svc-9",
+        "containerStatuses",
+        {"name": "engine", "state": {"terminated": {"exitCode": 2, "message": "bad flag"}}},
+    )
+    result = status.compute_status(
+        name="svc", namespace="ml", parsed=parsed, runtime=None, router=None, previous={},
+        now="2030-01-01T00:00:00Z", generation=1, failure=None, pods=[crash],
+    )  # fmt: skip
+    by_type = {c["type"]: c for c in result["conditions"]}
+    assert (by_type["Degraded"]["status"], by_type["Degraded"]["reason"]) == ("True", "EngineArgsRejected")
+    assert (by_type["Ready"]["status"], by_type["Ready"]["reason"]) == ("False", "EngineArgsRejected")
+    assert "bad flag" in by_type["Ready"]["message"]

@@ -108,7 +108,7 @@ def test_crd_contract() -> None:
     assert columns["Model"] == ".status.model"
     assert columns["Age"] == ".metadata.creationTimestamp"
     spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    assert spec["required"] == ["model", "image"]
+    assert spec["required"] == ["model"]
     assert spec["properties"]["engine"]["properties"]["preemptionMode"]["enum"] == [
         "auto",
         "swap",

@@ -1,0 +1,99 @@
+"""`chunkwise operator render`: the real command, on the shipped examples and on bad specs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import yaml
+from operator_harness import ROOT
+
+from chunkwise_operator import manifests
+from chunkwise_operator.spec import parse
+
+GPU_EXAMPLE = ROOT / "manifests" / "examples" / "gpu-service.yaml"
+CLI = [sys.executable, "-c", "import sys; from chunkwise.cli import main; sys.exit(main())"]
+
+
+def render(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CLI, "operator", "render", *args], input=stdin, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_the_gpu_example_renders_what_reconcile_applies() -> None:
+    result = render("-f", str(GPU_EXAMPLE))
+    assert result.returncode == 0, result.stderr
+    objects = list(yaml.safe_load_all(result.stdout))
+    (doc,) = yaml.safe_load_all(GPU_EXAMPLE.read_text())
+    assert objects == manifests.children("llama", "default", parse(doc["spec"]))
+    for obj in objects:
+        kubernetes_validate.validate(obj, "1.30.0", strict=True)
+    runtime = objects[0]["spec"]["template"]["spec"]
+    (engine,) = runtime["containers"]
+    (fetch,) = runtime["initContainers"]
+    args = engine["args"]
+    assert args[:1] == ["serve"]
+    assert args[args.index("--device") + 1] == "cuda"
+    assert args[args.index("--dtype") + 1] in ("auto", "bfloat16")
+    assert engine["image"].endswith("-cuda")
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    model_dir = args[args.index("--model") + 1]
+    assert fetch["args"] == ["fetch-model", "hf://meta-llama/Llama-3.1-8B-Instruct", model_dir]
+    mounted = {m["name"]: m["mountPath"] for m in engine["volumeMounts"]}
+    assert model_dir.startswith(mounted[fetch["volumeMounts"][0]["name"]] + "/")
+
+
+def test_namespace_override_and_other_kinds_skipped(tmp_path: Path) -> None:
+    docs: list[dict[str, Any]] = [
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"}},
+        {
+            "apiVersion": "serving.chunkwise.dev/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": "tiny", "namespace": "a"},
+            "spec": {"model": {"preset": "tiny"}},
+        },
+    ]
+    result = render("-f", "-", "-n", "ml", stdin=yaml.safe_dump_all(docs))
+    assert result.returncode == 0, result.stderr
+    objects = list(yaml.safe_load_all(result.stdout))
+    assert [(o["kind"], o["metadata"]["namespace"]) for o in objects] == [
+        ("Deployment", "ml"),
+        ("Service", "ml"),
+        ("PodDisruptionBudget", "ml"),
+    ]
+    assert "ConfigMap v1 is not an InferenceService; skipped" in result.stderr
+
+
+def test_an_invalid_spec_exits_non_zero_naming_the_field(tmp_path: Path) -> None:
+    (doc,) = yaml.safe_load_all(GPU_EXAMPLE.read_text())
+    doc["spec"]["resources"]["gpu"] = -3
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(doc))
+    result = render("-f", str(bad))
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr.strip() == (
+        f"error: {bad}: document 1 (InferenceService default/llama): InvalidResources: "
+        "spec.resources.gpu must be an integer in [0, 16], got -3"
+    )
+
+
+def test_missing_file_and_no_service_are_errors(tmp_path: Path) -> None:
+    missing = render("-f", str(tmp_path / "nope.yaml"))
+    assert missing.returncode == 1 and "No such file or directory" in missing.stderr
+    empty = render("-f", "-", stdin="apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n")
+    assert empty.returncode == 1 and "error: no InferenceService in -" in empty.stderr
+
+
+def test_render_needs_neither_kopf_nor_torch() -> None:
+    code = (
+        "import sys, io; from chunkwise_operator.render import main; "
+        f"rc = main(['-f', {str(GPU_EXAMPLE)!r}], out=io.StringIO()); "
+        "assert rc == 0; assert 'kopf' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
