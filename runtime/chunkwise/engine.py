@@ -68,6 +68,8 @@ class StepStats:
     sample_seconds: float = 0.0
     update_seconds: float = 0.0
     output_seconds: float = 0.0
+    # Static batching's padding rows in this step (held slots of finished requests), on top of the real rows.
+    num_padding_rows: int = 0
 
     @property
     def host_seconds(self) -> float:
@@ -300,12 +302,26 @@ class EngineCore:
             max_model_len=self.max_model_len,
             proposer=proposer,
         )
+        fixed_transfer_s, host_copy_bytes_per_s = self._measure_swap_cost(
+            num_blocks, num_host_blocks, block_bytes
+        )
         self.cost_model = PreemptionCostModel(
             kv_bytes_per_token=per_token,
-            host_copy_bytes_per_s=self.runner.measure_host_copy_bandwidth(),
+            host_copy_bytes_per_s=host_copy_bytes_per_s,
             prefill_tokens_per_s=self._measure_prefill_rate(),
             forced=sched_cfg.preemption_mode,
+            fixed_transfer_s=fixed_transfer_s,
         )
+        if num_host_blocks:
+            log.info("preemption cost model: %s", self.cost_model.describe())
+        else:
+            log.info(
+                "preemption cost model: no swap space (swap_space_bytes %d < one block of %d bytes), every "
+                "preemption recomputes; recompute = %.0f tokens/s",
+                cache.swap_space_bytes,
+                block_bytes,
+                self.cost_model.prefill_tokens_per_s,
+            )
         self.draft_length: AdaptiveDraftLength | None = None
         if proposer is not None:
             self.step_cost = StepCostModel(*self._measure_step_cost())
@@ -405,6 +421,58 @@ class EngineCore:
             free, _ = torch.cuda.mem_get_info(device)
             return int(free * _DEFAULT_GPU_KV_FRACTION)
         return _DEFAULT_CPU_KV_BYTES
+
+    def _measure_swap_cost(
+        self,
+        num_blocks: int,
+        num_host_blocks: int,
+        block_bytes: int,
+        max_blocks: int = 16,
+        repeats: int = 5,
+        budget_s: float = 0.15,
+    ) -> tuple[float, float]:
+        """(fixed seconds per transfer, bytes/s) of swap's copies, the preemption cost model's swap constants.
+
+        Times device->host->device round trips of 1, a quarter of max_blocks and max_blocks blocks through
+        the runner's own swap path (a step with only swap_out, then one with only swap_in), the best of up to
+        `repeats` passes (fewer when a pass would overrun budget_s), and fits round trip = 2 * (fixed + bytes
+        / bandwidth) by least squares. At start-up only, while nothing is swapped: the host slots' contents
+        do not matter and the device blocks get their own bytes back."""
+        n_max = min(max_blocks, num_blocks, num_host_blocks)
+        if n_max == 0:
+            return 0.0, 1.0  # no swap space: swap never happens, recompute is the only choice
+        sizes = sorted({1, max(1, n_max // 4), n_max})
+        sync = torch.cuda.synchronize if self.runner.device.type == "cuda" else (lambda: None)
+
+        def round_trip(n: int) -> float:
+            pairs = [(i, i) for i in range(n)]
+            out = SchedulerOutput(scheduled=[], num_batched_tokens=0, swap_out=pairs)
+            back = SchedulerOutput(scheduled=[], num_batched_tokens=0, swap_in=pairs)
+            sync()
+            t0 = time.perf_counter()
+            self.runner.execute(out)
+            self.runner.execute(back)
+            sync()
+            return time.perf_counter() - t0
+
+        deadline = time.perf_counter() + budget_s
+        round_trip(1)  # warm-up: first-call overheads
+        best = dict.fromkeys(sizes, float("inf"))
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for n in sizes:
+                best[n] = min(best[n], round_trip(n))
+            now = time.perf_counter()
+            if now + (now - t0) > deadline:
+                break
+        xs = [float(n * block_bytes) for n in sizes]
+        ys = [best[n] / 2 for n in sizes]  # one transfer
+        if len(sizes) == 1:
+            return 0.0, xs[0] / max(ys[0], 1e-9)
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        slope = max(slope, 1e-15)  # seconds per byte: no faster than 1 PB/s, whatever the noise says
+        return max(my - slope * mx, 0.0), 1 / slope
 
     def _measure_prefill_rate(self, num_tokens: int = 128) -> float:
         """Tokens/s of one prefill, the starting point of the preemption cost model's recompute rate."""
@@ -535,6 +603,7 @@ class EngineCore:
             + (t2 - t1 - result.prepare_seconds - result.forward_seconds - result.sample_seconds),
             sample_seconds=result.sample_seconds,
             update_seconds=t3 - t2,
+            num_padding_rows=len(so.padding_positions),
         )
         return updates
 

@@ -136,6 +136,12 @@ class _SchedulerCollector(Collector):
         modes.add_metric([self.model_name, "recompute"], recompute)
         yield modes
         yield counter(
+            "chunkwise:preemption_fallbacks_total",
+            "Preemptions that chose swap but recomputed, the host swap space being full (raise "
+            "--swap-space-bytes).",
+            s.num_preemption_fallbacks,
+        )
+        yield counter(
             "vllm:prefix_cache_queries_total",
             "Prompt tokens looked up in the prefix cache.",
             s.prefix_cache_queries,

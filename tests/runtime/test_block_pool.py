@@ -74,6 +74,7 @@ def test_prefix_lookup_leaves_one_token_to_compute():
     a = make_req("a", list(range(8)))
     assert kv.allocate(a, 8)
     assert kv.block_tables["a"] == [0, 1]
+    a.num_computed_tokens = 8  # the step ran: both blocks hold their KV
     kv.free(a)
     b = make_req("b", list(range(8)))  # identical 8 tokens: only the first block may be a hit
     assert kv.lookup_prefix(b) == [0]
@@ -104,4 +105,16 @@ def test_swap_round_trip_keeps_block_count():
     assert [h for h, _ in back] == [0, 1] and len(kv.block_tables["a"]) == 2
     kv.forget(a)
     assert kv.num_free_blocks == 4 and kv.swap_space.num_free == 2
+    kv.pool.check_invariants()
+
+
+def test_blocks_of_a_request_that_gave_way_before_its_step_are_not_cached():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = make_req("a", list(range(12)))
+    assert kv.allocate(a, 8)  # blocks 0 and 1 registered at allocation
+    a.num_computed_tokens = 8  # that step ran
+    assert kv.allocate(a, 4)  # block 2 registered for the next step ...
+    kv.free(a)  # ... which a leaves (preempted) before it runs
+    c = make_req("c", [*range(12), 99])
+    assert kv.lookup_prefix(c) == [0, 1]  # the written blocks stay cached; the unwritten one is withdrawn
     kv.pool.check_invariants()

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from chunkwise import LLM, SamplingParams
 from chunkwise.config import engine_config_from_kwargs
 from chunkwise.engine import AsyncEngine, EngineCore
+from chunkwise.worker.cuda_graphs import bucket_sizes
 
 
 @pytest.fixture(scope="module")
@@ -298,3 +299,128 @@ def test_a_reused_decode_sampling_batch_samples_as_a_fresh_one(monkeypatch: pyte
     assert reused > 0  # the steady state did reuse batches
     alone = [llm.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
     assert together == alone
+
+
+# -- static batching's padding rows --------------------------------------------------------------------------
+STATIC_PROMPTS = ["a b", "the quick brown fox", "x", "jumps over the lazy dog", "q r s"]
+STATIC_LENGTHS = [3, 17, 1, 9, 5]
+
+
+def _run_one_batch(
+    batching: str,
+    prompts: list[str],
+    lengths: list[int],
+    *,
+    attention_backend: str = "torch",
+    bucketed: bool = False,
+    budget: int = 64,
+) -> dict[str, object]:
+    """One batch (every request admitted in the first step) on a fresh fp32 engine, watched step by step."""
+    engine = EngineCore(
+        engine_config_from_kwargs(
+            "tiny",
+            dtype="float32",
+            batching=batching,
+            attention_backend=attention_backend,
+            max_num_seqs=8,
+            max_num_batched_tokens=budget,
+            block_size=4,
+            max_model_len=128,
+        )
+    )
+    runner = engine.runner
+    if bucketed:
+        runner.use_decode_graphs(bucket_sizes(8), capture=False)
+    forward_rows: list[int] = []  # rows each forward computed (unbucketed: real + padding)
+    forward = runner.model.forward
+
+    def counted(input_ids, positions, kv_caches, meta, plan=None):  # type: ignore[no-untyped-def]
+        forward_rows.append(meta.num_reqs)
+        return forward(input_ids, positions, kv_caches, meta, plan)
+
+    runner.model.forward = counted  # type: ignore[method-assign]
+    padding_blocks: set[int] = set()  # the cache blocks padding rows wrote into
+    fill = runner.inputs.fill
+
+    def watched_fill(rows, padding=()):  # type: ignore[no-untyped-def]
+        step = fill(rows, padding) if padding else fill(rows)
+        if padding:
+            padding_blocks.update((step.meta.slot_mapping[-len(padding) :] // 4).tolist())
+        return step
+
+    runner.inputs.fill = watched_fill  # type: ignore[method-assign]
+    free = engine.kv.num_free_blocks
+    for i, (p, n) in enumerate(zip(prompts, lengths)):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    finished_at: dict[str, int] = {}
+    steps = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.outputs[0].token_ids)
+            if out.finished:
+                finished_at[out.request_id] = len(steps) + 1
+                # Its output is out and its KV blocks are back in the pool at once: only its slot is held.
+                assert out.request_id not in engine.kv.block_tables
+        steps.append(engine.last_step)
+        assert len(steps) < 200
+    return {
+        "tokens": [tokens[str(i)] for i in range(len(prompts))],
+        "finished_at": [finished_at[str(i)] for i in range(len(prompts))],
+        "forward_rows": forward_rows,
+        "padding_rows": [getattr(s, "num_padding_rows", 0) for s in steps],
+        "steps": steps,
+        "padding_blocks": padding_blocks,
+        "sink": runner.sink_block,
+        "free_before_after": (free, engine.kv.num_free_blocks),
+        "stats": engine.stats,
+    }
+
+
+@pytest.mark.parametrize(("attention_backend", "bucketed"), [("torch", False), ("cpu", False), ("cpu", True)])
+def test_static_batch_computes_a_padding_row_per_finished_request_and_changes_no_token(
+    attention_backend: str, bucketed: bool
+) -> None:
+    cont = _run_one_batch("continuous", STATIC_PROMPTS, STATIC_LENGTHS, attention_backend=attention_backend)
+    static = _run_one_batch(
+        "static", STATIC_PROMPTS, STATIC_LENGTHS, attention_backend=attention_backend, bucketed=bucketed
+    )
+    n, longest = len(STATIC_LENGTHS), max(STATIC_LENGTHS)
+    # Padding must not perturb the real rows: token for token what continuous batching gives (greedy, fp32).
+    assert static["tokens"] == cont["tokens"]
+    assert [len(t) for t in static["tokens"]] == STATIC_LENGTHS  # type: ignore[union-attr]
+    # A finished request's output still streams in the step it finishes.
+    assert static["finished_at"] == cont["finished_at"] == STATIC_LENGTHS
+    if not bucketed:
+        # Every forward of the batch computes all of its rows, real + padding, until the longest completes.
+        assert static["forward_rows"] == [n] * longest
+        assert cont["forward_rows"] == [sum(1 for ln in STATIC_LENGTHS if ln > s) for s in range(longest)]
+    # One padding row per finished request per later step: n * max - sum, the seed's (1 - U) of the batch.
+    assert static["padding_rows"] == [sum(1 for ln in STATIC_LENGTHS if ln <= s) for s in range(longest)]
+    stats = static["stats"]
+    assert stats.num_padding_rows == n * longest - sum(STATIC_LENGTHS)  # type: ignore[attr-defined]
+    assert stats.num_rows == sum(STATIC_LENGTHS)  # type: ignore[attr-defined]
+    # Padding KV goes into the sink block only (no request's block), and no block is leaked.
+    assert static["padding_blocks"] == {static["sink"]}
+    free, after = static["free_before_after"]  # type: ignore[misc]
+    assert after == free
+    # Continuous batching never computes padding.
+    assert cont["stats"].num_padding_rows == 0  # type: ignore[attr-defined]
+    assert set(cont["padding_rows"]) == {0}  # type: ignore[arg-type]
+    assert cont["padding_blocks"] == set()
+
+
+def test_static_padding_rows_ride_along_prefill_chunks_and_change_no_token() -> None:
+    # A small budget: the short request finishes with its first token while the long prompt still chunks, so
+    # its padding row shares steps with a prefill chunk that samples nothing, and then with the one that does.
+    prompts = ["x", "a long prompt that takes several chunks of sixteen tokens to prefill", "ab"]
+    lengths = [1, 6, 3]
+    cont = _run_one_batch("continuous", prompts, lengths, budget=16)
+    static = _run_one_batch("static", prompts, lengths, budget=16)
+    assert static["tokens"] == cont["tokens"]
+    steps, padding = static["steps"], static["padding_rows"]
+    assert any(s.num_prefill_tokens and p for s, p in zip(steps, padding))  # type: ignore[call-overload]
+    assert static["padding_blocks"] == {static["sink"]}
+    free, after = static["free_before_after"]  # type: ignore[misc]
+    assert after == free
+    assert cont["stats"].num_padding_rows == 0  # type: ignore[attr-defined]

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from chunkwise.worker.inputs import InputBatch, Row, build_batch
+from chunkwise.worker.inputs import PADDING_TOKEN, InputBatch, Row, build_batch
 
 
 def assert_same_step(batch: InputBatch, rows: list[Row], block_size: int) -> None:
@@ -32,6 +32,33 @@ def test_slots_and_positions_of_a_mixed_step():
     assert step.meta.slot_mapping.tolist() == [38, 39, 16, 34, 28, 29]
     assert step.meta.block_tables.tolist() == [[9, 4], [3, 8], [7, 0]]
     assert step.meta.seq_lens.tolist() == [5, 7, 2]
+
+
+@pytest.mark.parametrize("keyed", [True, False])
+def test_padding_rows_decode_into_the_sink_block_after_the_real_rows(keyed: bool):
+    rows = [Row([5, 6, 7], 2, [9, 4], "a" if keyed else None), Row([1], 6, [3, 8], "b" if keyed else None)]
+    batch = InputBatch(
+        max_num_tokens=4,
+        max_num_reqs=2,
+        max_blocks_per_req=4,
+        block_size=4,
+        device=torch.device("cpu"),
+        sink_block=11,
+    )
+    step = batch.fill(rows, (9, 1))  # two padding rows, at positions 9 and 1: the buffers grow to hold them
+    assert step.input_ids.tolist() == [5, 6, 7, 1, PADDING_TOKEN, PADDING_TOKEN]
+    assert step.positions.tolist() == [2, 3, 4, 6, 9, 1]
+    # The real rows' slots as without padding; a padding row's only ever in the sink block (11 * 4 + p % 4).
+    assert step.meta.slot_mapping.tolist() == [38, 39, 16, 34, 45, 45]
+    assert step.meta.block_tables.tolist() == [[9, 4, 0], [3, 8, 0], [11, 11, 11], [11, 11, 11]]
+    assert step.meta.seq_lens.tolist() == [5, 7, 10, 2]
+    assert step.meta.query_lens_host == [3, 1, 1, 1]
+    # The next step without padding is exactly the plain fill of its rows.
+    assert_same_step(batch, rows, 4)
+    with pytest.raises(ValueError, match="sink block"):
+        InputBatch(
+            max_num_tokens=4, max_num_reqs=2, max_blocks_per_req=4, block_size=4, device=torch.device("cpu")
+        ).fill(rows, (3,))
 
 
 def test_persistent_tables_follow_growth_replacement_and_departures():

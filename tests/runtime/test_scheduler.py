@@ -98,10 +98,72 @@ def test_static_batching_waits_for_the_whole_batch():
     s.add_request(make_req("short", 4, 1))
     s.add_request(make_req("long", 4, 3))
     s.add_request(make_req("next", 4, 1))
-    assert plan(run_step(s)) == {"short": 4, "long": 4}
-    assert plan(run_step(s)) == {"long": 1}
-    assert plan(run_step(s)) == {"long": 1}
-    assert plan(run_step(s)) == {"next": 4}
+    outs = [run_step(s) for _ in range(4)]
+    assert [plan(o) for o in outs] == [{"short": 4, "long": 4}, {"long": 1}, {"long": 1}, {"next": 4}]
+    # short's slot is held, computing padding, until long completes; the next batch starts unpadded.
+    assert [o.padding_positions for o in outs] == [(), (4,), (5,), ()]
+
+
+def test_static_batch_holds_finished_slots_as_padding_rows_until_the_longest_completes():
+    s = make_sched(max_num_seqs=4, batching="static")
+    free = s.kv.num_free_blocks
+    lengths = {"a": 1, "b": 2, "c": 3, "d": 5}
+    for rid, n in lengths.items():
+        s.add_request(make_req(rid, 4, n))
+    s.add_request(make_req("next", 4, 2))
+    outs = [run_step(s) for _ in range(5)]
+    # Every step of the batch has its four rows, real + padding, until d (the longest) completes.
+    assert [len(o.scheduled) + len(o.padding_positions) for o in outs] == [4, 4, 4, 4, 4]
+    assert [sorted(plan(o)) for o in outs] == [
+        ["a", "b", "c", "d"],
+        ["b", "c", "d"],
+        ["c", "d"],
+        ["d"],
+        ["d"],
+    ]
+    # A padding row continues its request where it stopped, in step with the batch's real decode rows.
+    assert [o.padding_positions for o in outs] == [(), (4,), (5, 5), (6, 6, 6), (7, 7, 7)]
+    assert [o.scheduled[-1].start_pos for o in outs[1:]] == [4, 5, 6, 7]
+    # A finished request left at once (its output was returned and its blocks freed); only its slot is held.
+    assert not {"a", "b", "c", "d"} & (set(s.requests) | set(s.kv.block_tables))
+    assert s.kv.num_free_blocks == free
+    nxt = run_step(s)
+    assert plan(nxt) == {"next": 4} and nxt.padding_positions == ()
+    assert run_step(s).padding_positions == ()
+    assert not s.has_unfinished() and s.kv.num_free_blocks == free
+    # Padding rows = n * max l - sum(l): the batch's padding share is the seed's 1 - U, U = sum(l) / (n * max l).
+    assert s.stats.num_padding_rows == 4 * 5 - sum(lengths.values()) == 9
+    assert s.stats.num_rows == sum(lengths.values()) + 2
+
+
+def test_continuous_batching_never_computes_padding_rows():
+    s = make_sched(max_num_seqs=4)
+    for rid, n in {"a": 1, "b": 2, "c": 3, "d": 5, "next": 2}.items():
+        s.add_request(make_req(rid, 4, n))
+    outs = []
+    while s.has_unfinished():
+        outs.append(run_step(s))
+    assert all(o.padding_positions == () for o in outs)
+    assert [len(o.scheduled) for o in outs[:2]] == [4, 4]  # next takes a's slot at once
+    assert s.stats.num_padding_rows == 0 and s.stats.num_rows == 13
+
+
+def test_static_batch_holds_an_aborted_requests_slot_and_drops_it_with_the_batch():
+    s = make_sched(max_num_seqs=3, batching="static", max_model_len=16)
+    s.add_request(make_req("a", 12, 4))
+    s.add_request(make_req("b", 4, 10))
+    s.add_request(make_req("c", 4, 12))
+    s.add_request(make_req("next", 4, 1))
+    run_step(s)
+    s.abort(["a"])
+    # Padding continues past a's last position but never past max_model_len - 1, however long the batch runs.
+    assert [run_step(s).padding_positions for _ in range(5)] == [(12,), (13,), (14,), (15,), (15,)]
+    s.abort(["b"])
+    assert [run_step(s).padding_positions for _ in range(2)] == [(15, 9), (15, 10)]
+    s.abort(["c"])  # the last of the batch: its held slots go with it
+    assert s.batching.num_held == 0  # type: ignore[union-attr]
+    out = run_step(s)
+    assert plan(out) == {"next": 4} and out.padding_positions == ()
 
 
 def test_static_batch_forms_whole_even_when_the_first_step_budget_is_short():
@@ -195,9 +257,9 @@ def test_long_prompt_cap_lets_short_requests_pass_and_keeps_long_ones_in_order()
     # behind it is admitted into the rest of the step.
     assert plan(run_step(s)) == {"L1": 32, "s1": 8}
     assert plan(run_step(s)) == {"L1": 28}
-    # L1 has finished prefilling: L2, still ahead of everything that came later, goes next.
-    assert plan(run_step(s)) == {"L2": 32}
-    assert plan(run_step(s)) == {"L2": 28}
+    # L1 has finished prefilling: L2, still ahead of everything that came later, goes next, and with
+    # nothing else to run it takes the whole step.
+    assert plan(run_step(s)) == {"L2": 60}
     assert not s.has_unfinished()
 
 
@@ -316,3 +378,103 @@ def test_estimate_is_taken_at_admission_not_arrival():
         run_step(s)
     run_step(s)
     assert late.status == RequestStatus.RUNNING and late.output_length_estimate == 10
+
+
+def test_victim_policy_counts_preemptions_rather_than_flagging_them():
+    def r(rid: str, arrival: float, count: int) -> Request:
+        req = make_req(rid, 1, 1)
+        req.arrival_time, req.preempt_count = arrival, count
+        return req
+
+    # Both were preempted before; the one preempted less often gives way, although it is older.
+    once, twice = r("once", 2, 1), r("twice", 3, 2)
+    assert VictimPolicy().victim([r("old", 1, 0), once, twice]).request_id == "once"
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    arrivals=st.lists(
+        st.tuples(st.integers(0, 40), st.integers(2, 12), st.integers(4, 30)), min_size=3, max_size=14
+    ),
+    num_blocks=st.integers(11, 18),
+)
+def test_under_memory_pressure_victims_follow_the_rule_and_the_oldest_always_progresses(
+    arrivals: list[tuple[int, int, int]], num_blocks: int
+) -> None:
+    """Behaviour, not the policy object: preemptions the scheduler makes under random overload.
+
+    Each victim is the running request preempted least often so far (the newest among equals), never the
+    oldest while another runs, and every request finishes: no livelock.
+    """
+    s = make_sched(num_blocks=num_blocks, cold_start_output_tokens=0)
+    by_step: dict[int, list[tuple[int, int]]] = {}
+    for step, prompt, output in arrivals:
+        by_step.setdefault(step, []).append((prompt, output))
+    reqs: list[Request] = []
+    victims_seen = 0
+    for step in range(2000):
+        for prompt, output in by_step.get(step, []):
+            req = make_req(f"r{len(reqs)}", prompt, output, base=1 + 50 * len(reqs))
+            s.add_request(req)
+            req.output_length_estimate = 0  # under-reserve, so that memory runs out mid-decode
+            reqs.append(req)
+        before = {r.request_id: (r.preempt_count, r.arrival_time) for r in s.running}
+        oldest = min(s.running, key=lambda r: r.arrival_time).request_id if s.running else None
+        if not s.has_unfinished() and step > max(a[0] for a in arrivals):
+            break
+        run_step(s)
+        s.kv.pool.check_invariants()
+        victims = {
+            r.request_id for r in reqs if r.request_id in before and r.preempt_count > before[r.request_id][0]
+        }
+        victims_seen += len(victims)
+        for v in victims:
+            assert len(before) == 1 or v != oldest, f"the oldest running request {v} was preempted"
+            count, arrival = before[v]
+            for other, (c, a) in before.items():
+                if other in victims or other == oldest:
+                    continue
+                # Every request that stayed had been preempted at least as often, and if as often, is older.
+                assert c > count or (c == count and a < arrival), (v, other, before)
+    assert all(r.is_finished for r in reqs), "a request never finished"
+    assert s.kv.num_free_blocks == num_blocks
+
+
+def test_a_lone_long_prompt_takes_the_whole_budget_and_is_capped_only_when_others_wait():
+    s = make_sched(num_blocks=1024, max_num_batched_tokens=256, max_model_len=2048, long_prompt_threshold=512)
+    for i in range(8):
+        s.add_request(make_req(f"d{i}", 4, 200, base=100 * i))
+    run_step(s)  # the eight prompts, then they decode
+    s.add_request(make_req("long", 1500, 1, base=5000))
+    p = plan(run_step(s))
+    # Decode rows aside, nothing else wants the step: the long prompt's chunk fills it (work-conserving).
+    assert p["long"] == 256 - 8 and sum(p.values()) == 256
+    s.add_request(make_req("short", 40, 4, base=9000))
+    p = plan(run_step(s))
+    # Now another prompt competes: the long one keeps to half the budget and the short one is admitted.
+    assert p["long"] == 128 and p["short"] == 40
+
+
+def promised_blocks(s: Scheduler) -> int:
+    """Blocks reserved for running requests and not yet allocated to them."""
+    return sum(max(0, r.reserved_blocks - len(s.kv.block_tables.get(r.request_id, ()))) for r in s.running)
+
+
+def test_admission_counts_the_free_cached_blocks_a_hit_takes_off_the_free_list():
+    s = make_sched(num_blocks=10)
+    s.add_request(make_req("a", 16, 1, base=100))
+    run_step(s)  # a's four full prompt blocks stay cached, free, in the LRU
+    assert not s.has_unfinished() and s.kv.num_free_blocks == 10
+    s.add_request(make_req("c", 8, 8, base=500))  # reserves 4, takes 2 now
+    # b hits a's 4 blocks and needs 4 more: 4 <= 10 free - 2 promised, but taking the hits leaves 4 free.
+    b = Request(
+        "b", [100 + i for i in range(16)] + [900, 901, 902, 903], SamplingParams(max_tokens=12), 99.0, 12
+    )
+    s.add_request(b)
+    run_step(s)
+    assert [r.request_id for r in s.running] == ["c"]  # b waits rather than overcommit the cache
+    assert promised_blocks(s) <= s.kv.num_free_blocks
+    while s.has_unfinished():
+        run_step(s)
+        assert promised_blocks(s) <= s.kv.num_free_blocks
+    assert b.num_cached_tokens == 16 and b.num_output_tokens == 12  # admitted once c was done, with its hit

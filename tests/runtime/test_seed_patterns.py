@@ -163,14 +163,16 @@ def test_cache_hit_blindness_shared_system_prompt_is_prefilled_once():
 def test_prefix_aware_admission_prefers_reuse_when_memory_is_tight_within_a_bound():
     system = tokens(256, 3)
     sim = Sim(
-        num_blocks=40,
+        num_blocks=64,
         max_model_len=512,
         max_num_seqs=16,
         max_num_batched_tokens=512,
         cold_start_output_tokens=16,
     )
-    sim.add("warm", system + tokens(8, 1), 4)
-    sim.run()
+    # A running request holds the system prompt's blocks, so a request that shares it needs only its own
+    # suffix's (hits on free cached blocks would cost as much free space as new ones).
+    warm = sim.add("warm", system + tokens(8, 1), 100, max_tokens=100)
+    sim.step()
     hog = sim.add("hog", tokens(300, 9000), 200, max_tokens=200)  # reserves most of the cache for a while
     sim.step()
     big = sim.add("big", tokens(200, 7000), 4)  # does not fit while hog runs
@@ -180,7 +182,7 @@ def test_prefix_aware_admission_prefers_reuse_when_memory_is_tight_within_a_boun
     assert min(sim.first_token_step[r.request_id] for r in reuse) < sim.first_token_step["big"]
     # ... but only a bounded number of times.
     assert big.num_bypassed <= sim.s.reuse.max_bypass
-    assert hog.is_finished
+    assert hog.is_finished and warm.is_finished
 
 
 # -- long-prompt cap ------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ def test_every_contracted_name_is_exposed_exactly(live: LiveServer) -> None:
         "vllm:request_success_total",
         "chunkwise:admission_rejections_total",
         "vllm:prompt_tokens_total",
+        "chunkwise:preemption_fallbacks_total",
     ):
         assert counter in names
     # Step duration is a histogram fine enough for a p99: buckets from 1 ms to 5 s.

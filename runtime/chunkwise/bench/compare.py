@@ -227,8 +227,22 @@ def compare_batching(
             ),
             ratio("static/continuous mean e2e latency", results, "static", "continuous", "mean_e2el_ms"),
         ],
-        info={"useful_work_fraction": u, "max_num_seqs": max_num_seqs, "num_requests": len(items)},
+        info={
+            "useful_work_fraction": u,
+            "max_num_seqs": max_num_seqs,
+            "num_requests": len(items),
+            # Static batching computes a padding row per held slot of a finished request, as the seed's does.
+            "static_padding_share": padding_share(results["static"]),
+            "continuous_padding_share": padding_share(results["continuous"]),
+        },
     )
+
+
+def padding_share(runs: Sequence[RunResult]) -> float:
+    """Padding rows over all rows computed (real + padding), over the runs together."""
+    pad = sum(r.counters.get("num_padding_rows", 0) for r in runs)
+    real = sum(r.counters.get("num_rows", 0) for r in runs)
+    return pad / max(1, pad + real)
 
 
 # -- chunked vs unchunked prefill ---------------------------------------------------------------------------

@@ -15,6 +15,8 @@ COUNTERS = (
     "prefix_cache_hits",
     "num_preemptions_swap",
     "num_preemptions_recompute",
+    "num_rows",
+    "num_padding_rows",
 )
 
 
@@ -54,7 +56,8 @@ class RunResult:
     records: list[RequestRecord]
     steps: list[StepRecord]
     duration_s: float
-    # Counter deltas over the run: prefill/decode tokens computed, prefix-cache lookups, preemptions.
+    # Counter deltas over the run: prefill/decode tokens computed, prefix-cache lookups, preemptions, rows
+    # computed (real, and static batching's padding rows).
     counters: dict[str, int] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     # Sampled from outside when there are no step records (an HTTP server's /metrics):

@@ -87,6 +87,14 @@ class BlockPool:
         self.block_hash[block_id] = block_hash
         self._cached[block_hash] = block_id
 
+    def uncache(self, block_id: int) -> None:
+        """Withdraw a block's hash: its KV was never written (its request gave way before the step ran)."""
+        h = self.block_hash[block_id]
+        if h is not None:
+            if self._cached.get(h) == block_id:
+                del self._cached[h]
+            self.block_hash[block_id] = None
+
     def reset_cache(self) -> None:
         for h, block_id in list(self._cached.items()):
             if self.ref_cnt[block_id] == 0:

@@ -3,6 +3,10 @@
 A full block's hash covers its parent's hash, its own tokens and any extras (a cache salt), so equal hashes
 mean equal prefixes, not merely equal blocks. The hash must be the same in every process: the fleet router
 builds its per-replica prefix index with these same functions, so Python's salted hash() is not usable.
+
+A cache hit is trusted on the hash alone, so the hash is 128 bits of BLAKE2b: two different prefixes share
+one with probability about n^2 / 2^129 for n cached blocks (below 1e-20 for a billion), and finding a prefix
+that collides with another tenant's would take a second preimage of BLAKE2b, not a birthday search.
 """
 
 from __future__ import annotations
@@ -13,12 +17,13 @@ from collections.abc import Sequence
 
 BlockHash = int
 
-_ROOT = b"chunkwise-v1"
+_ROOT = b"chunkwise-v2"
+HASH_BYTES = 16
 
 
 def hash_block(parent: BlockHash | None, tokens: Sequence[int], extra: str | None = None) -> BlockHash:
-    h = hashlib.blake2b(digest_size=8)
-    h.update(_ROOT if parent is None else parent.to_bytes(8, "little"))
+    h = hashlib.blake2b(digest_size=HASH_BYTES)
+    h.update(_ROOT if parent is None else parent.to_bytes(HASH_BYTES, "little"))
     h.update(array("q", tokens).tobytes())
     if extra:
         h.update(b"\x00salt\x00" + extra.encode())

@@ -71,6 +71,11 @@ class KVCacheManager:
             hits.append(block_id)
         return hits
 
+    def num_idle(self, cached: Sequence[int]) -> int:
+        """Cache hits that sit in the free LRU: referencing them takes them off the allocatable count."""
+        ref_cnt = self.pool.ref_cnt
+        return sum(1 for b in cached if ref_cnt[b] == 0)
+
     def blocks_to_allocate(self, req: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> int:
         """New blocks req needs to hold num_new_tokens more tokens (after the cached prefix, if any)."""
         table = self.block_tables.get(req.request_id, ())
@@ -91,9 +96,7 @@ class KVCacheManager:
             self._register(req, end)
             return True
         need = self.blocks_to_allocate(req, num_new_tokens, cached)
-        # A cached block that sits in the free LRU stops being allocatable once we reference it.
-        idle_hits = sum(1 for b in cached if self.pool.ref_cnt[b] == 0)
-        if need + idle_hits > self.pool.num_free:
+        if need + self.num_idle(cached) > self.pool.num_free:
             return False
         table = self.block_tables.setdefault(req.request_id, [])
         if cached:
@@ -110,7 +113,8 @@ class KVCacheManager:
         """Put req's full blocks up to num_tokens into the prefix cache.
 
         Registering at allocation is safe: a request that hits these blocks in this same step runs in the same
-        forward pass, where every layer writes the step's keys and values before any query reads them.
+        forward pass, where every layer writes the step's keys and values before any query reads them. A
+        request that gives way before its step runs withdraws what it registered (`_withdraw_unwritten`).
         """
         if not self.enable_prefix_caching:
             return
@@ -125,11 +129,23 @@ class KVCacheManager:
             self.pool.cache(table[i], hashes[i])
         self._num_registered[rid] = full
 
+    def _withdraw_unwritten(self, req: Request, table: list[int]) -> None:
+        """Unregister req's blocks past its computed tokens: registered at this step's allocation, their KV
+        is not written, because req leaves the step (preempted or aborted) before the forward runs.
+
+        A block up to num_computed_tokens holds written KV (a cache hit included); past it, the block is
+        req's own: no other request can have hit it, since a step that preempts admits no one.
+        """
+        first = req.num_computed_tokens // self.block_size
+        for i in range(first, min(len(table), self._num_registered.get(req.request_id, 0))):
+            self.pool.uncache(table[i])
+
     def free(self, req: Request) -> None:
         """Release req's device blocks (tail first, so its tail is evicted first) and its host slots."""
         rid = req.request_id
         table = self.block_tables.pop(rid, None)
         if table:
+            self._withdraw_unwritten(req, table)
             self.pool.free(reversed(table))
         self._num_registered.pop(rid, None)
         slots = self._host_slots.pop(rid, None)
@@ -152,6 +168,7 @@ class KVCacheManager:
             return None
         copies = list(zip(table, slots))
         self.block_tables.pop(rid, None)
+        self._withdraw_unwritten(req, table)
         self._num_registered.pop(rid, None)
         self.pool.free(reversed(table))
         self._host_slots[rid] = slots

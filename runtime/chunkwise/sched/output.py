@@ -39,6 +39,10 @@ class SchedulerOutput:
     num_preempted: int = 0
     # Set by the steady-state path: every row is one token of a decode that samples (none speculating).
     decode_only: bool = False
+    # Static batching's padding rows, one per finished request whose slot the batch still holds: the position
+    # of each. The runner computes each as a one-token decode row into its sink block (a block no request
+    # owns) and discards its logits; they belong to no request and produce nothing.
+    padding_positions: tuple[int, ...] = ()
 
     @property
     def is_empty(self) -> bool:
@@ -55,6 +59,8 @@ class SchedulerStats:
     kv_usage: float = 0.0
     num_preemptions_swap: int = 0
     num_preemptions_recompute: int = 0
+    # Of the recomputes: swap chosen but the host swap space was full (counted in recompute too).
+    num_preemption_fallbacks: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up
     prefix_cache_hits: int = 0  # of which found cached
     num_prefill_tokens: int = 0  # tokens computed as prefill (recompute included)
@@ -64,3 +70,5 @@ class SchedulerStats:
     spec_num_accepted_tokens: int = 0
     spec_draft_length: int = 0  # k chosen for the last step
     num_long_prefilling: int = 0
+    num_rows: int = 0  # real rows computed (one per scheduled request per step)
+    num_padding_rows: int = 0  # static batching's padding rows computed, on top of those

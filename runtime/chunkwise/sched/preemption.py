@@ -5,18 +5,27 @@ so each preemption lowers a request's chance of the next one, and two guards mak
 oldest running request is never the victim while another exists (so it always progresses and finishes), and a
 request preempted `max_preemptions` times is passed over while any other candidate remains.
 
-Mode (cost, not habit): swap costs two host copies of the request's KV bytes; recompute costs a prefill of its
-tokens. Both grow linearly with context, with different constants, measured on this machine.
+Mode (cost, not habit): swap costs two host copies of the request's KV bytes (out now, back in on resume), each
+a fixed cost per transfer (issuing the per-layer copies, a sync) plus its bytes over the copy bandwidth;
+recompute costs a prefill of its tokens. Both grow linearly with context, but swap starts from a fixed cost
+and recompute from zero, so recompute wins below a crossover length and swap above it (the seed's "for short
+contexts recompute usually wins; for long ones swap does"). The constants are measured on this machine at
+start-up (engine.py). Recompute has no fixed term: its prefill rides in a step that runs anyway for the other
+rows, and the measured rate (whole prefill steps, tokens / seconds) already folds in a step's overhead.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 from chunkwise.request import Request
 
 Mode = Literal["swap", "recompute"]
+
+log = logging.getLogger(__name__)
 
 
 class VictimPolicy:
@@ -37,26 +46,69 @@ class PreemptionCostModel:
     """Chooses swap or recompute per victim from measured rates.
 
     kv_bytes_per_token: KV bytes one token holds over all layers.
-    host_copy_bytes_per_s: measured device<->host copy bandwidth.
+    host_copy_bytes_per_s: measured device<->host copy bandwidth (one direction's bytes over its time).
     prefill_tokens_per_s: measured prefill throughput (updated from real steps).
+    fixed_transfer_s: measured fixed cost of one transfer (one direction), whatever its size.
     """
 
     kv_bytes_per_token: int
     host_copy_bytes_per_s: float
     prefill_tokens_per_s: float
     forced: Literal["auto", "swap", "recompute"] = "auto"
+    fixed_transfer_s: float = 0.0
 
     def swap_cost_s(self, num_tokens: int) -> float:
-        return 2 * num_tokens * self.kv_bytes_per_token / self.host_copy_bytes_per_s
+        """Out now and back in on resume: two transfers."""
+        return 2 * (self.fixed_transfer_s + num_tokens * self.kv_bytes_per_token / self.host_copy_bytes_per_s)
 
     def recompute_cost_s(self, num_tokens: int) -> float:
         return num_tokens / self.prefill_tokens_per_s
+
+    def crossover_tokens(self) -> float:
+        """The context length at which swap and recompute cost the same: recompute is chosen below it, swap
+        above it. 0 when swap always wins, inf when it never does (its per-token cost is not below
+        recompute's)."""
+        per_token = 1 / self.prefill_tokens_per_s - 2 * self.kv_bytes_per_token / self.host_copy_bytes_per_s
+        if per_token <= 0:
+            return math.inf
+        return max(0.0, 2 * self.fixed_transfer_s / per_token)
 
     def mode(self, req: Request) -> Mode:
         if self.forced != "auto":
             return self.forced
         n = req.num_computed_tokens
         return "swap" if self.swap_cost_s(n) < self.recompute_cost_s(n) else "recompute"
+
+    def describe(self) -> str:
+        """The measured figures, for the start-up log."""
+        cross = self.crossover_tokens()
+        if cross == 0:
+            choice = "swap at every length"
+        elif math.isinf(cross):
+            choice = "recompute at every length"
+        else:
+            choice = f"recompute below {cross:.3g} tokens, swap above"
+        return (
+            f"swap = {self.fixed_transfer_s * 1e6:.1f} us + {self.host_copy_bytes_per_s / 1e9:.2f} GB/s per "
+            f"transfer, {self.kv_bytes_per_token} KV bytes/token; recompute = "
+            f"{self.prefill_tokens_per_s:.0f} tokens/s; auto: {choice}"
+        )
+
+    @staticmethod
+    def warn_swap_space_full(req: Request, needed: int, free: int, capacity: int) -> None:
+        """Said once per scheduler (it calls this on its first fallback): swap was chosen, the host swap space
+        could not take the request's blocks, and it is recomputed instead."""
+        log.warning(
+            "preemption: swap chosen for request %s (%d tokens, %d blocks) but the host swap space is full "
+            "(%d of %d blocks free): recomputing it instead, and any later such victim too. Raise "
+            "--swap-space-bytes (swap_space_bytes) to swap them; chunkwise:preemption_fallbacks_total counts "
+            "these fallbacks (this warning is not repeated)",
+            req.request_id,
+            req.num_computed_tokens,
+            needed,
+            free,
+            capacity,
+        )
 
     def observe_prefill(self, tokens: int, seconds: float, weight: float = 0.1) -> None:
         """Fold a measured prefill-heavy step into the rate (exponential moving average)."""

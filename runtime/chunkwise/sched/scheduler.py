@@ -57,7 +57,9 @@ class Scheduler:
             config.long_prompt_threshold,
             config.max_long_prefill_chunk,
         )
-        self.batching = StaticBatching() if config.batching == "static" else ContinuousBatching()
+        self.batching: ContinuousBatching | StaticBatching = (
+            StaticBatching(self.max_model_len) if config.batching == "static" else ContinuousBatching()
+        )
         self.victims = VictimPolicy()
         self.waiting = WaitingQueue(config.long_prompt_threshold, config.max_long_prefills)
         self.reuse = PrefixPreference(
@@ -106,6 +108,8 @@ class Scheduler:
         req.finished_time = time.monotonic()
         if prev == RequestStatus.RUNNING:
             self.running.remove(req)
+            # Static batching holds the slot (padding rows) until the batch's longest request completes.
+            self.batching.release(req, len(self.running))
         elif prev == RequestStatus.SWAPPED:
             self.swapped.remove(req)
         elif prev in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
@@ -144,6 +148,8 @@ class Scheduler:
         prefills: list[Request] = []
         for r in self.running:
             (decodes if r.num_tokens - r.num_computed_tokens == 1 else prefills).append(r)
+        # Whether a prompt other than the one being chunked could take what it leaves of the step.
+        queued = bool(self.swapped or len(self.waiting)) and self.batching.admission_open(len(self.running))
         k_step = 0
         if self.spec is not None:
             k_step = self.spec.choose(sum(1 for r in decodes if self._may_speculate(r)), budget)
@@ -158,7 +164,8 @@ class Scheduler:
                 # Never draft past max_tokens or max_model_len: the verify step may accept every draft.
                 room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
                 want += max(0, min(k_step, room))
-            n = self.budget.chunk(req, want, budget)
+            own_prefill = req.num_tokens - req.num_computed_tokens > 1
+            n = self.budget.chunk(req, want, budget, queued or len(prefills) > own_prefill)
             if n == 0:
                 continue
             while not self.kv.allocate(req, n):
@@ -243,6 +250,7 @@ class Scheduler:
             finished_req_ids=finished,
             num_prefill_tokens=num_prefill,
             decode_only=True,
+            padding_positions=self._padding(len(scheduled)),
         )
 
     def _resume_swapped(self, budget: int, num_new: dict[str, int], swap_in: list[tuple[int, int]]) -> int:
@@ -254,7 +262,10 @@ class Scheduler:
             swap_in.extend(self.kv.swap_in(req))
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            n = self.budget.chunk(req, req.num_tokens - req.num_computed_tokens, budget)
+            contended = bool(self.swapped or len(self.waiting)) or any(
+                r.is_prefilling for r in self.running if r is not req
+            )
+            n = self.budget.chunk(req, req.num_tokens - req.num_computed_tokens, budget, contended)
             if n and self.kv.allocate(req, n):
                 num_new[req.request_id] = n
                 budget -= n
@@ -266,6 +277,7 @@ class Scheduler:
             max(0, r.reserved_blocks - len(self.kv.block_tables.get(r.request_id, ()))) for r in self.running
         )
         num_long = sum(1 for r in self.running if r.is_prefilling and self.waiting.is_long(r))
+        num_prefilling = sum(1 for r in self.running if r.is_prefilling)
         blocked: Request | None = None  # the head that did not fit, while reuse-heavy requests pass it
         scanned = 0
         for req in self.waiting.candidates(num_long):
@@ -285,7 +297,8 @@ class Scheduler:
             if blocked is not None and not self.reuse.prefers(req, len(cached)):
                 continue
             need = self.admission.blocks_needed(req, len(cached))
-            if need > self.kv.num_free_blocks - outstanding:
+            # Hits on free cached blocks leave the free list when taken: they are not there for `need`.
+            if need + self.kv.num_idle(cached) > self.kv.num_free_blocks - outstanding:
                 if blocked is None and self.reuse.may_bypass(req):
                     blocked = req
                     continue
@@ -293,7 +306,8 @@ class Scheduler:
             if blocked is not None:
                 blocked.num_bypassed += 1
             num_cached_tokens = len(cached) * self.block_size
-            n = self.budget.chunk(req, req.num_tokens - num_cached_tokens, budget)
+            contended = num_prefilling > 0 or len(self.waiting) > 1
+            n = self.budget.chunk(req, req.num_tokens - num_cached_tokens, budget, contended)
             if not self.kv.allocate(req, n, cached):
                 break
             self.waiting.remove(req)
@@ -308,8 +322,10 @@ class Scheduler:
             req.reserved_blocks = need + len(cached)
             outstanding += max(0, req.reserved_blocks - len(self.kv.block_tables[req.request_id]))
             self.running.append(req)
-            if self.waiting.is_long(req) and req.is_prefilling:
-                num_long += 1
+            if req.is_prefilling:
+                num_prefilling += 1
+                if self.waiting.is_long(req):
+                    num_long += 1
             if n:
                 num_new[req.request_id] = n
                 budget -= n
@@ -326,6 +342,16 @@ class Scheduler:
             self.swapped.append(req)
             self.stats.num_preemptions_swap += 1
         else:
+            if mode == "swap":
+                # Swap was the choice but the host swap space cannot take the blocks: recompute instead.
+                self.stats.num_preemption_fallbacks += 1
+                if self.stats.num_preemption_fallbacks == 1:
+                    self.cost_model.warn_swap_space_full(
+                        req,
+                        needed=len(self.kv.block_tables.get(req.request_id, ())),
+                        free=self.kv.swap_space.num_free,
+                        capacity=self.kv.swap_space.num_host_blocks,
+                    )
             # Recompute (chosen, or swap space is full): drop the KV; prompt + output re-prefill on resume,
             # often partly from the prefix cache, since the freed blocks keep their hashes.
             self.kv.free(req)
@@ -377,7 +403,17 @@ class Scheduler:
             finished_req_ids=finished,
             num_prefill_tokens=num_prefill,
             num_preempted=num_preempted,
+            padding_positions=self._padding(len(scheduled)),
         )
+
+    def _padding(self, num_rows: int) -> tuple[int, ...]:
+        """The step's padding rows (static batching's held slots; none under continuous batching), counted
+        with its real rows. A step with no real rows computes no padding either."""
+        padding = self.batching.padding_positions() if num_rows else ()
+        stats = self.stats
+        stats.num_rows += num_rows
+        stats.num_padding_rows += len(padding)
+        return padding
 
     @staticmethod
     def _may_speculate(req: Request) -> bool:

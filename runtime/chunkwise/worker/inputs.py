@@ -18,6 +18,9 @@ import torch
 
 from chunkwise.attention.backend import AttentionMetadata
 
+# The token a padding row decodes (any valid id would do: its output is discarded).
+PADDING_TOKEN = 0
+
 
 class RowLike(Protocol):
     """What a step needs of one request (the scheduler's ScheduledRequest is one)."""
@@ -67,9 +70,12 @@ class InputBatch:
         max_blocks_per_req: int,
         block_size: int,
         device: torch.device,
+        sink_block: int | None = None,
     ) -> None:
         self.block_size = block_size
         self.device = device
+        # The cache block that padding rows write into: one no request owns (the runner's sink).
+        self.sink_block = sink_block
         self.max_blocks_per_req = max_blocks_per_req
         self._pin = device.type == "cuda"
         self._alloc_tokens(max_num_tokens)
@@ -148,23 +154,36 @@ class InputBatch:
 
     # -- one step ---------------------------------------------------------------------------------------
 
-    def fill(self, rows: Sequence[RowLike]) -> StepInputs:
-        """The step's inputs. Rows are all keyed (a req_id each: their tables persist here) or all not."""
-        n = len(rows)
-        if n == 0:
+    def fill(self, rows: Sequence[RowLike], padding: Sequence[int] = ()) -> StepInputs:
+        """The step's inputs. Rows are all keyed (a req_id each: their tables persist here) or all not.
+
+        `padding`: positions of padding rows to append after the real ones (static batching's held slots):
+        each one token (PADDING_TOKEN) at its position over a block table of nothing but the sink block, so
+        its key and value land in the sink and it attends over the sink's slots only."""
+        num_real = len(rows)
+        if num_real == 0:
             raise ValueError("a step needs at least one row")
+        num_pad = len(padding)
+        if num_pad and self.sink_block is None:
+            raise ValueError("padding rows need a sink block")
+        n = num_real + num_pad
         if n > self.max_num_reqs:
             self._alloc_reqs(max(n, 2 * self.max_num_reqs))
         # What only Python can read: tokens, lengths, start positions. Comprehensions, not an append loop:
         # at hundreds of rows this pass is most of the fill.
         starts_l = [r.start_pos for r in rows]
         lens = [len(r.token_ids) for r in rows]
+        if num_pad:
+            starts_l.extend(padding)
+            lens.extend([1] * num_pad)
         total = sum(lens)
         decode_only = total == n
         if decode_only:
             flat = [r.token_ids[0] for r in rows]
         else:
             flat = [t for r in rows for t in r.token_ids]
+        if num_pad:
+            flat.extend([PADDING_TOKEN] * num_pad)
         if total > self.max_num_tokens:
             self._alloc_tokens(max(total, 2 * self.max_num_tokens))
         bs = self.block_size
@@ -189,12 +208,14 @@ class InputBatch:
         tables = self._bt[:n, :width]
         if rows[0].req_id is not None:
             index = self._table_rows(rows)  # first: it may grow the persistent tables
-            np.take(self._tables[:, :width], index, axis=0, out=tables)
+            np.take(self._tables[:, :width], index, axis=0, out=tables[:num_real])
         else:
-            tables[:] = 0
+            tables[:num_real] = 0
             for i, r in enumerate(rows):
                 need = -(-seq_lens_host[i] // bs)
                 tables[i, :need] = r.block_table[:need]
+        if num_pad:
+            tables[num_real:] = self.sink_block
         # Every token's position and cache slot, for the whole step at once.
         if decode_only:
             np.copyto(pos[:n], starts)

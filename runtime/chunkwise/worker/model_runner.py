@@ -81,8 +81,8 @@ class ModelRunner:
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
-        # One block more than the pool hands out: the sink that padding rows of a bucketed decode step write
-        # into (worker/cuda_graphs.py).
+        # One block more than the pool hands out: the sink that padding rows write into, those of a bucketed
+        # decode step (worker/cuda_graphs.py) and static batching's held slots (SchedulerOutput).
         self.sink_block = num_blocks
         shape = kv_cache_shape(num_blocks + 1, block_size, config.num_key_value_heads, config.head_dim)
         self.kv_caches = [
@@ -104,6 +104,7 @@ class ModelRunner:
             max_blocks_per_req=-(-max_model_len // block_size),
             block_size=block_size,
             device=device,
+            sink_block=self.sink_block,
         )
         # Per-request sampling state that must persist across steps: a seeded request's generator.
         self._generators: dict[str, torch.Generator] = {}
@@ -190,12 +191,17 @@ class ModelRunner:
                 else sr
                 for sr in so.scheduled
             ]
-        step = self.inputs.fill(rows)
+        # Static batching's padding rows go after the real ones: decode rows into the sink block, computed
+        # through the logits like any decode row, and then dropped.
+        num_pad = len(so.padding_positions)
+        step = self.inputs.fill(rows, so.padding_positions)
         meta = step.meta
         scheduled = so.scheduled
         num_rows = len(scheduled)
         # Every row one token that samples (a one-token chunk mid-prompt does not), none speculating.
-        decode_only = so.decode_only or (meta.num_tokens == num_rows and all(sr.samples for sr in scheduled))
+        decode_only = so.decode_only or (
+            meta.num_tokens == num_rows + num_pad and all(sr.samples for sr in scheduled)
+        )
         if decode_only:
             sample_rows = plain = list(range(num_rows))
         else:
@@ -208,7 +214,12 @@ class ModelRunner:
             batch = self._sampling_batch(scheduled, plain)
         if plain and not decode_only:
             last = meta.query_start_loc[1:][torch.tensor(plain, dtype=torch.long, device=self.device)] - 1
-        graphed = decode_only and self.graphs is not None and self.graphs.bucket(num_rows) is not None
+            if num_pad:
+                # The padding rows' logits too (the last num_pad tokens), after the sampled rows'.
+                last = torch.cat(
+                    [last, torch.arange(meta.num_tokens - num_pad, meta.num_tokens, device=self.device)]
+                )
+        graphed = decode_only and self.graphs is not None and self.graphs.bucket(meta.num_reqs) is not None
         if not graphed:
             cfg = self.config
             plan = self.backend.plan(meta, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
@@ -225,9 +236,15 @@ class ModelRunner:
         result = None
         if plain:
             assert batch is not None
-            # A decode-only step's hidden rows are its last tokens, in row order.
-            result = self.sampler(self.model.compute_logits(hidden if decode_only else hidden[last]), batch)
+            # A decode-only step's hidden rows are its last tokens, in row order (the padding rows last).
+            logits = self.model.compute_logits(hidden if decode_only else hidden[last])
+            # Padding rows' logits are computed and discarded: only the real rows sample.
+            result = self.sampler(logits[: len(plain)] if num_pad else logits, batch)
             tokens = result.token_ids.tolist()  # the step's one host sync
+        elif num_pad:
+            # No real row samples this step (prefill chunks mid-prompt); the padding rows' decode still
+            # computes its logits, as a held slot's would.
+            self.model.compute_logits(hidden[meta.num_tokens - num_pad :])
         t2 = time.perf_counter()
         if plain:
             assert result is not None
