@@ -118,9 +118,10 @@ class SchedulerConfig:
     # most `max_long_prefills` long prompts may be prefilling at once.
     long_prompt_threshold: int = 2048
     max_long_prefills: int = 1
-    # A long prompt's chunk is capped at this many tokens per step (None: half the step budget), so the
-    # rest of the budget stays open to short requests: that is what keeps their time to first token
-    # bounded while long prompts prefill.
+    # A long prompt's chunk per step. None: half the step budget while another prompt could use the rest
+    # (what keeps short requests' time to first token bounded while long prompts prefill), the whole
+    # budget when it prefills alone beside decode rows. A number: a hard cap in every step, which also
+    # bounds the step time decode rows see.
     max_long_prefill_chunk: int | None = None
     # Prefix-aware admission: when the head of the queue does not fit, a request behind it (within
     # `prefix_lookahead`) whose prompt is at least `prefix_reuse_min_fraction` cached may go first; one

@@ -478,3 +478,15 @@ def test_admission_counts_the_free_cached_blocks_a_hit_takes_off_the_free_list()
         run_step(s)
         assert promised_blocks(s) <= s.kv.num_free_blocks
     assert b.num_cached_tokens == 16 and b.num_output_tokens == 12  # admitted once c was done, with its hit
+
+
+def test_an_explicit_long_chunk_cap_holds_even_for_a_lone_long_prompt():
+    s = make_sched(
+        num_blocks=1024,
+        max_num_batched_tokens=256,
+        max_model_len=2048,
+        long_prompt_threshold=512,
+        max_long_prefill_chunk=100,
+    )
+    s.add_request(make_req("long", 1500, 1, base=5000))
+    assert plan(run_step(s)) == {"long": 100}  # the operator's cap bounds every step's time
