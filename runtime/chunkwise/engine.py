@@ -34,9 +34,9 @@ from chunkwise.sched.output import ScheduledRequest, SchedulerOutput, SchedulerS
 from chunkwise.sched.preemption import PreemptionCostModel
 from chunkwise.sched.scheduler import Scheduler
 from chunkwise.sched.shedding import LoadSnapshot, Overloaded, ServiceRate, SheddingPolicy, decide
-from chunkwise.spec.adaptive import AdaptiveDraftLength, StepCostModel
-from chunkwise.spec.draft import DraftModelProposer
-from chunkwise.spec.ngram import NgramProposer
+from chunkwise.speculative.adaptive import AdaptiveDraftLength, StepCostModel
+from chunkwise.speculative.draft import DraftModelProposer
+from chunkwise.speculative.ngram import NgramProposer
 from chunkwise.tokenizer import Tokenizer, make_detokenizer
 from chunkwise.worker.cuda_graphs import bucket_sizes
 from chunkwise.worker.model_runner import ModelRunner, Proposer, kv_bytes_per_token

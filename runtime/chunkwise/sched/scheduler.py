@@ -23,7 +23,7 @@ from chunkwise.sched.budget import TokenBudget
 from chunkwise.sched.output import ScheduledRequest, SchedulerOutput, SchedulerStats
 from chunkwise.sched.preemption import PreemptionCostModel, VictimPolicy
 from chunkwise.sched.queue import PrefixPreference, WaitingQueue
-from chunkwise.spec.adaptive import AdaptiveDraftLength
+from chunkwise.speculative.adaptive import AdaptiveDraftLength
 
 
 class Scheduler:

@@ -16,7 +16,7 @@ from chunkwise.model.llama import LlamaForCausalLM
 from chunkwise.sampler import Sampler, SamplerOutput, SamplingBatch, apply_top_k_top_p, make_generator
 from chunkwise.sampling_params import SamplingParams
 from chunkwise.sched.output import ScheduledRequest, SchedulerOutput
-from chunkwise.spec.verify import verify_greedy, verify_sampled
+from chunkwise.speculative.verify import verify_greedy, verify_sampled
 from chunkwise.worker.cuda_graphs import DecodeGraphRunner
 from chunkwise.worker.inputs import InputBatch, Row, RowLike
 

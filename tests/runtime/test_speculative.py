@@ -13,9 +13,9 @@ from chunkwise.config import SchedulerConfig
 from chunkwise.request import Request
 from chunkwise.sched.preemption import PreemptionCostModel
 from chunkwise.sched.scheduler import Scheduler
-from chunkwise.spec.adaptive import AdaptiveDraftLength, StepCostModel
-from chunkwise.spec.ngram import NgramProposer
-from chunkwise.spec.verify import verify_greedy, verify_sampled
+from chunkwise.speculative.adaptive import AdaptiveDraftLength, StepCostModel
+from chunkwise.speculative.ngram import NgramProposer
+from chunkwise.speculative.verify import verify_greedy, verify_sampled
 from tests.runtime.hf_models import hf_greedy, save_random_llama
 
 

@@ -1,0 +1,89 @@
+"""The operator's commands against the runtime's own parsers: every flag it writes exists, and its defaults
+are the engine's.
+
+The operator never imports the runtime (its image has no torch); this test is where the two meet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+import pytest
+
+from chunkwise.engine_args import engine_config_from_args
+from chunkwise.fetch.args import add_fetch_args
+from chunkwise.router.args import add_router_args
+from chunkwise.server.args import add_serve_args
+from chunkwise_operator import manifests
+from chunkwise_operator.spec import parse
+
+
+def parser(add: Any) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add(p)
+    return p
+
+
+def serve_namespace(argv: list[str]) -> argparse.Namespace:
+    assert argv[:2] == ["chunkwise", "serve"]
+    return parser(add_serve_args).parse_args(argv[2:])
+
+
+def test_an_empty_spec_runs_the_engine_as_shipped() -> None:
+    """The operator's defaults are the runtime's: its command means what `chunkwise serve --model M` means."""
+    argv = manifests.engine_command(parse({"model": {"preset": "tiny"}}))
+    from_operator = engine_config_from_args(serve_namespace(argv))
+    plain = engine_config_from_args(
+        serve_namespace(["chunkwise", "serve", "--model", "tiny", "--device", "cpu"])
+    )
+    assert dataclasses.asdict(from_operator) == dataclasses.asdict(plain)
+    ns, bare = serve_namespace(argv), serve_namespace(["chunkwise", "serve", "--model", "tiny"])
+    assert ns.queue_delay_slo_seconds == bare.queue_delay_slo_seconds
+    assert ns.drain_timeout_seconds == bare.drain_timeout_seconds
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"model": {"preset": "tiny"}},
+        {
+            "model": {"uri": "hf://org/m@v1"},
+            "resources": {"gpu": 1, "memory": "64Gi"},
+            "engine": {
+                "dtype": "bfloat16",
+                "maxNumSeqs": 64,
+                "blockSize": 32,
+                "kvCacheMemory": "8Gi",
+                "preemptionMode": "swap",
+                "enablePrefixCaching": False,
+                "speculation": {"method": "ngram", "numTokens": 3},
+                "queueDelaySloSeconds": 2.5,
+                "drainGraceSeconds": 60,
+                "extraArgs": ["--max-model-len", "8192"],
+            },
+            "router": {"enabled": True},
+        },
+    ],
+    ids=["defaults", "every-field"],
+)
+def test_every_command_the_operator_writes_parses_with_the_runtime(spec: dict[str, Any]) -> None:
+    parsed = parse(spec)
+    ns = serve_namespace(manifests.engine_command(parsed))
+    config = engine_config_from_args(ns)
+    e = parsed.engine
+    assert (config.scheduler.max_num_seqs, config.cache.block_size) == (e.max_num_seqs, e.block_size)
+    assert config.device == manifests.device(parsed) and config.dtype == e.dtype
+    assert config.cache.enable_prefix_caching is e.enable_prefix_caching
+    assert config.scheduler.preemption_mode == e.preemption_mode
+    router = manifests.router_command("svc", "ml", parsed)
+    assert router[:2] == ["chunkwise", "router"]
+    rns = parser(add_router_args).parse_args(router[2:])
+    assert rns.block_size == e.block_size
+    if parsed.model.uri is not None:
+        for tokenizer_only in (False, True):
+            fetch = manifests.fetch_command(parsed, tokenizer_only)
+            assert fetch[:2] == ["chunkwise", "fetch-model"]
+            fns = parser(add_fetch_args).parse_args(fetch[2:])
+            assert fns.tokenizer_only is tokenizer_only
