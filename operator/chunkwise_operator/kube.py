@@ -11,6 +11,7 @@ import enum
 import json
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import kubernetes
@@ -21,17 +22,46 @@ FIELD_MANAGER = "chunkwise-operator"
 APPLY = "application/apply-patch+yaml"
 MERGE = "application/merge-patch+json"
 
-# (apiVersion, kind) -> (typed API class, the suffix of its *_namespaced_<suffix> methods).
-_APIS: dict[tuple[str, str], tuple[Callable[[kubernetes.client.ApiClient], Any], str]] = {
-    ("apps/v1", "Deployment"): (kubernetes.client.AppsV1Api, "deployment"),
-    ("v1", "Service"): (kubernetes.client.CoreV1Api, "service"),
-    ("v1", "ServiceAccount"): (kubernetes.client.CoreV1Api, "service_account"),
-    ("policy/v1", "PodDisruptionBudget"): (kubernetes.client.PolicyV1Api, "pod_disruption_budget"),
-    ("rbac.authorization.k8s.io/v1", "RoleBinding"): (
+
+@dataclass(frozen=True)
+class ChildKind:
+    """A kind of child object: where the API serves it, and the typed client that reads and writes it."""
+
+    group: str  # "" for the core group
+    version: str
+    plural: str
+    kind: str
+    api: Callable[[kubernetes.client.ApiClient], Any]
+    suffix: str  # of the client's *_namespaced_<suffix> methods
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}" if self.group else self.version
+
+
+# Every kind the operator creates; each is watched (drift and deletion are undone) and nothing else is written.
+CHILD_KINDS = (
+    ChildKind("apps", "v1", "deployments", "Deployment", kubernetes.client.AppsV1Api, "deployment"),
+    ChildKind("", "v1", "services", "Service", kubernetes.client.CoreV1Api, "service"),
+    ChildKind("", "v1", "serviceaccounts", "ServiceAccount", kubernetes.client.CoreV1Api, "service_account"),
+    ChildKind(
+        "policy",
+        "v1",
+        "poddisruptionbudgets",
+        "PodDisruptionBudget",
+        kubernetes.client.PolicyV1Api,
+        "pod_disruption_budget",
+    ),
+    ChildKind(
+        "rbac.authorization.k8s.io",
+        "v1",
+        "rolebindings",
+        "RoleBinding",
         kubernetes.client.RbacAuthorizationV1Api,
         "role_binding",
     ),
-}
+)
+_APIS = {(c.api_version, c.kind): c for c in CHILD_KINDS}
 
 ApiException = kubernetes.client.ApiException
 
@@ -104,10 +134,10 @@ class Kube:
 
     def _call(self, api_version: str, kind: str, verb: str, **kwargs: Any) -> Any:
         try:
-            api_class, suffix = _APIS[(api_version, kind)]
+            child_kind = _APIS[(api_version, kind)]
         except KeyError:
             raise ValueError(f"the operator does not manage {api_version} {kind}") from None
-        method = getattr(api_class(self._client), f"{verb}_namespaced_{suffix}")
+        method = getattr(child_kind.api(self._client), f"{verb}_namespaced_{child_kind.suffix}")
         # Raw JSON, not the client's models: the builders and the status code speak plain dicts.
         response = method(**kwargs, _preload_content=False)
         data = response.data

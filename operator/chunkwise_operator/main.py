@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import kopf
 
-from chunkwise_operator.kube import ApiException, Kube
+from chunkwise_operator.kube import CHILD_KINDS, ApiException, ChildKind, Kube
 from chunkwise_operator.manifests import LABEL_MANAGED_BY, MANAGER
 from chunkwise_operator.reconcile import Reconciler
 from chunkwise_operator.scrape import PodSample
@@ -27,6 +27,8 @@ DEFAULT_AUTOSCALER_INTERVAL_S = 15.0
 # Seconds between status refreshes of one InferenceService (a list of its runtime pods).
 STATUS_INTERVAL_ENV = "CHUNKWISE_STATUS_INTERVAL_SECONDS"
 DEFAULT_STATUS_INTERVAL_S = 30.0
+# Every child carries this label (manifests.labels); the watches see only objects that do.
+CHILD_LABELS = {LABEL_MANAGED_BY: MANAGER}
 # HPA's relative tolerance around each target, within which the count is left alone.
 AUTOSCALER_TOLERANCE_ENV = "CHUNKWISE_AUTOSCALER_TOLERANCE"
 
@@ -50,6 +52,11 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         prefix=GROUP, key="last-handled-configuration"
     )
     settings.posting.reporting_component = MANAGER
+    # Children are watched through a server-side label selector: the operator's watch streams carry only
+    # its own objects, not every Deployment and Service of the cluster.
+    selector = ",".join(f"{k}={v}" for k, v in CHILD_LABELS.items())
+    for child in CHILD_KINDS:
+        settings.watching.label_selectors[child.group, child.plural] = selector
     behavior = {}
     tolerance = _env_float(AUTOSCALER_TOLERANCE_ENV, None)
     if tolerance is not None:
@@ -73,11 +80,18 @@ def reconcile(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -
     _reconciler(memo).reconcile(body, logger)
 
 
-@kopf.on.event("apps", "v1", "deployments", labels={LABEL_MANAGED_BY: MANAGER}, id="child-deployment")
-def child_deployment(
-    type: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any
-) -> None:
-    _reconciler(memo).child_changed(type, body, logger)
+def _watch_child(child: ChildKind) -> None:
+    def child_event(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+        _reconciler(memo).child_changed(child.kind, body, logger)
+
+    # The same filter as the API server's (configure), repeated here for a server that ignores selectors.
+    kopf.on.event(
+        child.group, child.version, child.plural, labels=CHILD_LABELS, id=f"child-{child.kind.lower()}"
+    )(child_event)
+
+
+for _child in CHILD_KINDS:
+    _watch_child(_child)
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, id="status-refresh", cancellation_timeout=5)

@@ -24,6 +24,8 @@ from chunkwise_operator.spec import ServiceSpec, SpecError, parse, validate_name
 
 NORMAL = "Normal"
 WARNING = "Warning"
+# The event reason of a child put back as the spec wants it after someone else changed or deleted it.
+DRIFT_CORRECTED = "DriftCorrected"
 
 
 def utc_now() -> str:
@@ -108,16 +110,25 @@ class Reconciler:
                 logger.info(f"Deleted {kind} {child_name}: the router is disabled")
                 _event(body, NORMAL, "Deleted", f"Deleted {kind} {child_name}")
 
-    def _apply_one(self, owner: Mapping[str, Any], child: dict[str, Any], uid: str, logger: Any) -> Outcome:
+    def _apply_one(
+        self, owner: Mapping[str, Any], child: dict[str, Any], uid: str, logger: Any, drift: bool = False
+    ) -> Outcome:
+        """Apply one child; a change is one log line and one event. `drift`: someone else changed it."""
         # Only the owner reference of kopf.adopt(): adopt would also copy the CR's labels onto the
         # children, making them depend on CR metadata that no handler here watches.
         kopf.append_owner_reference(child, owner=owner)  # type: ignore[arg-type]
         outcome = self.kube.apply(child, uid)
         if outcome is not Outcome.UNCHANGED:
-            kind, child_name = child["kind"], child["metadata"]["name"]
-            verb = "Created" if outcome is Outcome.CREATED else "Updated"
-            logger.info(f"{verb} {kind} {child_name}")
-            _event(owner, NORMAL, verb, f"{verb} {kind} {child_name}")
+            what = f"{child['kind']} {child['metadata']['name']}"
+            if not drift:
+                reason = "Created" if outcome is Outcome.CREATED else "Updated"
+                message = f"{reason} {what}"
+            elif outcome is Outcome.CREATED:
+                reason, message = DRIFT_CORRECTED, f"Recreated {what}: it had been deleted"
+            else:
+                reason, message = DRIFT_CORRECTED, f"Restored {what}: it had been edited"
+            logger.info(message)
+            _event(owner, NORMAL, reason, message)
         return outcome
 
     def _fail(
@@ -141,9 +152,10 @@ class Reconciler:
             # The status write can fail for the same reason the children did; Kopf's retry covers both.
             logger.warning(f"Could not record the failure in status: {e.status} {e.reason}")
 
-    def child_changed(self, event_type: str | None, child: Mapping[str, Any], logger: Any) -> None:
-        """A child Deployment changed: undo drift (or a deletion), then refresh the owner's status."""
-        namespace = (child.get("metadata") or {}).get("namespace")
+    def child_changed(self, kind: str, child: Mapping[str, Any], logger: Any) -> None:
+        """A child changed: undo drift (or a deletion), then refresh the owner's status."""
+        meta = child.get("metadata") or {}
+        namespace, child_name = meta.get("namespace"), meta.get("name")
         owner_name = controller_owner(child)
         if owner_name is None or not namespace:
             return
@@ -160,17 +172,14 @@ class Reconciler:
                     (c["kind"], c["metadata"]["name"]): c
                     for c in manifests.children(owner_name, namespace, parsed)
                 }
-                desired = wanted.get((child.get("kind", "Deployment"), child["metadata"]["name"]))
+                desired = wanted.get((kind, child_name))
                 if desired is not None:
                     try:
-                        outcome = self._apply_one(owner, desired, uid, logger)
+                        self._apply_one(owner, desired, uid, logger, drift=True)
                     except (ApiException, ChildConflict) as e:
-                        logger.warning(f"Could not restore {child['metadata']['name']}: {e}")
-                    else:
-                        if outcome is not Outcome.UNCHANGED:
-                            logger.info(
-                                f"Restored {child['metadata']['name']} after {event_type or 'a change'}"
-                            )
+                        logger.warning(f"Could not restore {kind} {child_name}: {e}")
+            if kind != "Deployment":
+                return  # the status reads only Deployments and pods
             self._refresh(namespace, owner_name, parsed=parsed, generation=status.KEEP, failure=status.KEEP)
 
     def refresh_status(self, namespace: str, name: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import json
 import logging
 import threading
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import celpy
+import httpx
 import jsonschema
 import kmock as km
 import kopf
@@ -149,12 +151,35 @@ class Cluster:
 
         await asyncio.to_thread(call)
 
+    async def _send(
+        self, method: str, resource: km.resource, name: str, body: Mapping[str, Any] | None = None
+    ) -> None:
+        """A request as kubectl sends it, to any kind the emulator serves (merge patch for PATCH)."""
+
+        def call() -> None:
+            url = f"{self.url}{_path(resource)}/namespaces/{NAMESPACE}/{resource.plural}/{name}"
+            headers = {"Content-Type": MERGE} if body is not None else {}
+            content = None if body is None else json.dumps(body)
+            httpx.request(method, url, headers=headers, content=content, timeout=10).raise_for_status()
+
+        await asyncio.to_thread(call)
+
+    async def delete(self, resource: km.resource, name: str) -> None:
+        await self._send("DELETE", resource, name)
+
+    async def patch(self, resource: km.resource, name: str, patch: Mapping[str, Any]) -> None:
+        await self._send("PATCH", resource, name, patch)
+
     async def delete_deployment(self, name: str) -> None:
         def call() -> None:
             with self._client() as c:
                 kubernetes.client.AppsV1Api(c).delete_namespaced_deployment(name, NAMESPACE)
 
         await asyncio.to_thread(call)
+
+
+def _path(resource: km.resource) -> str:
+    return f"/apis/{resource.group}/{resource.version}" if resource.group else f"/api/{resource.version}"
 
 
 def inference_service(name: str, spec: Mapping[str, Any], namespace: str = NAMESPACE) -> dict[str, Any]:
@@ -245,7 +270,7 @@ async def running_operator(cluster: Cluster, caplog: pytest.LogCaptureFixture) -
         await eventually(
             lambda: (
                 not kopf_thread.running
-                or (cluster.watching(Cluster.ISVCS) and cluster.watching(Cluster.DEPLOYMENTS))
+                or all(cluster.watching(r) for r in (Cluster.ISVCS, *Cluster.CHILD_RESOURCES))
             ),
             what="Kopf watching",
         )
