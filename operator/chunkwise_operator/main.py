@@ -7,6 +7,7 @@ survives renaming a function.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import asyncio
 import os
 from collections.abc import Mapping
@@ -17,7 +18,7 @@ import kopf
 
 from chunkwise_operator.kube import CHILD_KINDS, ApiException, ChildKind, Kube
 from chunkwise_operator.manifests import LABEL_MANAGED_BY, MANAGER
-from chunkwise_operator.reconcile import Reconciler
+from chunkwise_operator.reconcile import Reconciler, ServiceGone
 from chunkwise_operator.scrape import PodSample
 from chunkwise_operator.spec import GROUP, PLURAL, VERSION
 
@@ -114,6 +115,8 @@ async def status_refresh(
             break
         try:
             await asyncio.to_thread(reconciler.refresh_status, namespace, name)
+        except ServiceGone:
+            return  # no finalizer, so Kopf never stops this daemon itself: it ends with its object
         except (ApiException, OSError) as e:
             logger.warning(f"Status refresh failed: {type(e).__name__}: {e}")
 
@@ -147,10 +150,28 @@ async def autoscaler(
         while not stopped:
             try:
                 await reconciler.evaluate_autoscaler(namespace, name, samples, client, logger)
+            except ServiceGone:
+                return
             except (ApiException, httpx.HTTPError, OSError) as e:
                 # The next evaluation retries; a failed one changes nothing.
                 logger.warning(f"Autoscaler evaluation failed: {type(e).__name__}: {e}")
             await stopped.wait(interval)
+
+
+def _without_finalizers(registry: kopf.OperatorRegistry) -> None:
+    """The daemons block no deletion: Kopf would put its finalizer on every InferenceService they serve.
+
+    They hold nothing that outlives their object (the autoscaler's state is in status; the children go with
+    it through garbage collection), so a finalizer would only make deletion hang whenever the operator is
+    not running, `kubectl delete -k manifests/` included. Kopf's decorator has no option for daemons, hence
+    the replaced handlers; a test pins that no finalizer is ever set. Each daemon ends when its object is
+    gone (ServiceGone), since Kopf stops daemons on deletion only through its finalizer.
+    """
+    spawning = registry._spawning
+    spawning._handlers = [dataclasses.replace(h, requires_finalizer=False) for h in spawning._handlers]
+
+
+_without_finalizers(kopf.get_default_registry())
 
 
 def _reconciler(memo: kopf.Memo) -> Reconciler:

@@ -40,6 +40,14 @@ def parse_service(name: str, spec: Mapping[str, Any] | None) -> ServiceSpec | Sp
         return e
 
 
+class ServiceGone(Exception):
+    """The InferenceService is deleted or being deleted: its daemons end."""
+
+
+def _deleting(body: Mapping[str, Any]) -> bool:
+    return bool((body.get("metadata") or {}).get("deletionTimestamp"))
+
+
 class Reconciler:
     def __init__(
         self,
@@ -186,8 +194,8 @@ class Reconciler:
         """Status from fresh reads alone: pods that fail to start change no Deployment, so a timer calls this."""
         with self._lock(namespace, name):
             current = self.kube.get_inference_service(namespace, name)
-            if current is None or (current.get("metadata") or {}).get("deletionTimestamp"):
-                return
+            if current is None or _deleting(current):
+                raise ServiceGone(f"{namespace}/{name}")
             parsed = parse_service(name, current.get("spec"))
             self._refresh(namespace, name, parsed=parsed, generation=status.KEEP, failure=status.KEEP)
 
@@ -239,11 +247,12 @@ class Reconciler:
         """One evaluation: scrape the ready runtime pods, decide, write spec.replicas and status.autoscaler.
 
         `samples` holds each pod's previous sample (counter deltas need two); the caller keeps it between
-        evaluations. Returns None when there is nothing to do (gone, invalid spec, autoscaling off).
+        evaluations. Returns None when there is nothing to do (invalid spec, autoscaling off); raises ServiceGone
+        once the object is gone.
         """
         body = await asyncio.to_thread(self.kube.get_inference_service, namespace, name)
-        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
-            return None
+        if body is None or _deleting(body):
+            raise ServiceGone(f"{namespace}/{name}")
         parsed = parse_service(name, body.get("spec"))
         if isinstance(parsed, SpecError) or not parsed.autoscaling.enabled:
             return None

@@ -88,11 +88,17 @@ class Cluster:
     def _client(self) -> kubernetes.client.ApiClient:
         return kubernetes.client.ApiClient(kubernetes.client.Configuration(host=self.url))
 
-    async def create_isvc(self, name: str, spec: Mapping[str, Any]) -> None:
+    async def create_isvc(
+        self, name: str, spec: Mapping[str, Any], finalizers: list[str] | None = None
+    ) -> None:
+        body = inference_service(name, spec)
+        if finalizers:
+            body["metadata"]["finalizers"] = finalizers
+
         def call() -> None:
             with self._client() as c:
                 kubernetes.client.CustomObjectsApi(c).create_namespaced_custom_object(
-                    GROUP, VERSION, NAMESPACE, PLURAL, inference_service(name, spec)
+                    GROUP, VERSION, NAMESPACE, PLURAL, body
                 )
 
         await asyncio.to_thread(call)
