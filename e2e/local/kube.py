@@ -43,6 +43,8 @@ class Emulator(km.KubernetesEmulator):
     async def _handle(self, request: Any) -> Any:
         data = request.data
         if request.resource is not None and isinstance(data, dict):
+            if request.action == km.action.UPDATE:
+                self._check_precondition(request, data)
             if request.action in (km.action.CREATE, km.action.UPDATE):
                 data.setdefault("metadata", {})["resourceVersion"] = str(next(self._versions))
             if request.action == km.action.CREATE:
@@ -60,6 +62,21 @@ class Emulator(km.KubernetesEmulator):
                         generation = (current.get("metadata") or {}).get("generation") or 1
                         data.setdefault("metadata", {})["generation"] = generation + 1
         return await super()._handle(request)
+
+    def _check_precondition(self, request: Any, data: Mapping[str, Any]) -> None:
+        """A write that names a resourceVersion applies only to that version, as on an API server."""
+        expected = (data.get("metadata") or {}).get("resourceVersion")
+        key = (request.resource, request.namespace, request.name)
+        if expected is None or key not in self.objects or self.objects[key].deleted:
+            return
+        current = (self.objects[key].raw.get("metadata") or {}).get("resourceVersion")
+        if current is not None and str(expected) != str(current):
+            raise km.KubernetesError(
+                409,
+                "Conflict",
+                f"Operation cannot be fulfilled on {request.resource.plural} \"{request.name}\": the object "
+                "has been modified; please apply your changes to the latest version and try again",
+            )
 
 
 def declare(emulator: km.KubernetesEmulator) -> None:
@@ -81,6 +98,8 @@ def declare(emulator: km.KubernetesEmulator) -> None:
         ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", set()),
         ("rbac.authorization.k8s.io/v1/rolebindings", "RoleBinding", set()),
         ("discovery.k8s.io/v1/endpointslices", "EndpointSlice", set()),
+        ("autoscaling/v2/horizontalpodautoscalers", "HorizontalPodAutoscaler", set()),
+        ("keda.sh/v1alpha1/scaledobjects", "ScaledObject", set()),
     ):
         r[key] = km.ResourceInfo(kind=kind, namespaced=True, verbs=VERBS, subresources=sub)
     # Kopf hangs at start-up unless these exist too.

@@ -22,10 +22,11 @@ persist it (in status.autoscaler) and an operator restart resumes where it stopp
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from chunkwise_operator.spec import AutoscalingSpec, AutoscalingTargets
+from chunkwise_operator.spec import GROUP, KIND, AutoscalingSpec, AutoscalingTargets
 
 QUEUE_DEPTH = "queueDepthPerReplica"
 PREEMPTION_RATE = "preemptionRatePerSecond"
@@ -46,6 +47,7 @@ AT_MAX = "AtMaxReplicas"
 AT_MIN = "AtMinReplicas"
 NO_METRICS = "NoMetrics"
 BELOW_MIN = "BelowMinReplicas"
+SCALER_CONFLICT = "ScalerConflict"
 ABOVE_MAX = "AboveMaxReplicas"
 
 
@@ -116,6 +118,28 @@ class Decision:
     events: tuple[ScaleEvent, ...]
 
 
+@dataclass(frozen=True)
+class ExternalScaler:
+    """An HPA or KEDA ScaledObject whose scaleTargetRef is an InferenceService."""
+
+    kind: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.name}"
+
+
+def external_scalers(name: str, objects: Iterable[Mapping[str, Any]]) -> tuple[ExternalScaler, ...]:
+    """Which of `objects` (HPAs, ScaledObjects) scale the InferenceService `name`, sorted."""
+    found = set()
+    for obj in objects:
+        ref = (obj.get("spec") or {}).get("scaleTargetRef") or {}
+        group = str(ref.get("apiVersion") or "").split("/")[0]
+        if ref.get("kind") == KIND and ref.get("name") == name and group in ("", GROUP):
+            found.add(ExternalScaler(str(obj.get("kind")), str((obj.get("metadata") or {}).get("name"))))
+    return tuple(sorted(found, key=lambda s: (s.kind, s.name)))
+
+
 def proposals(
     current: int, observed: Mapping[str, float | None], targets: Mapping[str, float], tolerance: float
 ) -> dict[str, int]:
@@ -145,8 +169,12 @@ def decide(
     history: Sequence[Recommendation],
     events: Sequence[ScaleEvent],
     now: float,
+    external: Sequence[ExternalScaler] = (),
 ) -> Decision:
-    """The replica count to run now, why, and the history to keep for the next evaluation."""
+    """The replica count to run now, why, and the history to keep for the next evaluation.
+
+    `external` are other scalers writing the same spec.replicas: while there is one, the count is theirs.
+    """
     keep = max(behavior.scale_up_stabilization_s, behavior.scale_down_stabilization_s)
     period = max(behavior.scale_up_period_s, behavior.scale_down_period_s)
     kept = tuple(h for h in history if now - h.time <= keep)
@@ -165,6 +193,14 @@ def decide(
             new_events = (*recent, ScaleEvent(now, current, desired))
         return Decision(desired, rec, reason, message, driver, dict(asked or {}), kept, new_events)
 
+    if external:
+        names = ", ".join(str(s) for s in external)
+        return result(
+            current,
+            SCALER_CONFLICT,
+            f"{names} also scales this InferenceService; the built-in autoscaler stands down until it is "
+            "removed or autoscaling.delegated is true",
+        )
     # Out of bounds (a spec edit or a manual scale): back within them at once, as HPA does.
     if current < min_replicas:
         return result(min_replicas, BELOW_MIN, f"{current} replicas is below minReplicas {min_replicas}")

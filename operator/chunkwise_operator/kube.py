@@ -63,6 +63,12 @@ CHILD_KINDS = (
 )
 _APIS = {(c.api_version, c.kind): c for c in CHILD_KINDS}
 
+# (group, version, plural, kind) of the scalers that may target an InferenceService's /scale: HPA and KEDA.
+SCALER_KINDS = (
+    ("autoscaling", "v2", "horizontalpodautoscalers", "HorizontalPodAutoscaler"),
+    ("keda.sh", "v1alpha1", "scaledobjects", "ScaledObject"),
+)
+
 ApiException = kubernetes.client.ApiException
 
 
@@ -217,7 +223,10 @@ class Kube:
         return result
 
     def patch_inference_service(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
-        """A merge patch of the CR itself: the autoscaler writes spec.replicas here, the count's one source."""
+        """A merge patch of the CR itself: the autoscaler writes spec.replicas here, the count's one source.
+
+        A metadata.resourceVersion in `patch` is a precondition: the API server answers 409 if it is stale.
+        """
         api = kubernetes.client.CustomObjectsApi(self._client)
         api.patch_namespaced_custom_object(
             GROUP,
@@ -230,6 +239,23 @@ class Kube:
             _content_type=MERGE,
             _preload_content=False,
         )
+
+    def list_scalers(self, namespace: str) -> list[dict[str, Any]]:
+        """Every HPA and ScaledObject in the namespace; a kind the cluster does not serve (no KEDA) has none."""
+        api = kubernetes.client.CustomObjectsApi(self._client)
+        result: list[dict[str, Any]] = []
+        for group, version, plural, kind in SCALER_KINDS:
+            try:
+                response: Any = api.list_namespaced_custom_object(
+                    group, version, namespace, plural, _preload_content=False
+                )
+            except ApiException as e:
+                if e.status == 404:
+                    continue
+                raise
+            # List items carry no kind of their own.
+            result += [{**item, "kind": kind} for item in json.loads(response.data).get("items") or []]
+        return result
 
     def list_pods(self, namespace: str, match_labels: Mapping[str, str]) -> list[dict[str, Any]]:
         """Pods carrying all of `match_labels` (checked here too: not every API server emulator filters)."""

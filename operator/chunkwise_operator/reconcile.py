@@ -24,6 +24,9 @@ from chunkwise_operator.spec import ServiceSpec, SpecError, parse, validate_name
 
 NORMAL = "Normal"
 WARNING = "Warning"
+# A write of spec.replicas whose precondition keeps failing while the count stays the same is given up
+# after this many tries (the next evaluation decides again).
+REPLICA_WRITE_ATTEMPTS = 3
 # The event reason of a child put back as the spec wants it after someone else changed or deleted it.
 DRIFT_CORRECTED = "DriftCorrected"
 
@@ -269,6 +272,10 @@ class Reconciler:
         previous = (body.get("status") or {}).get("autoscaler")
         history, events = status.autoscaler_history(previous)
         a = parsed.autoscaling
+        external: tuple[autoscale.ExternalScaler, ...] = ()
+        if not a.delegated:
+            scalers = await asyncio.to_thread(self.kube.list_scalers, namespace)
+            external = autoscale.external_scalers(name, scalers)
         decision = autoscale.decide(
             current=parsed.replicas,
             observed=observed,
@@ -279,6 +286,7 @@ class Reconciler:
             history=history,
             events=events,
             now=now,
+            external=external,
         )
         await asyncio.to_thread(self._apply_autoscale, body, parsed, decision, observed, now, logger)
         return decision
@@ -299,9 +307,8 @@ class Reconciler:
             return  # nothing to report: the reconcile's own block (Delegated) stands
         with self._lock(namespace, name):
             if not parsed.autoscaling.delegated and decision.desired != parsed.replicas:
-                # spec.replicas is the one source of the count; the update handler carries it to the
-                # Deployment, exactly as for kubectl scale.
-                self.kube.patch_inference_service(namespace, name, {"spec": {"replicas": decision.desired}})
+                if not self._write_replicas(body, decision.desired, logger):
+                    return  # the count changed under this decision; the next evaluation starts from it
                 message = f"{parsed.replicas} -> {decision.desired} replicas: {decision.message}"
                 logger.info(f"Autoscaler: {message}")
                 _event(body, NORMAL, decision.reason, message)
@@ -311,6 +318,48 @@ class Reconciler:
             patch = status.status_patch({"autoscaler": previous or {}}, {"autoscaler": block})
             if patch is not None:
                 self.kube.patch_inference_service_status(namespace, name, patch)
+            if (decision.reason == autoscale.SCALER_CONFLICT) != (
+                isinstance(previous, Mapping) and previous.get("reason") == autoscale.SCALER_CONFLICT
+            ):
+                # The ScalerConflict condition follows the block, and conditions are the refresh's to write.
+                self._refresh(namespace, name, parsed=parsed, generation=status.KEEP, failure=status.KEEP)
+
+    def _write_replicas(self, body: Mapping[str, Any], desired: int, logger: Any) -> bool:
+        """spec.replicas := desired, over the version the decision read; False if the count moved meanwhile.
+
+        A scrape takes up to a few seconds: a `kubectl scale` (or any scaler) in that time must win, not be
+        overwritten. The precondition fails on any write, so a conflict that left the count alone (Kopf's
+        annotations, a label) is retried on the fresh version.
+        """
+        meta = body["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        decided_on = (body.get("spec") or {}).get("replicas")
+        version = meta.get("resourceVersion")
+        for _ in range(REPLICA_WRITE_ATTEMPTS):
+            # spec.replicas is the one source of the count; the update handler carries it to the
+            # Deployment, exactly as for kubectl scale.
+            patch: dict[str, Any] = {"spec": {"replicas": desired}}
+            if version is not None:
+                patch["metadata"] = {"resourceVersion": version}
+            try:
+                self.kube.patch_inference_service(namespace, name, patch)
+                return True
+            except ApiException as e:
+                if e.status != 409:
+                    raise
+            fresh = self.kube.get_inference_service(namespace, name)
+            if fresh is None or _deleting(fresh):
+                raise ServiceGone(f"{namespace}/{name}")
+            now_replicas = (fresh.get("spec") or {}).get("replicas")
+            if now_replicas != decided_on:
+                logger.info(
+                    f"Autoscaler: spec.replicas went from {decided_on} to {now_replicas} during the evaluation; "
+                    f"not overwriting it with {desired}"
+                )
+                return False
+            version = fresh["metadata"].get("resourceVersion")
+        logger.warning(f"Autoscaler: spec.replicas kept changing; {desired} not written this evaluation")
+        return False
 
 
 def _event(obj: Mapping[str, Any], type_: str, reason: str, message: str) -> None:

@@ -15,13 +15,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from chunkwise_operator import manifests
-from chunkwise_operator.autoscale import Decision, Observed, Recommendation, ScaleEvent
+from chunkwise_operator.autoscale import SCALER_CONFLICT, Decision, Observed, Recommendation, ScaleEvent
 from chunkwise_operator.spec import ServiceSpec, SpecError
 
 READY = "Ready"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
-CONDITION_TYPES = (READY, PROGRESSING, DEGRADED)
+# SCALER_CONFLICT, named as the autoscaler's reason, is present while the built-in autoscaler owns the count
+# (enabled, not delegated): True while another scaler (HPA, ScaledObject) targets the same InferenceService
+# and the built-in one stands down.
+CONDITION_TYPES = (READY, PROGRESSING, DEGRADED, SCALER_CONFLICT)
 
 # Everything else under .status (for instance fields a later autoscaler adds) is left alone.
 MANAGED_KEYS = (
@@ -236,7 +239,6 @@ def compute_status(
         "replicas": run.replicas,
         "readyReplicas": run.ready,
         "selector": manifests.selector_string(name),
-        "conditions": _with_times(conditions, list(previous.get("conditions") or []), now),
     }
     if gen is not None:
         status["observedGeneration"] = gen
@@ -244,11 +246,22 @@ def compute_status(
         status["url"] = manifests.service_url(name, namespace, parsed)
         status["model"] = parsed.model.served_name
         status["autoscaler"] = _autoscaler(parsed, previous.get("autoscaler"))
+        if parsed.autoscaling.enabled and not parsed.autoscaling.delegated:
+            conditions.append(_scaler_condition(status["autoscaler"], gen))
     else:
         for key in ("url", "model", "autoscaler"):
             if previous.get(key) is not None:
                 status[key] = previous[key]
+    status["conditions"] = _with_times(conditions, list(previous.get("conditions") or []), now)
     return status
+
+
+def _scaler_condition(block: Mapping[str, Any], generation: int | None) -> dict[str, Any]:
+    if block.get("reason") == SCALER_CONFLICT:
+        return _condition(SCALER_CONFLICT, True, "ExternalScaler", str(block.get("message", "")), generation)
+    return _condition(
+        SCALER_CONFLICT, False, "NoExternalScaler", "no HPA or ScaledObject targets it", generation
+    )
 
 
 def _previous_failure(previous: Mapping[str, Any]) -> Failure | None:

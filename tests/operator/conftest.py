@@ -9,10 +9,10 @@ import kmock as km
 import kubernetes
 import pytest
 import yaml
-from operator_harness import NAMESPACE, VERBS, ApiServer, Cluster, Operator, running_operator
+from e2e.local.kube import declare
+from operator_harness import NAMESPACE, ApiServer, Cluster, Operator, running_operator
 
 import chunkwise_operator.main  # noqa: F401  (registers the handlers in Kopf's default registry)
-from chunkwise_operator.spec import GROUP, PLURAL, VERSION
 
 
 @pytest.fixture
@@ -46,32 +46,8 @@ def kubeconfig(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Call
 @pytest.fixture
 async def cluster(kubeconfig: Callable[[str], Path]) -> AsyncIterator[Cluster]:
     async with ApiServer() as emulator, km.Server(emulator) as server:
-        r = emulator.resources
         # Kopf hangs at start-up unless every resource it touches is declared, its own included.
-        r[f"{GROUP}/{VERSION}/{PLURAL}"] = km.ResourceInfo(
-            kind="InferenceService",
-            singular="inferenceservice",
-            shortnames={"infsvc"},
-            namespaced=True,
-            verbs=VERBS,
-            subresources={"status", "scale"},
-        )
-        r["apps/v1/deployments"] = km.ResourceInfo(kind="Deployment", namespaced=True, verbs=VERBS)
-        r["v1/services"] = km.ResourceInfo(kind="Service", namespaced=True, verbs=VERBS)
-        r["v1/serviceaccounts"] = km.ResourceInfo(kind="ServiceAccount", namespaced=True, verbs=VERBS)
-        r["v1/events"] = km.ResourceInfo(kind="Event", namespaced=True, verbs=VERBS)
-        # The status reads runtime pods' container states.
-        r["v1/pods"] = km.ResourceInfo(kind="Pod", namespaced=True, verbs=VERBS)
-        r["policy/v1/poddisruptionbudgets"] = km.ResourceInfo(
-            kind="PodDisruptionBudget", namespaced=True, verbs=VERBS
-        )
-        r["rbac.authorization.k8s.io/v1/rolebindings"] = km.ResourceInfo(
-            kind="RoleBinding", namespaced=True, verbs=VERBS
-        )
-        r["v1/namespaces"] = km.ResourceInfo(kind="Namespace", namespaced=False, verbs=VERBS)
-        r["apiextensions.k8s.io/v1/customresourcedefinitions"] = km.ResourceInfo(
-            kind="CustomResourceDefinition", namespaced=False, verbs=VERBS
-        )
+        declare(emulator)
         url = str(server.url).rstrip("/")
         kubeconfig(url)
         yield Cluster(emulator, url)

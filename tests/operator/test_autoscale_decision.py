@@ -181,3 +181,32 @@ def test_no_flapping_within_a_window(
             assert t1 - t0 >= down_window
         if dir0 < 0 and dir1 > 0 and up_window > 0:
             assert t1 - t0 >= up_window
+
+
+def test_another_scaler_on_the_same_service_holds_the_count() -> None:
+    hpa = a.ExternalScaler("HorizontalPodAutoscaler", "chat")
+    d = run(2, seen(queue=100.0), external=(hpa,))
+    assert (d.desired, d.reason) == (2, a.SCALER_CONFLICT)
+    assert d.message.startswith("HorizontalPodAutoscaler chat also scales this InferenceService")
+    # Even out of bounds: the other scaler owns the count, and would be fought over it.
+    assert run(0, seen(queue=0.0), external=(hpa,)).desired == 0
+
+
+def test_external_scalers_are_those_aimed_at_this_service() -> None:
+    def obj(kind: str, name: str, ref: dict[str, Any]) -> dict[str, Any]:
+        return {"kind": kind, "metadata": {"name": name}, "spec": {"scaleTargetRef": ref}}
+
+    mine = {"apiVersion": "serving.chunkwise.dev/v1alpha1", "kind": "InferenceService", "name": "chat"}
+    deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "name": "chat"}
+    objects = [
+        obj("ScaledObject", "keda", {"kind": "InferenceService", "name": "chat"}),  # KEDA may omit apiVersion
+        obj("HorizontalPodAutoscaler", "hpa", mine),
+        obj("HorizontalPodAutoscaler", "other", {**mine, "name": "other"}),
+        obj("HorizontalPodAutoscaler", "deployment", deployment),
+        obj("HorizontalPodAutoscaler", "elsewhere", {**mine, "apiVersion": "serving.kserve.io/v1beta1"}),
+        {"kind": "HorizontalPodAutoscaler", "metadata": {"name": "empty"}},
+    ]
+    assert a.external_scalers("chat", objects) == (
+        a.ExternalScaler("HorizontalPodAutoscaler", "hpa"),
+        a.ExternalScaler("ScaledObject", "keda"),
+    )

@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import kmock as km
 import kubernetes
 import pytest
-from operator_harness import NAMESPACE, VERBS, Cluster, eventually, running_operator
+from operator_harness import MERGE, NAMESPACE, VERBS, Cluster, eventually, running_operator
 
 from chunkwise_operator import manifests
 from chunkwise_operator.main import AUTOSCALER_INTERVAL_ENV
+from chunkwise_operator.spec import GROUP, PLURAL, VERSION
 
 PODS = km.resource("v1/pods")
 
@@ -29,11 +30,16 @@ class MetricsServer:
     def __init__(self) -> None:
         self.waiting = 0.0
         self.scrapes = 0
+        # Runs inside a scrape, before it answers: something the operator meets between its read and its write.
+        self.during_scrape: Callable[[], None] | None = None
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 outer.scrapes += 1
+                if outer.during_scrape is not None:
+                    hook, outer.during_scrape = outer.during_scrape, None
+                    hook()
                 body = (
                     "# TYPE vllm:num_requests_waiting gauge\n"
                     f'vllm:num_requests_waiting{{model_name="tiny"}} {outer.waiting}\n'
@@ -215,3 +221,76 @@ async def test_no_autoscaler_without_autoscaling(
     assert replicas(cluster, "plain") == 1
     # No daemon, so no scraping at all (the status refresh lists pods but never asks them for metrics).
     assert [p.scrapes for p in pods] == [0]
+
+
+def kubectl_scale(cluster: Cluster, name: str, replicas: int) -> None:
+    with kubernetes.client.ApiClient(kubernetes.client.Configuration(host=cluster.url)) as c:
+        kubernetes.client.CustomObjectsApi(c).patch_namespaced_custom_object_scale(
+            GROUP, VERSION, NAMESPACE, PLURAL, name, {"spec": {"replicas": replicas}}, _content_type=MERGE
+        )
+
+
+async def test_a_manual_scale_during_an_evaluation_is_not_overwritten(
+    fast_autoscaler: None, pods: list[MetricsServer], cluster: Cluster, operator: Any
+) -> None:
+    await cluster.create_isvc("chat", spec(scaleDownStabilizationSeconds=3600))
+    await eventually(lambda: autoscaler_status(cluster, "chat").get("reason"), what="first status")
+    # 4 waiting on 1 replica against a target of 2 asks for 2; at 4 replicas (1 ready) a scale down is held.
+    pod = await add_pod(cluster, pods, "chat", waiting=4.0)
+    pod.during_scrape = lambda: kubectl_scale(cluster, "chat", 4)
+    await eventually(lambda: pod.scrapes >= 3, what="two evaluations after the manual scale")
+    assert replicas(cluster, "chat") == 4
+    assert operator.count("went from 1 to 4 during the evaluation; not overwriting it with 2") == 1
+    await eventually(lambda: autoscaler_status(cluster, "chat").get("reason") == "ScaleDownHeld", what="held")
+    assert not [e for e in cluster.events() if e["reason"] == "ScaledUp"]
+    assert operator.failures() == []
+
+
+def scaler(kind: str, name: str, target: str) -> dict[str, Any]:
+    api_version = "autoscaling/v2" if kind == "HorizontalPodAutoscaler" else "keda.sh/v1alpha1"
+    return {
+        "apiVersion": api_version,
+        "kind": kind,
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {
+            "scaleTargetRef": {"apiVersion": f"{GROUP}/{VERSION}", "kind": "InferenceService", "name": target}
+        },
+    }
+
+
+def condition(cluster: Cluster, name: str, ctype: str) -> tuple[str, str, str] | None:
+    for c in ((cluster.isvc(name) or {}).get("status") or {}).get("conditions") or []:
+        if c["type"] == ctype:
+            return c["status"], c["reason"], c.get("message", "")
+    return None
+
+
+async def test_an_hpa_on_a_non_delegated_service_makes_the_builtin_autoscaler_stand_down(
+    fast_autoscaler: None, pods: list[MetricsServer], cluster: Cluster, operator: Any
+) -> None:
+    hpas = km.resource("autoscaling/v2/horizontalpodautoscalers")
+    scaled_objects = km.resource("keda.sh/v1alpha1/scaledobjects")
+    cluster.k.objects[hpas, NAMESPACE, "chat"] = scaler("HorizontalPodAutoscaler", "chat", "chat")
+    cluster.k.objects[scaled_objects, NAMESPACE, "chat-keda"] = scaler("ScaledObject", "chat-keda", "chat")
+    # Aimed elsewhere: not a conflict.
+    cluster.k.objects[hpas, NAMESPACE, "other"] = scaler("HorizontalPodAutoscaler", "other", "other")
+    await cluster.create_isvc("chat", spec())
+    await add_pod(cluster, pods, "chat", waiting=5.0)  # asks for 3
+
+    await eventually(
+        lambda: (condition(cluster, "chat", "ScalerConflict") or ("",))[0] == "True", what="conflict"
+    )
+    _, reason, message = condition(cluster, "chat", "ScalerConflict") or ("", "", "")
+    assert reason == "ExternalScaler"
+    assert message.startswith("HorizontalPodAutoscaler chat, ScaledObject chat-keda also scales")
+    assert autoscaler_status(cluster, "chat")["reason"] == "ScalerConflict"
+    await asyncio.sleep(0.5)  # several evaluations
+    assert replicas(cluster, "chat") == 1
+
+    await cluster.delete(hpas, "chat")
+    await cluster.delete(scaled_objects, "chat-keda")
+    await eventually(lambda: replicas(cluster, "chat") == 3, what="the built-in autoscaler resumes")
+    await eventually(
+        lambda: (condition(cluster, "chat", "ScalerConflict") or ("",))[0] == "False", what="conflict cleared"
+    )
+    assert operator.failures() == []

@@ -226,6 +226,8 @@ def test_rbac_is_exactly_what_the_operator_uses() -> None:
         },
         (("rbac.authorization.k8s.io",), ("clusterroles",), (manifests.ROUTER_CLUSTER_ROLE,)): {"bind"},
         (("",), ("pods",), ()): {"get", "list", "watch"},
+        (("autoscaling",), ("horizontalpodautoscalers",), ()): {"list"},
+        (("keda.sh",), ("scaledobjects",), ()): {"list"},
         (("",), ("events",), ()): {"create"},
         (("apiextensions.k8s.io",), ("customresourcedefinitions",), ()): {"list", "watch"},
         (("",), ("namespaces",), ()): {"list", "watch"},
