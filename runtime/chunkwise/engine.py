@@ -77,23 +77,42 @@ class StepStats:
         return self.step_seconds - self.forward_seconds
 
 
+Logprobs = list[tuple[float, list[tuple[int, float]]]]
+
+
 @dataclass(slots=True)
-class TokenUpdate:
-    """What one step did to one request, as of the end of that step: the output side reads this snapshot
-    (and a finished request's finish fields, which never change again), not the live request, which the
-    step loop may already be advancing on another thread."""
+class StepUpdate:
+    """What one step did to its requests, as of the end of that step: the output side reads this snapshot
+    (and a finished request's finish fields, which never change again), not the live requests, which the
+    step loop may already be advancing on another thread. Parallel lists, not an object per request: at
+    hundreds of rows a step, the snapshot is a few list passes."""
 
-    req: Request
-    num_tokens: int  # len(req.token_ids) when the step ended: the new tokens are the ones before it
-    finished: bool
-    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
-    # Set by the output side when the text reached a stop string (the request ends there).
-    stop: str | None = None
-    stop_time: float | None = None
+    reqs: list[Request]
+    num_tokens: list[int]  # len(req.token_ids) when the step ended: the new tokens are the ones before it
+    finished: list[bool]
+    # Per request id, per new token: (chosen logprob, top alternatives); None when no row asked for them.
+    logprobs: dict[str, Logprobs] | None = None
+
+    @classmethod
+    def of(cls, reqs: list[Request], logprobs: dict[str, Logprobs] | None = None) -> StepUpdate:
+        # finish() sets finish_reason: whether it is set is whether the request is finished.
+        return cls(
+            reqs,
+            [len(r.token_ids) for r in reqs],
+            [r.finish_reason is not None for r in reqs],
+            logprobs or None,
+        )
 
 
-# Ends a request at a stop string, found in the text after the step that produced it (see OutputProcessor).
-StopFinisher = Callable[[Request, str], None]
+@dataclass
+class ProcessedOutputs:
+    outputs: list[RequestOutput]
+    # Requests whose output ended in this batch (by the step or by a stop string).
+    finished: list[Request]
+    # Requests whose text reached a stop string: their output ended here, and the caller releases them
+    # from the scheduler (at once in the step loop's thread; through the inbox from AsyncEngine's output
+    # thread). The output processor never calls into the scheduler itself.
+    stopped: list[tuple[Request, str]]
 
 
 class _OutputState:
@@ -126,35 +145,44 @@ class OutputProcessor:
     def add(self, req: Request, prompt: str | None) -> None:
         self.states[req.request_id] = _OutputState(req, prompt, self.tokenizer)
 
-    def process(self, updates: Sequence[TokenUpdate], finish_by_stop: StopFinisher) -> list[RequestOutput]:
-        """Detokenize each update's new tokens and look for stop strings; a match ends the request's output
-        here and is reported through `finish_by_stop` (the scheduler frees it: at once when this runs in
-        the step loop's thread, at its next step when it runs on AsyncEngine's output thread)."""
-        outs = []
+    def process(self, update: StepUpdate) -> ProcessedOutputs:
+        """Detokenize each request's new tokens and look for stop strings; a match ends the request's
+        output here and is reported in `stopped` for the caller to release."""
+        outs: list[RequestOutput] = []
+        finished_reqs: list[Request] = []
+        stopped: list[tuple[Request, str]] = []
         states = self.states
-        for u in updates:
-            req = u.req
+        logprobs = update.logprobs
+        for req, num_tokens, finished in zip(update.reqs, update.num_tokens, update.finished):
             st = states.get(req.request_id)
             if st is None:
                 continue  # already finished here (a stop string), the step loop not yet told
-            new_tokens = req.token_ids[st.num_prompt_tokens + st.sent_tokens : u.num_tokens]
+            new_tokens = req.token_ids[st.num_prompt_tokens + st.sent_tokens : num_tokens]
             step = st.detok.step
             piece = step(new_tokens[0]) if len(new_tokens) == 1 else "".join([step(t) for t in new_tokens])
-            if u.finished:
+            if finished:
                 piece += st.detok.flush()
+            stop = None
             if st.stops:
-                delta = self._stop_strings(st, u, piece, finish_by_stop)
+                delta, stop = self._stop_strings(st, finished, piece)
+                if stop is not None:
+                    finished = True
+                    stopped.append((req, stop))
             else:
                 delta = piece
-            outs.append(self._emit(st, u, new_tokens, delta))
-        return outs
+            lp = logprobs.get(req.request_id) if logprobs is not None else None
+            outs.append(self._emit(st, req, finished, stop, new_tokens, delta, lp))
+            if finished:
+                finished_reqs.append(req)
+        return ProcessedOutputs(outs, finished_reqs, stopped)
 
-    def _stop_strings(
-        self, st: _OutputState, u: TokenUpdate, piece: str, finish_by_stop: StopFinisher
-    ) -> str:
-        """Append `piece`, finish the request at the first stop string, and return what may be sent."""
+    @staticmethod
+    def _stop_strings(st: _OutputState, finished: bool, piece: str) -> tuple[str, str | None]:
+        """Append `piece` and look for the first stop string: what may be sent, and the stop string that
+        ended the output (None if none did)."""
         st.text += piece
-        if not u.finished:
+        stop = None
+        if not finished:
             # Only the tail can hold a new match: the new text plus a stop string's length before it.
             window_start = max(0, st.sent_chars - st.max_stop)
             best: tuple[int, str] | None = None
@@ -163,37 +191,43 @@ class OutputProcessor:
                 if idx != -1 and (best is None or idx < best[0]):
                     best = (idx, s)
             if best is not None:
-                idx, s = best
-                keep = idx + len(s) if st.req.sampling_params.include_stop_str_in_output else idx
+                idx, stop = best
+                keep = idx + len(stop) if st.req.sampling_params.include_stop_str_in_output else idx
                 st.text = st.text[:keep]
-                u.finished, u.stop, u.stop_time = True, s, time.monotonic()
-                finish_by_stop(st.req, s)
-        upto = len(st.text) if u.finished else max(st.sent_chars, len(st.text) - st.holdback)
+                finished = True
+        upto = len(st.text) if finished else max(st.sent_chars, len(st.text) - st.holdback)
         delta = st.text[st.sent_chars : upto]
         st.sent_chars = upto
         drop = st.sent_chars - st.max_stop
         if drop > st.TRIM_TEXT_AT:
             st.text = st.text[drop:]
             st.sent_chars -= drop
-        return delta
+        return delta, stop
 
-    def _emit(self, st: _OutputState, u: TokenUpdate, new_tokens: list[int], delta: str) -> RequestOutput:
-        req = u.req
-        finished = u.finished
+    def _emit(
+        self,
+        st: _OutputState,
+        req: Request,
+        finished: bool,
+        stop: str | None,
+        new_tokens: list[int],
+        delta: str,
+        logprobs: Logprobs | None,
+    ) -> RequestOutput:
         st.sent_tokens += len(new_tokens)
         lp = None
-        if u.logprobs is not None:
-            lp = [TokenLogprob(t, v, top) for t, (v, top) in zip(new_tokens, u.logprobs)]
+        if logprobs is not None:
+            lp = [TokenLogprob(t, v, top) for t, (v, top) in zip(new_tokens, logprobs)]
         finish_reason: str | None = None
         stop_reason: int | str | None = None
         finished_time: float | None = None
         if finished:
             self.states.pop(req.request_id, None)
-            if u.stop is not None:
+            if stop is not None:
                 finish_reason, stop_reason, finished_time = (
                     RequestStatus.FINISHED_STOPPED.value,
-                    u.stop,
-                    u.stop_time,
+                    stop,
+                    time.monotonic(),
                 )
             else:
                 finish_reason, stop_reason, finished_time = (
@@ -556,15 +590,17 @@ class EngineCore:
     # -- the step loop ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One step and its outputs (text, stop strings), in this thread."""
-        updates = self.run_step()
+        update = self.run_step()
         t0 = time.perf_counter()
-        outs = self.outputs.process(updates, self.finish_by_stop)
+        processed = self.outputs.process(update)
+        for req, stop in processed.stopped:
+            self.finish_by_stop(req, stop)
         if self.last_step is not None:
             self.last_step.output_seconds = time.perf_counter() - t0
             self.last_step.step_seconds += self.last_step.output_seconds
-        return outs
+        return processed.outputs
 
-    def run_step(self) -> list[TokenUpdate]:
+    def run_step(self) -> StepUpdate:
         """The step loop's part of a step (schedule, forward and sample, update): what changed, as
         snapshots for the output side (OutputProcessor.process), which may run on another thread."""
         t0 = time.perf_counter()
@@ -572,20 +608,13 @@ class EngineCore:
         t1 = time.perf_counter()
         result = self.runner.execute(so)
         t2 = time.perf_counter()
-        updated = self.scheduler.update_from_output(so, result.sampled, result.drafted)
+        updated = self.scheduler.update_from_output(so, result.sampled, result.drafted, result.row_tokens)
         if self.draft_length is not None and so.num_batched_tokens:
             self.step_cost.observe(so.num_batched_tokens, result.forward_seconds)
             drafted = sum(result.drafted.values())
             accepted = sum(len(result.sampled[r]) - 1 for r in result.drafted)
             self.draft_length.observe_acceptance(drafted, accepted)
-        logprobs = result.logprobs
-        # finish() sets finish_reason: whether it is set is whether the request is finished.
-        updates = [
-            TokenUpdate(r, len(r.token_ids), r.finish_reason is not None, logprobs.get(r.request_id))
-            if logprobs
-            else TokenUpdate(r, len(r.token_ids), r.finish_reason is not None)
-            for r in updated
-        ]
+        update = StepUpdate.of(updated, result.logprobs)
         t3 = time.perf_counter()
         if so.num_prefill_tokens >= so.num_batched_tokens // 2 and so.num_prefill_tokens > 0:
             self.cost_model.observe_prefill(so.num_batched_tokens, result.forward_seconds)
@@ -605,7 +634,7 @@ class EngineCore:
             update_seconds=t3 - t2,
             num_padding_rows=len(so.padding_positions),
         )
-        return updates
+        return update
 
     def finish_by_stop(self, req: Request, stop: str) -> None:
         """End a request at a stop string its text reached (no-op if it has already ended)."""
@@ -716,7 +745,7 @@ class AsyncEngine:
     """Runs EngineCore's step loop on its own thread and streams each request's deltas to asyncio.
 
     The step loop never waits on HTTP work: requests and aborts reach it through a thread-safe inbox that it
-    drains between steps. Nor does it wait on output work: each step's TokenUpdates go to an output thread,
+    drains between steps. Nor does it wait on output work: each step's StepUpdate goes to an output thread,
     which detokenizes, finds stop strings, delivers to each request's asyncio queue (one call_soon_threadsafe
     per event loop per step) and runs the observers, while the loop runs the next step (torch releases the
     GIL while it computes). A stop string found there ends the request's output at once and reaches the
@@ -1033,8 +1062,13 @@ class AsyncEngine:
             try:
                 for req, text in event.added:
                     outputs.add(req, text)
-                outs = outputs.process(event.updates, self._finish_by_stop) if event.updates else []
-                finished = [u.req for u, o in zip(event.updates, outs) if o.finished] if outs else []
+                outs: list[RequestOutput] = []
+                finished: list[Request] = []
+                if event.update is not None:
+                    processed = outputs.process(event.update)
+                    outs, finished = processed.outputs, processed.finished
+                    for req, stop in processed.stopped:
+                        self._finish_by_stop(req, stop)
                 if event.aborted:
                     for req in event.aborted:
                         if req.request_id in outputs.states:
@@ -1056,7 +1090,7 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 try:
-                    updates = self.core.run_step()
+                    update = self.core.run_step()
                 except Exception as e:
                     self._recover(e)
                     continue
@@ -1067,7 +1101,7 @@ class AsyncEngine:
                 # Publish before the outputs go out: a client that sees its first token must never find
                 # itself still counted as waiting by the next admission check.
                 self._publish()
-                self._out_q.put(_OutputEvent(step=step, updates=updates))
+                self._out_q.put(_OutputEvent(step=step, update=update))
         except BaseException as e:  # the engine thread must not die silently
             self.error = e
             self._fail_streams(RuntimeError(f"engine failed: {e!r}"))
@@ -1085,7 +1119,7 @@ class _OutputEvent:
 
     added: list[tuple[Request, str | None]] = dataclasses.field(default_factory=list)
     step: StepStats | None = None
-    updates: list[TokenUpdate] = dataclasses.field(default_factory=list)
+    update: StepUpdate | None = None
     aborted: list[Request] = dataclasses.field(default_factory=list)
 
 

@@ -25,7 +25,7 @@ class RequestStatus(enum.Enum):
 _FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -41,6 +41,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     # All tokens, prompt then output, grown in place: the step loop never concatenates.
     token_ids: list[int] = field(init=False)
+    # len(prompt_token_ids), which never changes: a field, so the step loop's per-row checks read the
+    # request alone, not the prompt list too.
+    num_prompt_tokens: int = field(init=False)
     # The one number the step loop drives: computed KV catches up with len(token_ids). A prefill chunk,
     # a prefix-cache hit, a recompute after preemption and a speculative verify all move it forward.
     num_computed_tokens: int = 0
@@ -54,6 +57,12 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
+    # Set by the scheduler when the request arrives: the length at which it ends (max_tokens generated, or
+    # max_model_len), and the ids that may end it sooner (EOS, stop_token_ids). The step loop's per-token
+    # check is then one compare and one set lookup; which one ended it is worked out only then.
+    length_limit: int = field(init=False, default=0)
+    stop_check_ids: frozenset[int] = field(init=False, default=frozenset())
+
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -61,10 +70,7 @@ class Request:
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -72,16 +78,16 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_token_ids)
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids) :]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def is_prefilling(self) -> bool:
         """True while the prompt's KV is not yet all computed."""
-        return self.num_computed_tokens < len(self.prompt_token_ids)
+        return self.num_computed_tokens < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

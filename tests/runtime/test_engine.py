@@ -342,8 +342,8 @@ def _run_one_batch(
     padding_blocks: set[int] = set()  # the cache blocks padding rows wrote into
     fill = runner.inputs.fill
 
-    def watched_fill(rows, padding=()):  # type: ignore[no-untyped-def]
-        step = fill(rows, padding) if padding else fill(rows)
+    def watched_fill(rows, padding=(), **kw):  # type: ignore[no-untyped-def]
+        step = fill(rows, padding, **kw) if padding else fill(rows, **kw)
         if padding:
             padding_blocks.update((step.meta.slot_mapping[-len(padding) :] // 4).tolist())
         return step
@@ -424,3 +424,29 @@ def test_static_padding_rows_ride_along_prefill_chunks_and_change_no_token() -> 
     free, after = static["free_before_after"]  # type: ignore[misc]
     assert after == free
     assert cont["stats"].num_padding_rows == 0  # type: ignore[attr-defined]
+
+
+def test_output_processor_reports_stop_strings_and_finishes_without_the_scheduler(llm: LLM) -> None:
+    """A stop string ends a request's output in `process` and is handed back in `stopped` (the processor
+    holds no scheduler); a request already ended there is skipped in a later batch, and `finished` names
+    exactly the requests whose output ended, however many the batch skipped."""
+    from chunkwise.engine import OutputProcessor, StepUpdate
+
+    core = llm.engine
+    tok = core.tokenizer
+    proc = OutputProcessor(tok)
+    a, _ = core.make_request("a", "x", SamplingParams(max_tokens=20, stop=["wor"]))
+    b, _ = core.make_request("b", "x", SamplingParams(max_tokens=20))
+    for r in (a, b):
+        proc.add(r, "x")
+        r.token_ids.extend(tok.encode(" hello world"))
+    first = proc.process(StepUpdate.of([a, b]))
+    assert first.stopped == [(a, "wor")] and first.finished == [a]
+    out_a, out_b = first.outputs
+    assert out_a.finished and out_a.outputs[0].finish_reason == "stop" and out_a.outputs[0].stop_reason == "wor"
+    assert out_a.outputs[0].text == " hello " and not out_b.finished
+    assert a.status.value == "waiting"  # nothing reached the scheduler's state
+    b.token_ids.extend(tok.encode("!"))
+    second = proc.process(StepUpdate([a, b], [len(a.token_ids), len(b.token_ids)], [False, True]))
+    assert [o.request_id for o in second.outputs] == ["b"] and second.finished == [b]
+    assert second.stopped == [] and second.outputs[0].finished

@@ -61,6 +61,8 @@ class CpuAttentionBackend:
         kernels.load()  # raises KernelUnavailable with the reason
         self._reference = TorchAttentionBackend()
         self._warned: set[tuple[int, int]] = set()
+        # 0..n-1, sliced for each decode step's rows (a view costs less than a new arange every step).
+        self._row_ids = torch.arange(0, dtype=torch.int64)
 
     def plan(self, meta: AttentionMetadata, num_heads: int, num_kv_heads: int, head_dim: int) -> CpuPlan:
         plan = CpuPlan(meta, num_heads, num_kv_heads, head_dim)
@@ -81,7 +83,9 @@ class CpuAttentionBackend:
         if meta.max_query_len == 1:
             # All decode rows (the common step): one query token per row, in row order.
             n = meta.num_reqs
-            plan.token_rows = plan.token_index = torch.arange(n, device=device)
+            if self._row_ids.shape[0] < n or self._row_ids.device != device:
+                self._row_ids = torch.arange(max(n, 2 * self._row_ids.shape[0]), device=device)
+            plan.token_rows = plan.token_index = self._row_ids[:n]
             plan.token_lens = _int64(meta.seq_lens)
             plan.block_tables = _int64(meta.block_tables)
             return plan

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from chunkwise.request import Request
 from chunkwise.sampling_params import SamplingParams
 
 
@@ -24,6 +25,8 @@ class ScheduledRequest:
     num_spec_tokens: int = 0
     # The request's whole token history (live reference), for proposers that look back over it.
     all_token_ids: list[int] | None = None
+    # The scheduler's own request, so that applying the step needs no lookup (the runner never reads it).
+    req: Request | None = None
 
 
 @dataclass

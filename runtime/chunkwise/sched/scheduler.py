@@ -85,6 +85,8 @@ class Scheduler:
                 f"request needs up to {need} KV blocks for its prompt and max_tokens, "
                 f"but the cache holds {self.kv.pool.num_blocks}"
             )
+        req.length_limit = min(req.num_prompt_tokens + req.max_tokens, self.max_model_len)
+        req.stop_check_ids = frozenset(req.eos_token_ids) | frozenset(req.sampling_params.stop_token_ids)
         req.output_length_estimate = self.admission.output_estimate(req)
         self.stats.last_output_length_estimate = req.output_length_estimate
         self.requests[req.request_id] = req
@@ -219,28 +221,28 @@ class Scheduler:
             start = req.num_computed_tokens
             if len(tokens) - start != 1:
                 return None
-            if start < len(req.prompt_token_ids):
-                num_prefill += (
-                    1  # a prompt's last token (after a prefix-cache hit): prefill, as _compose counts
-                )
+            if start < req.num_prompt_tokens:
+                num_prefill += 1  # a prompt's last token (after a prefix-cache hit): prefill, as _compose counts
             table = tables.get(req.request_id)
             if table is None or start >= len(table) * capacity or (start + 1) % capacity == 0:
                 # A new block, or one that fills up now (its hash goes to the prefix cache).
                 if not kv.allocate(req, 1):
                     return None
                 table = tables[req.request_id]
-            params = req.sampling_params
             row = rows.get(req.request_id)
             if row is None or row.block_table is not table:
+                params = req.sampling_params
                 row = rows[req.request_id] = ScheduledRequest(
-                    req.request_id, tokens[start:], start, table, True, params
+                    req.request_id, tokens[start:], start, table, True, params, req=req
                 )
+                if params.has_penalty:
+                    row.output_token_ids = req.output_token_ids
             else:
                 # The row's own one-token list (no step keeps it past its own): refilled, not reallocated.
                 row.token_ids[0] = tokens[start]
                 row.start_pos = start
-            if params.has_penalty:
-                row.output_token_ids = req.output_token_ids
+                if row.output_token_ids is not None:  # penalties read the outputs so far
+                    row.output_token_ids = req.output_token_ids
             append(row)
         finished, self._finished_ids = self._finished_ids, set()
         self._update_gauges()
@@ -389,6 +391,7 @@ class Scheduler:
                     output_token_ids=req.output_token_ids if params.has_penalty and samples else None,
                     num_spec_tokens=num_spec,
                     all_token_ids=req.token_ids if num_spec else None,
+                    req=req,
                 )
             )
             num_tokens += n
@@ -432,7 +435,11 @@ class Scheduler:
 
     # -- apply the step's result ------------------------------------------------------------------------
     def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[str, list[int]], drafted: dict[str, int] | None = None
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, list[int]],
+        drafted: dict[str, int] | None = None,
+        row_tokens: list[int] | None = None,
     ) -> list[Request]:
         """Advance each scheduled request and append what it sampled. Returns requests with new tokens
         (finished ones included, already released).
@@ -448,9 +455,10 @@ class Scheduler:
             self.stats.spec_num_draft_tokens += sum(drafted.values())
         requests = self.requests
         running = RequestStatus.RUNNING
-        max_model_len = self.max_model_len
         if out.decode_only and not drafted:
-            return self._update_decodes(out, sampled, now)
+            if row_tokens is None:
+                row_tokens = [sampled[sr.req_id][0] for sr in out.scheduled]
+            return self._update_decodes(out, row_tokens, now)
         for sr in out.scheduled:
             req = requests.get(sr.req_id)
             if req is None or req.status is not running:
@@ -466,12 +474,11 @@ class Scheduler:
                 req.first_token_time = now
             req.last_token_time = now
             token_ids = req.token_ids
-            params = req.sampling_params
-            # The length at which the request ends: max_tokens generated, or max_model_len.
-            limit = min(len(req.prompt_token_ids) + req.max_tokens, max_model_len)
+            limit = req.length_limit
+            stop_ids = req.stop_check_ids
             for t in tokens:
                 token_ids.append(t)
-                if len(token_ids) >= limit or t in req.eos_token_ids or t in params.stop_token_ids:
+                if len(token_ids) >= limit or t in stop_ids:
                     status, reason = self._check_stop(req, t)  # which one it is (EOS may be ignored)
                     if status is not None:
                         self.finish(req, status, reason)
@@ -479,34 +486,28 @@ class Scheduler:
             updated.append(req)
         return updated
 
-    def _update_decodes(
-        self, out: SchedulerOutput, sampled: dict[str, list[int]], now: float
-    ) -> list[Request]:
-        """update_from_output for the steady state: every row computed one token and sampled one."""
-        updated = []
-        requests = self.requests
+    def _update_decodes(self, out: SchedulerOutput, tokens: list[int], now: float) -> list[Request]:
+        """update_from_output for the steady state: every row computed one token and sampled one (`tokens`,
+        in row order)."""
+        updated: list[Request] = []
+        append = updated.append
         running = RequestStatus.RUNNING
-        max_model_len = self.max_model_len
-        for sr in out.scheduled:
-            req = requests.get(sr.req_id)
-            if req is None or req.status is not running:
+        for sr, t in zip(out.scheduled, tokens):
+            req = sr.req
+            assert req is not None  # the scheduler's own rows carry their request
+            if req.status is not running:
                 continue  # aborted while the step ran
-            (t,) = sampled[sr.req_id]
             req.num_computed_tokens += 1
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
             token_ids = req.token_ids
             token_ids.append(t)
-            if (
-                len(token_ids) >= min(len(req.prompt_token_ids) + req.max_tokens, max_model_len)
-                or t in req.eos_token_ids
-                or t in req.sampling_params.stop_token_ids
-            ):
+            if len(token_ids) >= req.length_limit or t in req.stop_check_ids:
                 status, reason = self._check_stop(req, t)
                 if status is not None:
                     self.finish(req, status, reason)
-            updated.append(req)
+            append(req)
         return updated
 
     def _check_stop(self, req: Request, token: int) -> tuple[RequestStatus | None, int | None]:

@@ -154,8 +154,12 @@ class InputBatch:
 
     # -- one step ---------------------------------------------------------------------------------------
 
-    def fill(self, rows: Sequence[RowLike], padding: Sequence[int] = ()) -> StepInputs:
+    def fill(
+        self, rows: Sequence[RowLike], padding: Sequence[int] = (), one_token_rows: bool = False
+    ) -> StepInputs:
         """The step's inputs. Rows are all keyed (a req_id each: their tables persist here) or all not.
+        `one_token_rows`: the caller knows every row is one token (a decode-only step), so no row's length
+        needs reading.
 
         `padding`: positions of padding rows to append after the real ones (static batching's held slots):
         each one token (PADDING_TOKEN) at its position over a block table of nothing but the sink block, so
@@ -172,7 +176,7 @@ class InputBatch:
         # What only Python can read: tokens, lengths, start positions. Comprehensions, not an append loop:
         # at hundreds of rows this pass is most of the fill.
         starts_l = [r.start_pos for r in rows]
-        lens = [len(r.token_ids) for r in rows]
+        lens = [1] * num_real if one_token_rows else [len(r.token_ids) for r in rows]
         if num_pad:
             starts_l.extend(padding)
             lens.extend([1] * num_pad)

@@ -29,6 +29,9 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
 @dataclass
 class ModelRunnerOutput:
     sampled: dict[str, list[int]] = field(default_factory=dict)
+    # A decode-only step's tokens in row order, one a row, instead of `sampled` (no per-row dict to build
+    # and look up at hundreds of rows).
+    row_tokens: list[int] | None = None
     # Per sampled request, per token: (chosen logprob, [(id, logprob) of the top alternatives]).
     logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] = field(default_factory=dict)
     # Draft tokens proposed per speculating request (the accepted ones are in `sampled`, before its last).
@@ -196,7 +199,7 @@ class ModelRunner:
         # Static batching's padding rows go after the real ones: decode rows into the sink block, computed
         # through the logits like any decode row, and then dropped.
         num_pad = len(so.padding_positions)
-        step = self.inputs.fill(rows, so.padding_positions)
+        step = self.inputs.fill(rows, so.padding_positions, one_token_rows=so.decode_only)
         meta = step.meta
         scheduled = so.scheduled
         num_rows = len(scheduled)
@@ -304,9 +307,12 @@ class ModelRunner:
         result: SamplerOutput,
         out: ModelRunnerOutput,
     ) -> None:
-        sampled = out.sampled
-        for i, tok in zip(rows, tokens):
-            sampled[so.scheduled[i].req_id] = [tok]
+        if so.decode_only:
+            out.row_tokens = tokens
+        else:
+            sampled = out.sampled
+            for i, tok in zip(rows, tokens):
+                sampled[so.scheduled[i].req_id] = [tok]
         if result.logprobs is None:
             return
         chosen = result.logprobs.tolist()
