@@ -115,6 +115,20 @@ class ProcessedOutputs:
     stopped: list[tuple[Request, str]]
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the server and metrics need to know about the loaded engine, without reaching into it."""
+
+    model: str  # what was loaded: a preset name or a checkpoint directory
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool
+    max_waiting: int | None  # the scheduler's load-shedding bound (None: unbounded)
+    dtype: str
+
+
 class _OutputState:
     """Per-request emission state: incremental detokenization and stop strings."""
 
@@ -367,6 +381,16 @@ class EngineCore:
         self.outputs = OutputProcessor(self.tokenizer)
         self.num_blocks = num_blocks
         self.last_step: StepStats | None = None
+        self.model_info = ModelInfo(
+            model=config.model,
+            vocab_size=mcfg.vocab_size,
+            max_model_len=self.max_model_len,
+            block_size=cache.block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=cache.enable_prefix_caching,
+            max_waiting=sched_cfg.max_waiting,
+            dtype=choice.name,
+        )
 
     def _set_up_graphs(self, config: EngineConfig, device: torch.device, backend: AttentionBackend) -> None:
         if config.enforce_eager:
@@ -814,6 +838,10 @@ class AsyncEngine:
     @property
     def tokenizer(self) -> Tokenizer:
         return self.core.tokenizer
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self.core.model_info
 
     @property
     def max_model_len(self) -> int:

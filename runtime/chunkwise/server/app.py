@@ -132,9 +132,9 @@ def build_app(
     if served_model_name is None:
         if engine is None:
             raise ValueError("served_model_name is required when the engine is not given")
-        served_model_name = engine.core.config.model
+        served_model_name = engine.model_info.model
     if max_waiting is None and engine is not None:
-        max_waiting = engine.core.config.scheduler.max_waiting
+        max_waiting = engine.model_info.max_waiting
     shedding = SheddingPolicy(max_waiting=max_waiting, queue_delay_slo_s=queue_delay_slo_s)
     metrics = metrics or EngineMetrics(served_model_name)
     state = ServerState(engine, served_model_name, shedding, metrics)
@@ -161,7 +161,7 @@ def build_app(
             "owned_by": "chunkwise",
         }
         if state.engine is not None:
-            card["root"] = state.engine.core.config.model
+            card["root"] = state.engine.model_info.model
             card["max_model_len"] = state.engine.max_model_len
         return {"object": "list", "data": [card]}
 

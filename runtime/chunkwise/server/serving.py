@@ -65,8 +65,8 @@ class ServerState:
     def attach(self, engine: AsyncEngine) -> None:
         """Serve `engine` from now on (the server starts answering /health 200 once it runs)."""
         engine.add_observer(self.metrics.on_step)
-        cache = engine.core.config.cache
-        self.metrics.set_cache_config(cache.block_size, engine.core.num_blocks, cache.enable_prefix_caching)
+        info = engine.model_info
+        self.metrics.set_cache_config(info.block_size, info.num_blocks, info.enable_prefix_caching)
         self.metrics.set_stats_source(engine.scheduler_stats)
         self.engine = engine
 
@@ -369,7 +369,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
     if body.best_of is not None and body.best_of != 1:
         raise bad_request("best_of must be 1 (one completion per request)", param="best_of")
     prompt = _single_prompt(body.prompt)
-    params = _sampling_params(body, body.max_tokens, body.logprobs, engine.core.loaded.config.vocab_size)
+    params = _sampling_params(body, body.max_tokens, body.logprobs, engine.model_info.vocab_size)
     rid = f"cmpl-{uuid.uuid4().hex}"
     stream = state.add(engine, prompt, params, rid, "completions", "prompt")
     created = int(time.time())
@@ -524,7 +524,7 @@ async def create_chat_completion(
         top_n = body.top_logprobs
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = _sampling_params(
-        body, max_tokens, top_n if body.logprobs else None, engine.core.loaded.config.vocab_size
+        body, max_tokens, top_n if body.logprobs else None, engine.model_info.vocab_size
     )
     ids = chat_prompt_ids(engine, body)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
