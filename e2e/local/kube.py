@@ -74,7 +74,7 @@ class Emulator(km.KubernetesEmulator):
             raise km.KubernetesError(
                 409,
                 "Conflict",
-                f"Operation cannot be fulfilled on {request.resource.plural} \"{request.name}\": the object "
+                f'Operation cannot be fulfilled on {request.resource.plural} "{request.name}": the object '
                 "has been modified; please apply your changes to the latest version and try again",
             )
 
@@ -102,6 +102,11 @@ def declare(emulator: km.KubernetesEmulator) -> None:
         ("keda.sh/v1alpha1/scaledobjects", "ScaledObject", set()),
     ):
         r[key] = km.ResourceInfo(kind=kind, namespaced=True, verbs=VERBS, subresources=sub)
+    # Kopf's peering (several operator replicas): cluster-wide and per namespace.
+    r["kopf.dev/v1/clusterkopfpeerings"] = km.ResourceInfo(
+        kind="ClusterKopfPeering", namespaced=False, verbs=VERBS
+    )
+    r["kopf.dev/v1/kopfpeerings"] = km.ResourceInfo(kind="KopfPeering", namespaced=True, verbs=VERBS)
     # Kopf hangs at start-up unless these exist too.
     r["v1/namespaces"] = km.ResourceInfo(kind="Namespace", namespaced=False, verbs=VERBS)
     r["apiextensions.k8s.io/v1/customresourcedefinitions"] = km.ResourceInfo(

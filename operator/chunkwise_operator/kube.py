@@ -240,6 +240,26 @@ class Kube:
             _preload_content=False,
         )
 
+    def ensure_peering(self, name: str, namespace: str | None) -> bool:
+        """Create the ClusterKopfPeering (or, for a namespace, KopfPeering) `name`; True if it was absent.
+
+        The operator makes its own, rather than manifests/: `kubectl apply -k` of a CRD and an object of it
+        together fails on a fresh cluster, before the CRD is established.
+        """
+        api = kubernetes.client.CustomObjectsApi(self._client)
+        kind = "ClusterKopfPeering" if namespace is None else "KopfPeering"
+        body = {"apiVersion": "kopf.dev/v1", "kind": kind, "metadata": {"name": name}}
+        try:
+            if namespace is None:
+                api.create_cluster_custom_object("kopf.dev", "v1", "clusterkopfpeerings", body)
+            else:
+                api.create_namespaced_custom_object("kopf.dev", "v1", namespace, "kopfpeerings", body)
+        except ApiException as e:
+            if e.status == 409:
+                return False
+            raise
+        return True
+
     def list_scalers(self, namespace: str) -> list[dict[str, Any]]:
         """Every HPA and ScaledObject in the namespace; a kind the cluster does not serve (no KEDA) has none."""
         api = kubernetes.client.CustomObjectsApi(self._client)

@@ -7,9 +7,11 @@ survives renaming a function.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import asyncio
+import dataclasses
 import os
+import random
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,6 +30,15 @@ DEFAULT_AUTOSCALER_INTERVAL_S = 15.0
 # Seconds between status refreshes of one InferenceService (a list of its runtime pods).
 STATUS_INTERVAL_ENV = "CHUNKWISE_STATUS_INTERVAL_SECONDS"
 DEFAULT_STATUS_INTERVAL_S = 30.0
+# Replicas of the operator find each other in this KopfPeering / ClusterKopfPeering (manifests/): the one
+# with the highest priority works, the others stand by.
+PEERING_NAME = "chunkwise-operator"
+# Seconds a replica's peering record stays valid without a keep-alive: how long a replica that died without
+# saying so (SIGKILL, a lost node) blocks a standby from taking over. Kopf's default.
+PEERING_LIFETIME_ENV = "CHUNKWISE_PEERING_LIFETIME_SECONDS"
+DEFAULT_PEERING_LIFETIME_S = 60.0
+# The namespace a namespaced install runs in and serves (the downward API sets it): its KopfPeering goes there.
+POD_NAMESPACE_ENV = "POD_NAMESPACE"
 # Every child carries this label (manifests.labels); the watches see only objects that do.
 CHILD_LABELS = {LABEL_MANAGED_BY: MANAGER}
 # HPA's relative tolerance around each target, within which the count is left alone.
@@ -44,8 +55,18 @@ def _env_float(name: str, default: float | None) -> float | None:
     return value
 
 
+def peering_priority(started: float, jitter: int) -> int:
+    """Kopf's peering priority for a replica started at `started` (epoch s): the oldest replica is active.
+
+    Kopf pauses every replica that sees a peer of higher priority, and all of them on a tie, so replicas of one
+    Deployment need distinct priorities. Older-wins keeps the active replica active while new ones start (a
+    rollout or a rescheduled standby takes nothing over); `jitter` (0-999) breaks ties within a millisecond.
+    """
+    return -(int(started * 1000) * 1000 + jitter)
+
+
 @kopf.on.startup(id="configure")
-def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     # Progress in annotations only: the CRD's status schema has no `kopf` field, so the API server would
     # prune Kopf's default status-based progress and retries would lose count.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
@@ -53,6 +74,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         prefix=GROUP, key="last-handled-configuration"
     )
     settings.posting.reporting_component = MANAGER
+    settings.peering.priority = peering_priority(time.time(), random.randrange(1000))
+    lifetime = _env_float(PEERING_LIFETIME_ENV, DEFAULT_PEERING_LIFETIME_S)
+    settings.peering.lifetime = max(1, round(lifetime or DEFAULT_PEERING_LIFETIME_S))
     # Children are watched through a server-side label selector: the operator's watch streams carry only
     # its own objects, not every Deployment and Service of the cluster.
     selector = ",".join(f"{k}={v}" for k, v in CHILD_LABELS.items())
@@ -64,7 +88,30 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         behavior["tolerance"] = tolerance
     memo.autoscaler_interval = _env_float(AUTOSCALER_INTERVAL_ENV, DEFAULT_AUTOSCALER_INTERVAL_S)
     memo.status_interval = _env_float(STATUS_INTERVAL_ENV, DEFAULT_STATUS_INTERVAL_S)
-    memo.reconciler = Reconciler(Kube.from_environment(), behavior=behavior)
+    if not settings.peering.clusterwide:
+        # Namespaced (a Role, no cluster-wide reads): no watch on CRDs and namespaces, which a Role cannot
+        # grant; the resources found at start-up are served.
+        settings.scanning.disabled = True
+    kube = Kube.from_environment()
+    memo.reconciler = Reconciler(kube, behavior=behavior)
+    if settings.peering.mandatory and not settings.peering.standalone:
+        _ensure_peering(kube, settings, logger)
+
+
+def _ensure_peering(kube: Kube, settings: kopf.OperatorSettings, logger: kopf.Logger) -> None:
+    """The peering object must exist, or every replica waits for it, paused."""
+    namespace = None if settings.peering.clusterwide else os.environ.get(POD_NAMESPACE_ENV)
+    if not settings.peering.clusterwide and not namespace:
+        logger.warning(
+            f"Peering in namespaces but {POD_NAMESPACE_ENV} is not set: create the KopfPeering "
+            f"{settings.peering.name!r} in each watched namespace, or every replica stays paused"
+        )
+        return
+    if kube.ensure_peering(settings.peering.name, namespace):
+        logger.info(
+            f"Created the peering object {settings.peering.name!r}"
+            + (f" in {namespace}" if namespace else "")
+        )
 
 
 @kopf.on.cleanup(id="close")
@@ -204,6 +251,12 @@ def run_operator(argv: list[str] | None = None) -> int:
         help=f"seconds between autoscaler evaluations (default {DEFAULT_AUTOSCALER_INTERVAL_S:g}; "
         f"or the environment variable {AUTOSCALER_INTERVAL_ENV})",
     )
+    parser.add_argument(
+        "--peering",
+        action="store_true",
+        help=f"run as one of several replicas: peer through the KopfPeering {PEERING_NAME!r} (manifests/), "
+        "the oldest replica active; default: standalone, a single replica",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
     parser.add_argument("-q", "--quiet", action="store_true", help="log warnings and errors only")
     args = parser.parse_args(argv)
@@ -213,9 +266,9 @@ def run_operator(argv: list[str] | None = None) -> int:
         # Read by the start-up handler, which runs inside kopf.run below.
         os.environ[AUTOSCALER_INTERVAL_ENV] = repr(args.autoscaler_interval_seconds)
     kopf.configure(verbose=args.verbose, quiet=args.quiet)
-    # Standalone: one operator replica (the Deployment uses the Recreate strategy), so no peering objects.
     kopf.run(
-        standalone=True,
+        standalone=not args.peering,
+        peering_name=PEERING_NAME if args.peering else None,
         clusterwide=not args.namespace,
         namespaces=args.namespace,
         liveness_endpoint=args.liveness,

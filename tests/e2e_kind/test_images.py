@@ -34,7 +34,7 @@ pytestmark = pytest.mark.slow
 RUNTIME_IMAGE = os.environ.get("RUNTIME_IMAGE", "chunkwise/runtime:0.1.0")
 OPERATOR_IMAGE = os.environ.get("OPERATOR_IMAGE", "chunkwise/operator:0.1.0")
 USER = "65532:65532"
-# What the kubelet gives the containers in manifests/operator.yaml, and more: no writable root at all.
+# What the kubelet gives the containers in manifests/operator/operator.yaml, and more: no writable root at all.
 LOCKED_DOWN = [
     "--read-only",
     "--tmpfs",
@@ -203,7 +203,9 @@ async def test_operator_image_reaches_its_api_and_reconciles(
         pytest.skip(reason)
     config = image_config(OPERATOR_IMAGE)
     assert config["User"] == USER
-    deployment = yaml.safe_load((Path(__file__).parents[2] / "manifests" / "operator.yaml").read_text())
+    deployment = yaml.safe_load(
+        (Path(__file__).parents[2] / "manifests" / "operator" / "operator.yaml").read_text()
+    )
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     assert (
         config["Cmd"] == container["command"] + container["args"]

@@ -126,7 +126,7 @@ def test_runtime_image_torch_is_the_pinned_one() -> None:
 
 
 def test_operator_image_runs_what_the_deployment_runs() -> None:
-    deployment = yaml.safe_load((ROOT / "manifests" / "operator.yaml").read_text())
+    deployment = yaml.safe_load((ROOT / "manifests" / "operator" / "operator.yaml").read_text())
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     cmd = [a for k, a in final_stage(DOCKERFILES["operator"]) if k == "CMD"]
     assert json.loads(cmd[-1]) == container["command"] + container["args"]

@@ -34,6 +34,8 @@ CRD_PATH = ROOT / "crds" / "inferenceservice.yaml"
 MERGE = "application/merge-patch+json"
 VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
 NAMESPACE = "default"
+# What the tests' own requests (kubectl's part) send, so that they can be told apart from the operator's.
+TEST_USER_AGENT = "chunkwise-tests/kubectl"
 
 
 # One emulator for every kmock-based suite (this one, the local fleet, the image tests): it adds what kmock
@@ -57,7 +59,9 @@ class Cluster:
         self.k = emulator
         self.url = url
 
-    def get(self, resource: km.resource, name: str, namespace: str = NAMESPACE) -> dict[str, Any] | None:
+    def get(
+        self, resource: km.resource, name: str, namespace: str | None = NAMESPACE
+    ) -> dict[str, Any] | None:
         key = (resource, namespace, name)
         if key not in self.k.objects or self.k.objects[key].deleted:
             return None
@@ -86,7 +90,9 @@ class Cluster:
     # Writes go over HTTP through the real client, so that watchers see them as they would in a cluster.
 
     def _client(self) -> kubernetes.client.ApiClient:
-        return kubernetes.client.ApiClient(kubernetes.client.Configuration(host=self.url))
+        client = kubernetes.client.ApiClient(kubernetes.client.Configuration(host=self.url))
+        client.user_agent = TEST_USER_AGENT
+        return client
 
     async def create_isvc(
         self, name: str, spec: Mapping[str, Any], finalizers: list[str] | None = None
@@ -164,7 +170,9 @@ class Cluster:
 
         def call() -> None:
             url = f"{self.url}{_path(resource)}/namespaces/{NAMESPACE}/{resource.plural}/{name}"
-            headers = {"Content-Type": MERGE} if body is not None else {}
+            headers = {"User-Agent": TEST_USER_AGENT}
+            if body is not None:
+                headers["Content-Type"] = MERGE
             content = None if body is None else json.dumps(body)
             httpx.request(method, url, headers=headers, content=content, timeout=10).raise_for_status()
 
@@ -235,7 +243,9 @@ class _KopfThread:
     instant, where Kopf's stop flag waits out a graceful shutdown.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, **options: Any) -> None:
+        # kopf.operator()'s own arguments: cluster-wide unless told otherwise, standalone unless peering.
+        self.options = {"standalone": "peering_name" not in options, "clusterwide": True, **options}
         self.loop = asyncio.new_event_loop()
         self.task: asyncio.Task[None] | None = None
         self.error: BaseException | None = None
@@ -244,7 +254,7 @@ class _KopfThread:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.task = self.loop.create_task(kopf.operator(standalone=True, clusterwide=True))
+        self.task = self.loop.create_task(kopf.operator(**self.options))
         try:
             self.loop.run_until_complete(self.task)
         except asyncio.CancelledError:
@@ -268,18 +278,30 @@ class _KopfThread:
 
 
 @contextlib.asynccontextmanager
-async def running_operator(cluster: Cluster, caplog: pytest.LogCaptureFixture) -> AsyncIterator[Operator]:
+async def running_operator(
+    cluster: Cluster, caplog: pytest.LogCaptureFixture, standby: bool = False, **options: Any
+) -> AsyncIterator[Operator]:
+    """The operator, once it watches everything; `standby`: once it started (a paused peer watches nothing).
+
+    `options` go to kopf.operator(), e.g. peering_name= or namespaces=.
+    """
     caplog.set_level(logging.DEBUG, logger="kopf")
-    kopf_thread = _KopfThread()
+    kopf_thread = _KopfThread(**options)
     try:
-        # Objects created before Kopf's watch starts would be seen twice (list, then watch).
-        await eventually(
-            lambda: (
-                not kopf_thread.running
-                or all(cluster.watching(r) for r in (Cluster.ISVCS, *Cluster.CHILD_RESOURCES))
-            ),
-            what="Kopf watching",
-        )
+        if standby:
+            await eventually(
+                lambda: not kopf_thread.running or Operator(caplog).count("Activity 'configure' succeeded"),
+                what="Kopf started",
+            )
+        else:
+            # Objects created before Kopf's watch starts would be seen twice (list, then watch).
+            await eventually(
+                lambda: (
+                    not kopf_thread.running
+                    or all(cluster.watching(r) for r in (Cluster.ISVCS, *Cluster.CHILD_RESOURCES))
+                ),
+                what="Kopf watching",
+            )
         assert kopf_thread.running, f"Kopf stopped at start-up: {kopf_thread.error!r}"
         yield Operator(caplog)
     finally:

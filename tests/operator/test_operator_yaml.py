@@ -12,6 +12,7 @@ import yaml
 from operator_harness import ROOT, crd, schema_errors
 
 from chunkwise_operator import manifests
+from chunkwise_operator.main import PEERING_NAME, POD_NAMESPACE_ENV
 from chunkwise_operator.spec import API_VERSION, GROUP, KIND, PLURAL, SHORT_NAME, VERSION, parse
 from chunkwise_operator.status import compute_status
 
@@ -34,15 +35,21 @@ def all_documents() -> list[tuple[str, dict[str, Any]]]:
     return [(str(path.relative_to(ROOT)), doc) for path in FILES for doc in documents(path)]
 
 
-def find(kind: str, name: str | None = None) -> dict[str, Any]:
-    (doc,) = [d for _, d in all_documents() if d["kind"] == kind and name in (None, d["metadata"]["name"])]
+def find(kind: str, name: str | None = None, path: str | None = None) -> dict[str, Any]:
+    (doc,) = [
+        d
+        for p, d in all_documents()
+        if d["kind"] == kind and name in (None, (d.get("metadata") or {}).get("name")) and path in (None, p)
+    ]
     return doc
 
 
 def test_the_expected_files_exist() -> None:
     assert [str(p.relative_to(ROOT)) for p in FILES] == [
         "crds/inferenceservice.yaml",
+        "crds/kopf-peering.yaml",
         "crds/kustomization.yaml",
+        "crds/router-clusterrole.yaml",
         "manifests/examples/gpu-service.yaml",
         "manifests/examples/hpa.yaml",
         "manifests/examples/keda-scaledobject.yaml",
@@ -52,7 +59,10 @@ def test_the_expected_files_exist() -> None:
         "manifests/monitoring/prometheusrule.yaml",
         "manifests/monitoring/servicemonitor.yaml",
         "manifests/namespace.yaml",
-        "manifests/operator.yaml",
+        "manifests/namespaced/kustomization.yaml",
+        "manifests/namespaced/rbac.yaml",
+        "manifests/operator/kustomization.yaml",
+        "manifests/operator/operator.yaml",
         "manifests/rbac.yaml",
     ]
 
@@ -76,6 +86,8 @@ def test_every_document_is_covered_by_a_check() -> None:
             ("autoscaling/v2", "HorizontalPodAutoscaler"),
             ("rbac.authorization.k8s.io/v1", "ClusterRole"),
             ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"),
+            ("rbac.authorization.k8s.io/v1", "Role"),
+            ("rbac.authorization.k8s.io/v1", "RoleBinding"),
             ("v1", "Namespace"),
             ("v1", "ServiceAccount"),
             *CUSTOM,
@@ -195,43 +207,30 @@ def test_kustomizations_resolve() -> None:
     installed = kustomization_resources(ROOT / "manifests")
     assert [str(p.relative_to(ROOT)) for p in installed] == [
         "crds/inferenceservice.yaml",
+        "crds/kopf-peering.yaml",
+        "crds/router-clusterrole.yaml",
         "manifests/namespace.yaml",
         "manifests/rbac.yaml",
-        "manifests/operator.yaml",
+        "manifests/operator/operator.yaml",
     ]
+    # The namespaced install holds nothing cluster-scoped: an administrator applies crds/ for it.
+    namespaced = kustomization_resources(ROOT / "manifests" / "namespaced")
+    assert [str(p.relative_to(ROOT)) for p in namespaced] == [
+        "manifests/namespaced/rbac.yaml",
+        "manifests/operator/operator.yaml",
+    ]
+    assert {d["kind"] for p in namespaced for d in documents(p)} == {
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "Deployment",
+    }
     monitoring = kustomization_resources(ROOT / "manifests" / "monitoring")
     assert [p.name for p in monitoring] == ["servicemonitor.yaml", "prometheusrule.yaml"]
 
 
-def test_rbac_is_exactly_what_the_operator_uses() -> None:
-    role = find("ClusterRole", "chunkwise-operator")
-    rules = {
-        (tuple(r["apiGroups"]), tuple(r["resources"]), tuple(r.get("resourceNames", ()))): set(r["verbs"])
-        for r in role["rules"]
-    }
-    assert rules == {
-        ((GROUP,), ("inferenceservices",), ()): {"get", "list", "watch", "patch"},
-        ((GROUP,), ("inferenceservices/status",), ()): {"get", "patch"},
-        ((GROUP,), ("inferenceservices/scale",), ()): {"get", "patch"},
-        (("apps",), ("deployments",), ()): {"get", "list", "watch", "create", "patch", "delete"},
-        (("",), ("services", "serviceaccounts"), ()): {"get", "list", "watch", "create", "patch", "delete"},
-        (("policy",), ("poddisruptionbudgets",), ()): {"get", "list", "watch", "create", "patch"},
-        (("rbac.authorization.k8s.io",), ("rolebindings",), ()): {
-            "get",
-            "list",
-            "watch",
-            "create",
-            "patch",
-            "delete",
-        },
-        (("rbac.authorization.k8s.io",), ("clusterroles",), (manifests.ROUTER_CLUSTER_ROLE,)): {"bind"},
-        (("",), ("pods",), ()): {"get", "list", "watch"},
-        (("autoscaling",), ("horizontalpodautoscalers",), ()): {"list"},
-        (("keda.sh",), ("scaledobjects",), ()): {"list"},
-        (("",), ("events",), ()): {"create"},
-        (("apiextensions.k8s.io",), ("customresourcedefinitions",), ()): {"list", "watch"},
-        (("",), ("namespaces",), ()): {"list", "watch"},
-    }
+def test_rbac_bindings_name_the_accounts() -> None:
+    """The rules themselves are held against a running operator's requests in test_operator_rbac.py."""
     router = find("ClusterRole", manifests.ROUTER_CLUSTER_ROLE)
     assert router["rules"] == [
         {
@@ -241,13 +240,24 @@ def test_rbac_is_exactly_what_the_operator_uses() -> None:
         }
     ]
     binding = find("ClusterRoleBinding", "chunkwise-operator")
-    account = find("ServiceAccount", "chunkwise-operator")
+    account = find("ServiceAccount", "chunkwise-operator", "manifests/rbac.yaml")
     assert binding["subjects"] == [
         {
             "kind": "ServiceAccount",
             "name": account["metadata"]["name"],
             "namespace": account["metadata"]["namespace"],
         }
+    ]
+    # The namespaced install: its binding names the account in the namespace kustomize puts it in.
+    kustomization = find("Kustomization", path="manifests/namespaced/kustomization.yaml")
+    namespaced = find("RoleBinding", "chunkwise-operator", "manifests/namespaced/rbac.yaml")
+    assert namespaced["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": "chunkwise-operator",
+    }
+    assert namespaced["subjects"] == [
+        {"kind": "ServiceAccount", "name": "chunkwise-operator", "namespace": kustomization["namespace"]}
     ]
 
 
@@ -258,14 +268,27 @@ def test_operator_deployment_runs_the_package() -> None:
     assert [*container["command"], *container["args"]] == [
         "kopf",
         "run",
-        "--standalone",
         "--all-namespaces",
+        f"--peering={PEERING_NAME}",
         "--liveness=http://0.0.0.0:8080/healthz",
         "-m",
         "chunkwise_operator.main",
     ]
     assert pod["serviceAccountName"] == "chunkwise-operator"
-    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
+    # Two replicas in peering; a rollout may overlap them, since only one is active at a time.
+    assert dep["spec"]["replicas"] == 2 and dep["spec"]["strategy"]["type"] == "RollingUpdate"
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
+    assert env == {"POD_ID": "metadata.name", POD_NAMESPACE_ENV: "metadata.namespace"}
+    # The namespaced install watches the namespace it runs in, with the same peering.
+    kustomization = find("Kustomization", path="manifests/namespaced/kustomization.yaml")
+    (patch,) = kustomization["patches"]
+    (patched,) = yaml.safe_load(patch["patch"])["spec"]["template"]["spec"]["containers"]
+    assert patched["args"] == [
+        "run",
+        f"--namespace=$({POD_NAMESPACE_ENV})",
+        f"--peering={PEERING_NAME}",
+        *container["args"][3:],
+    ]
 
 
 def test_service_monitor_selects_the_runtime_services() -> None:
