@@ -75,3 +75,16 @@ class SchedulerStats:
     num_long_prefilling: int = 0
     num_rows: int = 0  # real rows computed (one per scheduled request per step)
     num_padding_rows: int = 0  # static batching's padding rows computed, on top of those
+
+
+@dataclass
+class SchedulerSnapshot:
+    """What the scheduler's state means to whoever publishes it (load shedding, metrics), as of one moment:
+    a copy of the stats with the gauges refreshed, the load queued behind the running requests, and the
+    output-length estimate of each route asked for."""
+
+    stats: SchedulerStats
+    num_queued: int  # waiting + swapped
+    queued_prefill_tokens: int  # their tokens not yet computed
+    queued_decode_tokens: int  # their estimated outputs still to generate
+    estimates: dict[str, int]

@@ -10,7 +10,7 @@ a fixed cost per transfer (issuing the per-layer copies, a sync) plus its bytes 
 recompute costs a prefill of its tokens. Both grow linearly with context, but swap starts from a fixed cost
 and recompute from zero, so recompute wins below a crossover length and swap above it (the seed's "for short
 contexts recompute usually wins; for long ones swap does"). The constants are measured on this machine at
-start-up (engine.py). Recompute has no fixed term: its prefill rides in a step that runs anyway for the other
+start-up (engine/calibration.py). Recompute has no fixed term: its prefill rides in a step that runs anyway for the other
 rows, and the measured rate (whole prefill steps, tokens / seconds) already folds in a step's overhead.
 """
 

@@ -10,6 +10,8 @@ never branches on which policy it holds.
 
 from __future__ import annotations
 
+import copy
+import itertools
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -20,7 +22,7 @@ from chunkwise.request import Request, RequestStatus
 from chunkwise.sched.admission import OutputLengthEstimator, ReservationAdmission
 from chunkwise.sched.batching import ContinuousBatching, StaticBatching
 from chunkwise.sched.budget import TokenBudget
-from chunkwise.sched.output import ScheduledRequest, SchedulerOutput, SchedulerStats
+from chunkwise.sched.output import ScheduledRequest, SchedulerOutput, SchedulerSnapshot, SchedulerStats
 from chunkwise.sched.preemption import PreemptionCostModel, VictimPolicy
 from chunkwise.sched.queue import PrefixPreference, WaitingQueue
 from chunkwise.speculative.adaptive import AdaptiveDraftLength
@@ -126,6 +128,21 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def snapshot(self, routes: Iterable[str] = ()) -> SchedulerSnapshot:
+        num = prefill = decode = 0
+        for r in itertools.chain(self.waiting, self.swapped):
+            num += 1
+            prefill += r.num_tokens - r.num_computed_tokens
+            decode += max(0, r.output_length_estimate - r.num_output_tokens)
+        self._update_gauges()
+        return SchedulerSnapshot(
+            copy.copy(self.stats),
+            num,
+            prefill,
+            decode,
+            {route: self.estimator.estimate(route) for route in routes},
+        )
+
     @property
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self.swapped)
@@ -222,7 +239,9 @@ class Scheduler:
             if len(tokens) - start != 1:
                 return None
             if start < req.num_prompt_tokens:
-                num_prefill += 1  # a prompt's last token (after a prefix-cache hit): prefill, as _compose counts
+                num_prefill += (
+                    1  # a prompt's last token (after a prefix-cache hit): prefill, as _compose counts
+                )
             table = tables.get(req.request_id)
             if table is None or start >= len(table) * capacity or (start + 1) % capacity == 0:
                 # A new block, or one that fills up now (its hash goes to the prefix cache).
@@ -440,6 +459,7 @@ class Scheduler:
         sampled: dict[str, list[int]],
         drafted: dict[str, int] | None = None,
         row_tokens: list[int] | None = None,
+        forward_seconds: float | None = None,
     ) -> list[Request]:
         """Advance each scheduled request and append what it sampled. Returns requests with new tokens
         (finished ones included, already released).
@@ -448,6 +468,8 @@ class Scheduler:
         accepted drafts is valid and counts as computed; the rejected drafts' KV is rolled back simply by not
         counting it (those slots are overwritten by the next tokens)."""
         now = time.monotonic()
+        if forward_seconds is not None:
+            self._learn(out, sampled, drafted or {}, forward_seconds)
         updated = []
         self.stats.num_prefill_tokens += out.num_prefill_tokens
         self.stats.num_decode_tokens += out.num_batched_tokens - out.num_prefill_tokens
@@ -485,6 +507,18 @@ class Scheduler:
                         break
             updated.append(req)
         return updated
+
+    def _learn(
+        self, out: SchedulerOutput, sampled: dict[str, list[int]], drafted: dict[str, int], seconds: float
+    ) -> None:
+        """The policies that learn from measured steps learn here, where they live: the draft length from
+        every step's time and acceptance, the preemption cost model's recompute rate from prefill-heavy
+        steps (whose time is mostly prefill)."""
+        if self.spec is not None and out.num_batched_tokens:
+            accepted = sum(len(sampled[r]) - 1 for r in drafted)
+            self.spec.observe_step(out.num_batched_tokens, seconds, sum(drafted.values()), accepted)
+        if out.num_prefill_tokens > 0 and out.num_prefill_tokens >= out.num_batched_tokens // 2:
+            self.cost_model.observe_prefill(out.num_batched_tokens, seconds)
 
     def _update_decodes(self, out: SchedulerOutput, tokens: list[int], now: float) -> list[Request]:
         """update_from_output for the steady state: every row computed one token and sampled one (`tokens`,

@@ -50,6 +50,11 @@ class AdaptiveDraftLength:
         self.acceptance = prior_acceptance
         self.last_k = 0
 
+    def observe_step(self, num_tokens: int, seconds: float, drafted: int, accepted: int) -> None:
+        """One step's result: its forward time at its size (the step-cost line) and its drafts' fate."""
+        self.cost.observe(num_tokens, seconds)
+        self.observe_acceptance(drafted, accepted)
+
     def observe_acceptance(self, drafted: int, accepted: int, per_token_weight: float = 0.02) -> None:
         """Exponential moving average of the per-token acceptance rate, weighted by tokens drafted."""
         if drafted > 0:

@@ -1,0 +1,374 @@
+"""EngineCore: one engine's step loop (the seed's), built from a config.
+
+release finished -> admit -> compose    (Scheduler.schedule)
+forward -> sample                       (ModelRunner.execute)
+emit                                    (Scheduler.update_from_output, OutputProcessor)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from chunkwise.attention import get_attention_backend
+from chunkwise.attention.backend import AttentionBackend
+from chunkwise.cache.kv_cache_manager import KVCacheManager
+from chunkwise.config import EngineConfig
+from chunkwise.engine.calibration import StartupProbe, default_kv_bytes
+from chunkwise.engine.output_processor import OutputProcessor
+from chunkwise.engine.step import StepStats, StepUpdate
+from chunkwise.model.loader import LoadedModel, checkpoint_dtype, load_model
+from chunkwise.outputs import RequestOutput
+from chunkwise.platform import cpu_has_bf16_matmul, resolve_dtype
+from chunkwise.request import Request, RequestStatus
+from chunkwise.sampling_params import SamplingParams
+from chunkwise.sched.output import SchedulerStats
+from chunkwise.sched.preemption import PreemptionCostModel
+from chunkwise.sched.scheduler import Scheduler
+from chunkwise.speculative.adaptive import AdaptiveDraftLength, StepCostModel
+from chunkwise.speculative.draft import DraftModelProposer
+from chunkwise.speculative.ngram import NgramProposer
+from chunkwise.tokenizer import Tokenizer
+from chunkwise.worker.cuda_graphs import bucket_sizes
+from chunkwise.worker.model_runner import ModelRunner, Proposer, kv_bytes_per_token
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the server and metrics need to know about the loaded engine, without reaching into it."""
+
+    model: str  # what was loaded: a preset name or a checkpoint directory
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool
+    max_waiting: int | None  # the scheduler's load-shedding bound (None: unbounded)
+    dtype: str
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        torch.manual_seed(config.seed)
+        device = torch.device(config.device)
+        choice = resolve_dtype(config.dtype, device, checkpoint_dtype(config.model))
+        dtype = choice.dtype
+        log.info("dtype %s (%s)", choice.name, choice.reason)
+        if dtype != torch.float32 and device.type == "cpu" and not cpu_has_bf16_matmul():
+            log.info(
+                "this CPU has no %s matrix units: linear layers keep %s numerics but run as float32 matmuls "
+                "over weights widened once (twice the weights' %s memory); float32 is as fast and more exact",
+                choice.name,
+                choice.name,
+                choice.name,
+            )
+        backend = get_attention_backend(config.attention_backend, device.type)
+        log.info("attention backend %s", backend.name)
+        self.loaded: LoadedModel = load_model(config.model, dtype=dtype, device=device, backend=backend)
+        mcfg = self.loaded.config
+        sched_cfg = config.scheduler
+        if sched_cfg.max_model_len is None:
+            sched_cfg = dataclasses.replace(sched_cfg, max_model_len=mcfg.max_position_embeddings)
+        elif sched_cfg.max_model_len > mcfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {sched_cfg.max_model_len} exceeds the model's "
+                f"max_position_embeddings {mcfg.max_position_embeddings}"
+            )
+        # The resolved dtype, so that what reads the config later (benchmarks, calibration) sees the real one.
+        self.config = dataclasses.replace(config, scheduler=sched_cfg, dtype=choice.name)
+        self.max_model_len: int = sched_cfg.max_model_len  # type: ignore[assignment]
+        self.tokenizer: Tokenizer = self.loaded.tokenizer
+        # The checkpoint's own EOS ids and the tokenizer's: generation stops on either, as in transformers.
+        self.eos_token_ids = self.loaded.eos_token_ids
+
+        cache = config.cache
+        per_token = kv_bytes_per_token(mcfg, dtype)
+        block_bytes = per_token * cache.block_size
+        if cache.num_blocks is not None:
+            num_blocks = cache.num_blocks
+        else:
+            num_blocks = (cache.kv_cache_memory_bytes or default_kv_bytes(device)) // block_bytes
+        min_blocks = -(-self.max_model_len // cache.block_size)
+        if num_blocks < min_blocks:
+            raise ValueError(
+                f"the KV cache ({num_blocks} blocks of {cache.block_size} tokens) cannot hold one request of "
+                f"max_model_len {self.max_model_len} tokens; give it at least {min_blocks} blocks "
+                f"({min_blocks * block_bytes} bytes) or lower max_model_len"
+            )
+        num_host_blocks = cache.swap_space_bytes // block_bytes
+        proposer = self._make_proposer(config, num_blocks, dtype, device, backend)
+        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, num_host_blocks)
+        self.runner = ModelRunner(
+            self.loaded.model,
+            mcfg,
+            backend,
+            num_blocks=num_blocks,
+            block_size=cache.block_size,
+            num_host_blocks=num_host_blocks,
+            dtype=dtype,
+            device=device,
+            max_num_tokens=sched_cfg.max_num_batched_tokens,
+            max_num_reqs=sched_cfg.max_num_seqs,
+            max_model_len=self.max_model_len,
+            proposer=proposer,
+        )
+        probe = StartupProbe(self.runner, self.kv, self.max_model_len)
+        fixed_transfer_s, host_copy_bytes_per_s = probe.swap_cost(num_blocks, num_host_blocks, block_bytes)
+        self.cost_model = PreemptionCostModel(
+            kv_bytes_per_token=per_token,
+            host_copy_bytes_per_s=host_copy_bytes_per_s,
+            prefill_tokens_per_s=probe.prefill_rate(),
+            forced=sched_cfg.preemption_mode,
+            fixed_transfer_s=fixed_transfer_s,
+        )
+        if num_host_blocks:
+            log.info("preemption cost model: %s", self.cost_model.describe())
+        else:
+            log.info(
+                "preemption cost model: no swap space (swap_space_bytes %d < one block of %d bytes), every "
+                "preemption recomputes; recompute = %.0f tokens/s",
+                cache.swap_space_bytes,
+                block_bytes,
+                self.cost_model.prefill_tokens_per_s,
+            )
+        self.draft_length: AdaptiveDraftLength | None = None
+        if proposer is not None:
+            self.draft_length = AdaptiveDraftLength(
+                config.spec.num_speculative_tokens,
+                StepCostModel(*probe.step_cost()),
+                adaptive=config.spec.adaptive,
+            )
+        self._set_up_graphs(config, device, backend)
+        self.scheduler = Scheduler(sched_cfg, self.kv, self.cost_model, draft_length=self.draft_length)
+        self.outputs: OutputProcessor | None = OutputProcessor(self.tokenizer)
+        self.num_blocks = num_blocks
+        self.last_step: StepStats | None = None
+        self.model_info = ModelInfo(
+            model=config.model,
+            vocab_size=mcfg.vocab_size,
+            max_model_len=self.max_model_len,
+            block_size=cache.block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=cache.enable_prefix_caching,
+            max_waiting=sched_cfg.max_waiting,
+            dtype=choice.name,
+        )
+
+    def _set_up_graphs(self, config: EngineConfig, device: torch.device, backend: AttentionBackend) -> None:
+        if config.enforce_eager:
+            if device.type == "cuda":
+                log.info(
+                    "CUDA graphs off (enforce_eager): they stay off by default until a GPU run has shown them "
+                    "to give identical tokens; --no-enforce-eager replays decode steps from graphs"
+                )
+            return
+        if device.type != "cuda":
+            log.info("enforce_eager=False has no effect on %s: CUDA graphs need a CUDA device", device.type)
+            return
+        if not getattr(backend, "graph_safe", False):
+            log.warning(
+                "CUDA graphs off: the %s attention backend plans from host-side lengths, which a replayed "
+                "graph would not see; use the triton backend",
+                backend.name,
+            )
+            return
+        sizes = bucket_sizes(config.scheduler.max_num_seqs)
+        t0 = time.perf_counter()
+        self.runner.use_decode_graphs(sizes, capture=True)
+        log.info("CUDA graph capture took %.1fs", time.perf_counter() - t0)
+
+    def _make_proposer(
+        self,
+        config: EngineConfig,
+        num_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        backend: AttentionBackend,
+    ) -> Proposer | None:
+        spec = config.spec
+        if spec.method is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer()
+        if not spec.draft_model:
+            raise ValueError(
+                "speculative_method='draft' needs speculative_model (a preset or a HF directory)"
+            )
+        draft = load_model(spec.draft_model, dtype=dtype, device=device, backend=backend)
+        target_vocab = self.loaded.config.vocab_size
+        if draft.config.vocab_size != target_vocab:
+            raise ValueError(
+                f"the draft model {spec.draft_model!r} has vocab_size {draft.config.vocab_size}, "
+                f"the target {target_vocab}: they must share a tokenizer"
+            )
+        if draft.config.max_position_embeddings < self.max_model_len:
+            raise ValueError(
+                f"the draft model supports {draft.config.max_position_embeddings} positions, "
+                f"fewer than max_model_len {self.max_model_len}"
+            )
+        return DraftModelProposer(
+            draft.model, num_blocks=num_blocks, block_size=config.cache.block_size, dtype=dtype, device=device
+        )
+
+    # -- requests ---------------------------------------------------------------------------------------
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        route: str = "",
+        cache_salt: str | None = None,
+    ) -> tuple[Request, str | None]:
+        """Validate and tokenize; raises ValueError with a clear message for bad input."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            text: str | None = prompt
+            ids = self.tokenizer.encode(prompt)
+        else:
+            text = None
+            ids = list(prompt)
+            if not ids:
+                raise ValueError("prompt is empty")
+            vocab = self.loaded.config.vocab_size
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens; max_model_len is {self.max_model_len}, "
+                "which must leave room for at least one generated token"
+            )
+        room = self.max_model_len - len(ids)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})"
+            )
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            sampling_params=params,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            max_tokens=params.max_tokens if params.max_tokens is not None else room,
+            eos_token_ids=self.eos_token_ids,
+            route=route,
+            cache_salt=cache_salt,
+        )
+        return req, text
+
+    def add(self, req: Request, prompt_text: str | None) -> None:
+        """Queue a request built by make_request (the one way into the scheduler). Raises ValueError, with
+        nothing queued, when the scheduler refuses it."""
+        self.scheduler.add_request(req)
+        if self.outputs is not None:
+            self.outputs.add(req, prompt_text)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        route: str = "",
+        cache_salt: str | None = None,
+    ) -> Request:
+        req, text = self.make_request(request_id, prompt, params, arrival_time, route, cache_salt)
+        self.add(req, text)
+        return req
+
+    def cancel(self, request_ids: Sequence[str]) -> list[Request]:
+        """End these requests now (their blocks are free for the next step); returns the ones that had not
+        finished. Their streams' last outputs are the output side's to make (OutputProcessor.aborted)."""
+        return self.scheduler.abort(request_ids)
+
+    def cancel_all(self) -> list[Request]:
+        return self.scheduler.abort(list(self.scheduler.requests))
+
+    def abort(self, request_ids: Sequence[str]) -> list[RequestOutput]:
+        """cancel(), with each request's last output ("abort"), when this core processes its outputs."""
+        outputs = self._own_outputs()
+        return [outputs.aborted(r) for r in self.cancel(request_ids)]
+
+    def detach_outputs(self) -> OutputProcessor:
+        """Hand output processing to a caller that runs it elsewhere (AsyncEngine's output thread): from
+        now on this core only runs steps (run_step) and add() tracks no output state."""
+        outputs = self._own_outputs()
+        self.outputs = None
+        return outputs
+
+    def _own_outputs(self) -> OutputProcessor:
+        if self.outputs is None:
+            raise RuntimeError("this engine's outputs are processed elsewhere (detach_outputs)")
+        return self.outputs
+
+    def all_blocks_free(self) -> bool:
+        """Whether every KV block is free, the pool's invariants checked (raises if they do not hold)."""
+        self.kv.pool.check_invariants()
+        return self.kv.num_free_blocks == self.num_blocks
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats
+
+    # -- the step loop ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One step and its outputs (text, stop strings), in this thread."""
+        update = self.run_step()
+        t0 = time.perf_counter()
+        processed = self._own_outputs().process(update)
+        for req, stop in processed.stopped:
+            self.finish_by_stop(req, stop)
+        if self.last_step is not None:
+            self.last_step.output_seconds = time.perf_counter() - t0
+            self.last_step.step_seconds += self.last_step.output_seconds
+        return processed.outputs
+
+    def run_step(self) -> StepUpdate:
+        """The step loop's part of a step (schedule, forward and sample, update): what changed, as
+        snapshots for the output side (OutputProcessor.process), which may run on another thread."""
+        t0 = time.perf_counter()
+        so = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        result = self.runner.execute(so)
+        t2 = time.perf_counter()
+        updated = self.scheduler.update_from_output(
+            so, result.sampled, result.drafted, result.row_tokens, forward_seconds=result.forward_seconds
+        )
+        update = StepUpdate.of(updated, result.logprobs)
+        t3 = time.perf_counter()
+        self.last_step = StepStats(
+            step_seconds=t3 - t0,
+            schedule_seconds=t1 - t0,
+            forward_seconds=result.forward_seconds,
+            num_batched_tokens=so.num_batched_tokens,
+            num_prefill_tokens=so.num_prefill_tokens,
+            num_decode_rows=len(so.scheduled)
+            if so.decode_only
+            else sum(1 for s in so.scheduled if len(s.token_ids) == 1),
+            # The runner's own host work, and what it spent outside its three phases (swaps, cleanup).
+            prepare_seconds=result.prepare_seconds
+            + (t2 - t1 - result.prepare_seconds - result.forward_seconds - result.sample_seconds),
+            sample_seconds=result.sample_seconds,
+            update_seconds=t3 - t2,
+            num_padding_rows=len(so.padding_positions),
+        )
+        return update
+
+    def finish_by_stop(self, req: Request, stop: str) -> None:
+        """End a request at a stop string its text reached (no-op if it has already ended)."""
+        if not req.is_finished and req.request_id in self.scheduler.requests:
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop)

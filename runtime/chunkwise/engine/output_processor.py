@@ -1,0 +1,180 @@
+"""The output side of a step: incremental detokenization, stop strings, and the RequestOutputs streamed to
+callers. It owns each request's emission state and nothing of the scheduler's: a stop string it finds is
+returned to whoever runs it, who releases the request."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from chunkwise.engine.step import Logprobs, StepUpdate
+from chunkwise.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from chunkwise.request import Request, RequestStatus
+from chunkwise.tokenizer import Tokenizer, make_detokenizer
+
+
+@dataclass
+class ProcessedOutputs:
+    outputs: list[RequestOutput]
+    # Requests whose output ended in this batch (by the step or by a stop string).
+    finished: list[Request]
+    # Requests whose text reached a stop string: their output ended here, and the caller releases them
+    # from the scheduler (at once in the step loop's thread; through the inbox from AsyncEngine's output
+    # thread). The output processor never calls into the scheduler itself.
+    stopped: list[tuple[Request, str]]
+
+
+class _OutputState:
+    """Per-request emission state: incremental detokenization and stop strings."""
+
+    # Text kept behind what was sent, for stop strings straddling steps, is trimmed past this many characters.
+    TRIM_TEXT_AT = 4096
+
+    def __init__(self, req: Request, prompt: str | None, tokenizer: Tokenizer) -> None:
+        self.req = req
+        self.prompt = prompt
+        self.num_prompt_tokens = req.num_prompt_tokens
+        params = req.sampling_params
+        self.detok = make_detokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self.stops = tuple(params.stop)
+        self.max_stop = max((len(s) for s in self.stops), default=0)
+        # Hold back this many characters while running: they could be the start of a stop string.
+        self.holdback = max(self.max_stop - 1, 0)
+        # Only with stop strings: the text not yet sent plus enough before it to find a straddling match.
+        self.text = ""
+        self.sent_chars = 0
+        self.sent_tokens = 0
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, _OutputState] = {}
+
+    def add(self, req: Request, prompt: str | None) -> None:
+        self.states[req.request_id] = _OutputState(req, prompt, self.tokenizer)
+
+    def process(self, update: StepUpdate) -> ProcessedOutputs:
+        """Detokenize each request's new tokens and look for stop strings; a match ends the request's
+        output here and is reported in `stopped` for the caller to release."""
+        outs: list[RequestOutput] = []
+        finished_reqs: list[Request] = []
+        stopped: list[tuple[Request, str]] = []
+        states = self.states
+        logprobs = update.logprobs
+        for req, num_tokens, finished in zip(update.reqs, update.num_tokens, update.finished):
+            st = states.get(req.request_id)
+            if st is None:
+                continue  # already finished here (a stop string), the step loop not yet told
+            new_tokens = req.token_ids[st.num_prompt_tokens + st.sent_tokens : num_tokens]
+            step = st.detok.step
+            piece = step(new_tokens[0]) if len(new_tokens) == 1 else "".join([step(t) for t in new_tokens])
+            if finished:
+                piece += st.detok.flush()
+            stop = None
+            if st.stops:
+                delta, stop = self._stop_strings(st, finished, piece)
+                if stop is not None:
+                    finished = True
+                    stopped.append((req, stop))
+            else:
+                delta = piece
+            lp = logprobs.get(req.request_id) if logprobs is not None else None
+            outs.append(self._emit(st, req, finished, stop, new_tokens, delta, lp))
+            if finished:
+                finished_reqs.append(req)
+        return ProcessedOutputs(outs, finished_reqs, stopped)
+
+    @staticmethod
+    def _stop_strings(st: _OutputState, finished: bool, piece: str) -> tuple[str, str | None]:
+        """Append `piece` and look for the first stop string: what may be sent, and the stop string that
+        ended the output (None if none did)."""
+        st.text += piece
+        stop = None
+        if not finished:
+            # Only the tail can hold a new match: the new text plus a stop string's length before it.
+            window_start = max(0, st.sent_chars - st.max_stop)
+            best: tuple[int, str] | None = None
+            for s in st.stops:
+                idx = st.text.find(s, window_start)
+                if idx != -1 and (best is None or idx < best[0]):
+                    best = (idx, s)
+            if best is not None:
+                idx, stop = best
+                keep = idx + len(stop) if st.req.sampling_params.include_stop_str_in_output else idx
+                st.text = st.text[:keep]
+                finished = True
+        upto = len(st.text) if finished else max(st.sent_chars, len(st.text) - st.holdback)
+        delta = st.text[st.sent_chars : upto]
+        st.sent_chars = upto
+        drop = st.sent_chars - st.max_stop
+        if drop > st.TRIM_TEXT_AT:
+            st.text = st.text[drop:]
+            st.sent_chars -= drop
+        return delta, stop
+
+    def _emit(
+        self,
+        st: _OutputState,
+        req: Request,
+        finished: bool,
+        stop: str | None,
+        new_tokens: list[int],
+        delta: str,
+        logprobs: Logprobs | None,
+    ) -> RequestOutput:
+        st.sent_tokens += len(new_tokens)
+        lp = None
+        if logprobs is not None:
+            lp = [TokenLogprob(t, v, top) for t, (v, top) in zip(new_tokens, logprobs)]
+        finish_reason: str | None = None
+        stop_reason: int | str | None = None
+        finished_time: float | None = None
+        if finished:
+            self.states.pop(req.request_id, None)
+            if stop is not None:
+                finish_reason, stop_reason, finished_time = (
+                    RequestStatus.FINISHED_STOPPED.value,
+                    stop,
+                    time.monotonic(),
+                )
+            else:
+                finish_reason, stop_reason, finished_time = (
+                    req.finish_reason,
+                    req.stop_reason,
+                    req.finished_time,
+                )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=st.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    index=0,
+                    text=delta,
+                    token_ids=new_tokens,
+                    finish_reason=finish_reason,
+                    stop_reason=stop_reason,
+                    logprobs=lp,
+                )
+            ],
+            finished=finished,
+            num_cached_tokens=req.num_cached_tokens,
+            arrival_time=req.arrival_time,
+            first_token_time=req.first_token_time,
+            finished_time=finished_time,
+        )
+
+    def aborted(self, req: Request) -> RequestOutput:
+        st = self.states.pop(req.request_id, None)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=st.prompt if st else None,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason="abort")],
+            finished=True,
+            num_cached_tokens=req.num_cached_tokens,
+            arrival_time=req.arrival_time,
+            first_token_time=req.first_token_time,
+            finished_time=req.finished_time,
+        )
