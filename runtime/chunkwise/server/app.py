@@ -18,14 +18,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from chunkwise.metrics import EngineMetrics
 from chunkwise.sched.shedding import SheddingPolicy
+from chunkwise.server.endpoints import CHAT, COMPLETIONS
 from chunkwise.server.errors import APIError, bad_request, install_error_handlers, validation_message
 from chunkwise.server.protocol import ChatCompletionRequest, CompletionRequest
-from chunkwise.server.serving import (
-    UNAVAILABLE_RETRY_AFTER_S,
-    ServerState,
-    create_chat_completion,
-    create_completion,
-)
+from chunkwise.server.serving import UNAVAILABLE_RETRY_AFTER_S, ServerState, serve
 
 if TYPE_CHECKING:
     from chunkwise.engine import AsyncEngine
@@ -146,11 +142,11 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await create_completion(state, await parse_body(request, CompletionRequest), request)
+        return await serve(state, COMPLETIONS, await parse_body(request, CompletionRequest), request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await create_chat_completion(state, await parse_body(request, ChatCompletionRequest), request)
+        return await serve(state, CHAT, await parse_body(request, ChatCompletionRequest), request)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -162,7 +158,7 @@ def build_app(
         }
         if state.engine is not None:
             card["root"] = state.engine.model_info.model
-            card["max_model_len"] = state.engine.max_model_len
+            card["max_model_len"] = state.engine.model_info.max_model_len
         return {"object": "list", "data": [card]}
 
     @app.get("/health")

@@ -1,0 +1,167 @@
+"""Each endpoint's request side: its body -> what to generate (prompt, SamplingParams) and what to show
+(ResponseOptions), with the fields it cannot honour refused as 400s; and which formatter shapes its answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+from chunkwise.sampling_params import MAX_LOGPROBS, SamplingParams
+from chunkwise.server.chat import ChatMessage, ChatTemplateError, message_text, render_chat
+from chunkwise.server.errors import bad_request, from_value_error
+from chunkwise.server.formatters import ChatFormatter, CompletionFormatter, Formatter, ResponseOptions
+from chunkwise.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+
+if TYPE_CHECKING:
+    from chunkwise.engine import AsyncEngine
+
+B = TypeVar("B", bound=_Sampling)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One request as the serving path runs it."""
+
+    prompt: str | list[int]
+    params: SamplingParams
+    options: ResponseOptions
+
+
+@dataclass(frozen=True)
+class Endpoint(Generic[B]):
+    """What sets one endpoint apart on the shared serving path."""
+
+    route: str  # the engine's route label (metrics, shedding): "<served model>:<route>"
+    id_prefix: str
+    prompt_param: str  # the body field an invalid prompt is blamed on
+    formatter: type[Formatter]
+    build: Callable[[B, AsyncEngine], Generation]  # the endpoint's own checks, prompt and parameters
+
+    def prepare(self, body: B, engine: AsyncEngine) -> Generation:
+        if body.logit_bias:
+            raise bad_request("logit_bias is not supported", param="logit_bias")
+        return self.build(body, engine)
+
+
+def _sampling_params(
+    body: _Sampling, max_tokens: int | None, logprobs: int | None, vocab_size: int
+) -> SamplingParams:
+    top_k = 0 if body.top_k is None else body.top_k
+    # A top_k past the vocabulary filters nothing; clamped so an absurd value never reaches the sampler.
+    top_k = min(top_k, vocab_size)
+    try:
+        return SamplingParams(
+            n=body.n,
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=top_k,
+            seed=body.seed,
+            stop=body.stop,
+            stop_token_ids=body.stop_token_ids,
+            ignore_eos=body.ignore_eos,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            logprobs=logprobs,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
+        )
+    except ValueError as e:
+        raise from_value_error(e) from e
+
+
+def _options(body: _Sampling, logprobs: bool, top_logprobs: int = 0) -> ResponseOptions:
+    return ResponseOptions(
+        stream=body.stream,
+        include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        return_token_ids=body.return_token_ids,
+    )
+
+
+# -- completions -------------------------------------------------------------------------------------------
+def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    batch: list[str | list[int]] = []
+    ids: list[int] = []
+    for p in prompt:
+        if isinstance(p, str | list):
+            batch.append(p)
+        else:
+            ids.append(p)
+    if not batch:
+        return ids
+    if len(batch) > 1:
+        raise bad_request(
+            f"a batch of {len(batch)} prompts is not supported; send one prompt per request", param="prompt"
+        )
+    return batch[0]
+
+
+def _completion(body: CompletionRequest, engine: AsyncEngine) -> Generation:
+    if body.echo:
+        raise bad_request("echo is not supported", param="echo")
+    if body.suffix:
+        raise bad_request("suffix is not supported", param="suffix")
+    if body.best_of is not None and body.best_of != 1:
+        raise bad_request("best_of must be 1 (one completion per request)", param="best_of")
+    prompt = _single_prompt(body.prompt)
+    params = _sampling_params(body, body.max_tokens, body.logprobs, engine.model_info.vocab_size)
+    return Generation(prompt, params, _options(body, logprobs=body.logprobs is not None))
+
+
+# -- chat --------------------------------------------------------------------------------------------------
+def chat_prompt_ids(engine: AsyncEngine, body: ChatCompletionRequest) -> list[int]:
+    tok = engine.tokenizer
+    try:
+        messages = [ChatMessage(m.role, message_text(m.content)) for m in body.messages]
+        bos = "" if tok.bos_token_id is None else tok.decode([tok.bos_token_id], skip_special_tokens=False)
+        eos = "" if not tok.eos_token_ids else tok.decode([tok.eos_token_ids[0]], skip_special_tokens=False)
+        text = render_chat(
+            messages,
+            tok.chat_template,
+            add_generation_prompt=body.add_generation_prompt,
+            bos_token=bos,
+            eos_token=eos,
+        )
+    except ChatTemplateError as e:
+        raise bad_request(str(e), param="messages") from e
+    # A template that writes the BOS itself must not get a second one from the tokenizer.
+    return tok.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
+
+
+def _chat(body: ChatCompletionRequest, engine: AsyncEngine) -> Generation:
+    if body.tools:
+        raise bad_request("tools are not supported", param="tools")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise bad_request("only response_format {'type': 'text'} is supported", param="response_format")
+    top_n = 0
+    if body.top_logprobs is not None:
+        if not body.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}]", param="top_logprobs")
+        top_n = body.top_logprobs
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = _sampling_params(
+        body, max_tokens, top_n if body.logprobs else None, engine.model_info.vocab_size
+    )
+    # Rendered after the parameters are checked, so a bad parameter is reported before a bad message.
+    ids = chat_prompt_ids(engine, body)
+    return Generation(ids, params, _options(body, logprobs=body.logprobs, top_logprobs=top_n))
+
+
+COMPLETIONS = Endpoint(
+    route="completions",
+    id_prefix="cmpl",
+    prompt_param="prompt",
+    formatter=CompletionFormatter,
+    build=_completion,
+)
+CHAT = Endpoint(
+    route="chat", id_prefix="chatcmpl", prompt_param="messages", formatter=ChatFormatter, build=_chat
+)
