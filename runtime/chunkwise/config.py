@@ -1,13 +1,24 @@
-"""Engine configuration: frozen dataclasses, validated on construction. Every default lives here."""
+"""Engine configuration: frozen dataclasses, validated on construction. Every default lives here.
+
+Each engine option is declared once, as a field made by `option()`: its default, its help line, and the name
+it goes by as a keyword of `LLM(model, **engine_args)` and as a flag (`--name-with-dashes`). The kwarg routing
+below and the CLI (engine_args.py) are walked from these fields; nothing else lists the options.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+import difflib
+import functools
+from collections.abc import Sequence
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from typing import Any, Literal, get_args, get_type_hints
 
 Batching = Literal["continuous", "static"]
 PreemptionMode = Literal["auto", "swap", "recompute"]
 SpecMethod = Literal["ngram", "draft"]
+Dtype = Literal["auto", "float32", "float16", "bfloat16"]
+Estimator = Literal["quantile", "mean"]
+AttentionBackend = Literal["auto", "torch", "cpu", "triton"]
 
 # The step token budget B = decode rows + prefill chunk. The seed puts the knee at 512-2048; on the
 # CPU presets 1024 keeps a step under ~100 ms with `small` while amortising per-step overhead.
@@ -15,9 +26,30 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
 DEFAULT_BLOCK_SIZE = 16
 
 
+def option(
+    default: Any = MISSING,
+    *,
+    help: str,
+    arg: str | None = None,
+    unset: str | None = None,
+    flag: bool = True,
+) -> Any:
+    """A config field that is an engine option. `help`: its --help line, without the default (derived).
+    `arg`: its kwarg and flag name where that is not the field's (vLLM's names for the speculative ones).
+    `unset`: what a None default means, for --help. `flag=False`: no shared engine flag, because a command
+    declares its own of the same name, with that command's default (engine_args.py reads it from there)."""
+    return field(default=default, metadata={"help": help, "arg": arg, "unset": unset, "flag": flag})
+
+
 def _positive(name: str, value: int | float | None) -> None:
     if value is not None and value <= 0:
         raise ValueError(f"{name} must be positive, got {value!r}")
+
+
+def _one_of(name: str, value: object, choices: Sequence[object], show: Any = repr) -> None:
+    if value not in choices:
+        *rest, last = [show(c) for c in choices]
+        raise ValueError(f"{name} must be {', '.join(rest)} or {last}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -82,12 +114,17 @@ class ModelConfig:
 class CacheConfig:
     """Paged KV cache. Capacity is given in blocks or in bytes; with neither, a default byte budget."""
 
-    block_size: int = DEFAULT_BLOCK_SIZE
-    num_blocks: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    enable_prefix_caching: bool = True
-    # Host memory for swapped-out KV blocks (preemption by swap).
-    swap_space_bytes: int = 1 << 30
+    block_size: int = option(DEFAULT_BLOCK_SIZE, help="tokens per KV block")
+    num_blocks: int | None = option(
+        None, help="KV cache capacity in blocks", unset="from --kv-cache-memory-bytes"
+    )
+    kv_cache_memory_bytes: int | None = option(
+        None,
+        help="KV cache capacity in bytes",
+        unset="sized for the device: modest on CPU, most of the free GPU memory on CUDA",
+    )
+    enable_prefix_caching: bool = option(True, help="reuse the KV blocks of a prompt prefix already computed")
+    swap_space_bytes: int = option(1 << 30, help="host memory for KV blocks swapped out by preemption")
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -101,37 +138,54 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
-    # None: the model's max_position_embeddings (resolved when the engine loads the model).
-    max_model_len: int | None = None
-    enable_chunked_prefill: bool = True
-    batching: Batching = "continuous"
-    preemption_mode: PreemptionMode = "auto"
-    # Admission reserves prompt blocks plus blocks for this quantile of observed output lengths.
-    output_length_quantile: float = 0.9
-    # "quantile" (default) or "mean": the mean is here to show why it is the wrong choice (benchmarks).
-    output_length_estimator: Literal["quantile", "mean"] = "quantile"
-    # Until enough requests have finished to estimate a quantile, admission assumes this many output tokens.
-    cold_start_output_tokens: int = 256
-    # FIFO with a cap on concurrent long prompts: a prompt of at least this many tokens is "long", and at
-    # most `max_long_prefills` long prompts may be prefilling at once.
-    long_prompt_threshold: int = 2048
-    max_long_prefills: int = 1
-    # A long prompt's chunk per step. None: half the step budget while another prompt could use the rest
-    # (what keeps short requests' time to first token bounded while long prompts prefill), the whole
-    # budget when it prefills alone beside decode rows. A number: a hard cap in every step, which also
-    # bounds the step time decode rows see.
-    max_long_prefill_chunk: int | None = None
-    # Prefix-aware admission: when the head of the queue does not fit, a request behind it (within
-    # `prefix_lookahead`) whose prompt is at least `prefix_reuse_min_fraction` cached may go first; one
-    # head is passed over at most `max_prefix_bypass` times, so reuse never starves anyone.
-    prefix_lookahead: int = 16
-    prefix_reuse_min_fraction: float = 0.5
-    max_prefix_bypass: int = 4
-    # Bound on the waiting queue, enforced by the server's load shedding (sched/shedding.py); None means
-    # unbounded (the offline LLM API queues everything it is given).
-    max_waiting: int | None = None
+    max_num_seqs: int = option(256, help="most requests running at once")
+    max_num_batched_tokens: int = option(
+        DEFAULT_MAX_NUM_BATCHED_TOKENS, help="the step token budget: decode rows + prefill chunk"
+    )
+    # None is resolved when the engine loads the model.
+    max_model_len: int | None = option(
+        None, help="longest prompt + output of one request", unset="the model's max positions"
+    )
+    enable_chunked_prefill: bool = option(
+        True, help="split long prompts into chunks that share steps with decode rows"
+    )
+    batching: Batching = option(
+        "continuous", help="static: the seed's baseline, a batch runs until its last request ends"
+    )
+    preemption_mode: PreemptionMode = option(
+        "auto", help="how a running request gives up its KV blocks; auto: whichever costs less"
+    )
+    output_length_quantile: float = option(
+        0.9,
+        help="admission reserves this quantile of observed output lengths when max_tokens is not given",
+    )
+    output_length_estimator: Estimator = option(
+        "quantile", help="how admission estimates output lengths; mean is here to show why it is wrong"
+    )
+    cold_start_output_tokens: int = option(
+        256, help="output tokens admission assumes until enough requests have finished to estimate them"
+    )
+    # FIFO with a cap on concurrent long prompts.
+    long_prompt_threshold: int = option(2048, help="prompts of at least this many tokens are 'long'")
+    max_long_prefills: int = option(1, help="long prompts prefilling at once")
+    # A number also bounds the step time decode rows see; None is what keeps short requests' time to first
+    # token bounded while long prompts prefill.
+    max_long_prefill_chunk: int | None = option(
+        None,
+        help="a long prompt's chunk per step, a hard cap in every step",
+        unset="half the step budget while another prompt could use the rest, all of it alone",
+    )
+    # Prefix-aware admission: the bypass bound is what keeps reuse from starving anyone.
+    prefix_lookahead: int = option(
+        16, help="when the queue's head does not fit, how far behind it to look for a cached prompt"
+    )
+    prefix_reuse_min_fraction: float = option(
+        0.5, help="the cached fraction of its prompt that lets a request go before the head"
+    )
+    max_prefix_bypass: int = option(4, help="most times one head is passed over for prefix reuse")
+    # Enforced by the server's load shedding (sched/shedding.py), whose --max-waiting bounds it by default;
+    # the offline LLM API queues everything it is given.
+    max_waiting: int | None = option(None, help="bound of the waiting queue", unset="unbounded", flag=False)
 
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
@@ -141,16 +195,9 @@ class SchedulerConfig:
         _positive("long_prompt_threshold", self.long_prompt_threshold)
         _positive("max_waiting", self.max_waiting)
         _positive("max_long_prefill_chunk", self.max_long_prefill_chunk)
-        if self.batching not in ("continuous", "static"):
-            raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
-        if self.preemption_mode not in ("auto", "swap", "recompute"):
-            raise ValueError(
-                f"preemption_mode must be 'auto', 'swap' or 'recompute', got {self.preemption_mode!r}"
-            )
-        if self.output_length_estimator not in ("quantile", "mean"):
-            raise ValueError(
-                f"output_length_estimator must be 'quantile' or 'mean', got {self.output_length_estimator!r}"
-            )
+        _one_of("batching", self.batching, get_args(Batching))
+        _one_of("preemption_mode", self.preemption_mode, get_args(PreemptionMode))
+        _one_of("output_length_estimator", self.output_length_estimator, get_args(Estimator))
         if not 0.0 <= self.prefix_reuse_min_fraction <= 1.0:
             raise ValueError(
                 f"prefix_reuse_min_fraction must be in [0, 1], got {self.prefix_reuse_min_fraction}"
@@ -173,91 +220,126 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    method: SpecMethod | None = None
-    num_speculative_tokens: int = 4
-    # False: always draft num_speculative_tokens (capped by the budget); the fixed-depth baseline.
-    adaptive: bool = True
-    # The draft model for method "draft": a built-in preset or a local Hugging Face directory.
-    draft_model: str | None = None
+    method: SpecMethod | None = option(
+        None, help="speculative decoding", arg="speculative_method", unset="off"
+    )
+    num_speculative_tokens: int = option(4, help="most draft tokens per step")
+    # False is the fixed-depth baseline.
+    adaptive: bool = option(
+        True,
+        help="adapt the draft length to load; off: always draft --num-speculative-tokens (capped by the budget)",
+        arg="adaptive_speculation",
+    )
+    draft_model: str | None = option(
+        None,
+        help="draft model for --speculative-method draft: a built-in preset or a local Hugging Face directory",
+        arg="speculative_model",
+        unset="none",
+    )
 
     def __post_init__(self) -> None:
-        if self.method not in (None, "ngram", "draft"):
-            raise ValueError(f"speculative_method must be None, 'ngram' or 'draft', got {self.method!r}")
+        _one_of("speculative_method", self.method, (None, *get_args(SpecMethod)))
         _positive("num_speculative_tokens", self.num_speculative_tokens)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = "tiny"
-    # "auto": see chunkwise.platform.resolve_dtype (bf16 where the hardware has bf16 matmuls, else fp32).
-    dtype: str = "auto"
-    device: str = "cpu"
-    seed: int = 0
-    attention_backend: Literal["auto", "torch", "cpu", "triton"] = "auto"
-    # vLLM's flag. True (the default until a GPU run here has shown graphs give identical tokens; see
-    # docs/benchmarks.md): every step eager. False on CUDA: decode steps replayed from captured graphs.
-    enforce_eager: bool = True
+    model: str = option("tiny", help="built-in preset (tiny, small) or a local Hugging Face directory")
+    # "auto" is resolved by chunkwise.platform.resolve_dtype.
+    dtype: Dtype = option(
+        "auto",
+        help="auto: bfloat16 where the hardware has bf16 matmuls (CUDA, CPUs with bf16 matrix units), else "
+        "float32",
+    )
+    device: str = option("cpu", help="cpu or cuda[:N]")
+    seed: int = option(0, help="global seed")
+    attention_backend: AttentionBackend = option(
+        "auto",
+        help="auto: Triton on CUDA, chunkwise's C++ kernels on CPU (the torch reference where they cannot be "
+        "built)",
+    )
+    # vLLM's flag. On until a GPU run here has shown graphs give identical tokens (docs/benchmarks.md).
+    enforce_eager: bool = option(
+        True,
+        help="run every step eagerly; --no-enforce-eager replays decode steps from CUDA graphs on a GPU",
+    )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        _one_of("dtype", self.dtype, get_args(Dtype), show=str)
 
 
-_SCHEDULER_ARGS = {
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "max_model_len",
-    "enable_chunked_prefill",
-    "batching",
-    "preemption_mode",
-    "output_length_quantile",
-    "cold_start_output_tokens",
-    "output_length_estimator",
-    "prefix_lookahead",
-    "prefix_reuse_min_fraction",
-    "max_prefix_bypass",
-    "long_prompt_threshold",
-    "max_long_prefills",
-    "max_long_prefill_chunk",
-    "max_waiting",
-}
-_CACHE_ARGS = {
-    "block_size",
-    "num_blocks",
-    "kv_cache_memory_bytes",
-    "enable_prefix_caching",
-    "swap_space_bytes",
-}
-_ENGINE_ARGS = {"dtype", "device", "seed", "attention_backend", "enforce_eager"}
-_SPEC_ARGS = {
-    "speculative_method": "method",
-    "num_speculative_tokens": "num_speculative_tokens",
-    "adaptive_speculation": "adaptive",
-    "speculative_model": "draft_model",
-}
+@dataclass(frozen=True)
+class EngineArg:
+    """One engine option as option() declared it: the kwarg `name` and where its field lives (`section`, an
+    EngineConfig attribute; None for EngineConfig's own fields)."""
+
+    name: str
+    section: str | None
+    field_name: str
+    type: Any
+    default: Any
+    help: str
+    unset: str | None
+    has_engine_flag: bool
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+@functools.cache
+def _sections() -> dict[str, type]:
+    hints = get_type_hints(EngineConfig)
+    return {f.name: hints[f.name] for f in fields(EngineConfig) if is_dataclass(hints[f.name])}
+
+
+@functools.cache
+def engine_args() -> dict[str, EngineArg]:
+    """Every engine option, in declaration order: EngineConfig's own fields, then each section's."""
+    sections = _sections()
+    owners: list[tuple[str | None, type]] = [(None, EngineConfig), *sections.items()]
+    found: dict[str, EngineArg] = {}
+    for section, cls in owners:
+        hints = get_type_hints(cls)
+        for f in fields(cls):
+            if f.name in sections and cls is EngineConfig:
+                continue
+            if "help" not in f.metadata:
+                raise TypeError(f"{cls.__name__}.{f.name} is not declared with option()")
+            m = f.metadata
+            name = m["arg"] or f.name
+            if name in found:
+                raise TypeError(f"engine option {name!r} is declared twice")
+            found[name] = EngineArg(
+                name, section, f.name, hints[f.name], f.default, m["help"], m["unset"], m["flag"]
+            )
+    return found
 
 
 def engine_config_from_kwargs(model: str, **kwargs: object) -> EngineConfig:
-    """Map vLLM-named engine args (LLM(model, **engine_args), the CLI flags) onto the config tree."""
-    known = _SCHEDULER_ARGS | _CACHE_ARGS | _ENGINE_ARGS | set(_SPEC_ARGS)
-    unknown = sorted(set(kwargs) - known)
+    """Map vLLM-named engine args (LLM(model, **engine_args), the CLI flags) onto the config tree. None
+    means not given: the field's default."""
+    known = {name: a for name, a in engine_args().items() if name != "model"}
+    unknown = sorted(set(kwargs) - set(known))
     if unknown:
-        raise ValueError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
+        near = [c[0] for u in unknown if (c := difflib.get_close_matches(u, known, 1))]
+        hint = f" (did you mean {', '.join(map(repr, near))}?)" if near else ""
+        raise ValueError(f"unknown engine argument(s) {unknown}{hint}; known: {sorted(known)}")
     given = {k: v for k, v in kwargs.items() if v is not None}
-    sched = {k: v for k, v in given.items() if k in _SCHEDULER_ARGS}
     if given.get("enable_chunked_prefill") is False and "max_num_batched_tokens" not in given:
         # Unchunked, a whole prompt must fit in one step: the budget becomes max_model_len.
         mml = given.get("max_model_len")
-        sched["max_num_batched_tokens"] = max(
+        given["max_num_batched_tokens"] = max(
             DEFAULT_MAX_NUM_BATCHED_TOKENS, mml if isinstance(mml, int) else 0
         )
-    return EngineConfig(
-        model=model,
-        cache=CacheConfig(**{k: v for k, v in given.items() if k in _CACHE_ARGS}),  # type: ignore[arg-type]
-        scheduler=SchedulerConfig(**sched),  # type: ignore[arg-type]
-        spec=SpecConfig(**{_SPEC_ARGS[k]: v for k, v in given.items() if k in _SPEC_ARGS}),  # type: ignore[arg-type]
-        **{k: v for k, v in given.items() if k in _ENGINE_ARGS},  # type: ignore[arg-type]
-    )
+    parts: dict[str | None, dict[str, Any]] = {}
+    for name, value in given.items():
+        a = known[name]
+        parts.setdefault(a.section, {})[a.field_name] = value
+    # Sections are built in EngineConfig's field order, so the first invalid value reported is the same
+    # whichever order the kwargs came in.
+    sections = {s: cls(**parts.get(s, {})) for s, cls in _sections().items()}
+    return EngineConfig(model=model, **parts.get(None, {}), **sections)

@@ -12,12 +12,14 @@ from typing import Any
 
 import pytest
 
+from chunkwise.config import engine_args
 from chunkwise.engine_args import engine_config_from_args
 from chunkwise.fetch.args import add_fetch_args
 from chunkwise.router.args import add_router_args
 from chunkwise.server.args import add_serve_args
 from chunkwise_operator import manifests
-from chunkwise_operator.spec import parse
+from chunkwise_operator import spec as operator_spec
+from chunkwise_operator.spec import EngineSpec, Speculation, parse
 
 
 def parser(add: Any) -> argparse.ArgumentParser:
@@ -87,3 +89,53 @@ def test_every_command_the_operator_writes_parses_with_the_runtime(spec: dict[st
             assert fetch[:2] == ["chunkwise", "fetch-model"]
             fns = parser(add_fetch_args).parse_args(fetch[2:])
             assert fns.tokenizer_only is tokenizer_only
+
+
+# Each EngineSpec field and the `chunkwise serve` flag it is rendered to. Every field must be here, so a
+# field added to the operator is held to the runtime's default from the start.
+SPEC_FLAGS = {
+    "dtype": "--dtype",
+    "max_num_seqs": "--max-num-seqs",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "block_size": "--block-size",
+    "kv_cache_memory_bytes": "--kv-cache-memory-bytes",
+    "preemption_mode": "--preemption-mode",
+    "enable_prefix_caching": "--enable-prefix-caching",
+    "queue_delay_slo_seconds": "--queue-delay-slo-seconds",
+    "drain_grace_seconds": "--drain-timeout-seconds",
+}
+SPECULATION_FLAGS = {"method": "--speculative-method", "num_tokens": "--num-speculative-tokens"}
+# The operator spells "off" as "none" where the runtime's default is None.
+OFF: dict[object, object] = {"none": None}
+
+
+def runtime_default(flag: str) -> object:
+    """The default a flag of `chunkwise serve` stands for: the engine field's, else the server's own."""
+    action = parser(add_serve_args)._option_string_actions[flag]
+    option = engine_args().get(action.dest)
+    return option.default if option is not None and option.has_engine_flag else action.default
+
+
+def test_the_operators_engine_defaults_are_the_runtimes() -> None:
+    fields = {f.name for f in dataclasses.fields(EngineSpec)}
+    assert fields - {"speculation", "extra_args"} == set(SPEC_FLAGS)
+    assert {f.name for f in dataclasses.fields(Speculation)} == set(SPECULATION_FLAGS)
+    pairs = [(getattr(EngineSpec(), f), flag) for f, flag in SPEC_FLAGS.items()]
+    pairs += [(getattr(Speculation(), f), flag) for f, flag in SPECULATION_FLAGS.items()]
+    for ours, flag in pairs:
+        assert OFF.get(ours, ours) == runtime_default(flag), flag
+
+
+def test_the_operators_choices_are_the_runtimes() -> None:
+    serve = parser(add_serve_args)._option_string_actions
+    assert set(operator_spec.DTYPES) == set(serve["--dtype"].choices)
+    assert set(operator_spec.PREEMPTION_MODES) == set(serve["--preemption-mode"].choices)
+    assert set(operator_spec.SPECULATIVE_METHODS) == {*OFF, *serve["--speculative-method"].choices}
+    router = parser(add_router_args)._option_string_actions
+    assert set(operator_spec.ROUTER_POLICIES) == set(router["--policy"].choices)
+
+
+def test_every_flag_the_operator_reserves_is_a_runtime_flag() -> None:
+    serve = parser(add_serve_args)._option_string_actions
+    assert set(operator_spec.MODELED_FLAGS) <= set(serve)
+    assert set(SPEC_FLAGS.values()) | set(SPECULATION_FLAGS.values()) <= set(operator_spec.MODELED_FLAGS)

@@ -5,14 +5,12 @@ from __future__ import annotations
 import argparse
 
 from chunkwise.argtypes import LOG_LEVELS, port, positive_float, positive_int
+from chunkwise.config import DEFAULT_BLOCK_SIZE
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
 DEFAULT_POLICY = "predicted-completion"
 DEFAULT_POLL_INTERVAL_S = 0.5
-# The engine's default block size (chunkwise.config.DEFAULT_BLOCK_SIZE), repeated so that parsing the
-# router's flags never imports the engine's configuration.
-DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_PREFIX_CACHE_BLOCKS = 65536
 # Stand-ins for a replica's speed until the router has measured it.
