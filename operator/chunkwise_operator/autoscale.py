@@ -4,7 +4,8 @@ It follows the HorizontalPodAutoscaler's algorithm, so that its behaviour is the
 know (https://kubernetes.io/docs/tasks/run-application/horizontal-pod-autoscale/#algorithm-details):
 
 1. Each configured metric proposes ceil(current × observed / target), or `current` while observed/target
-   is within the tolerance of 1. The recommendation is the largest proposal (the metric in most need),
+   is within that metric's tolerance of 1; KV usage is a threshold, proposing a scale up as soon as it is
+   above its target (a bounded fraction would otherwise act only near saturation). The recommendation is the largest proposal (the metric in most need),
    clamped to [minReplicas, maxReplicas]. While some replicas are not ready, a scale down is held: their
    share of the load is unknown.
 2. Stabilization: every recommendation is kept with its time. A scale up goes to the smallest
@@ -23,16 +24,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from chunkwise_operator.spec import GROUP, KIND, AutoscalingSpec, AutoscalingTargets
+from chunkwise_operator.spec import GROUP, KIND, AutoscalingSpec, AutoscalingTargets, AutoscalingTolerances
 
 QUEUE_DEPTH = "queueDepthPerReplica"
 PREEMPTION_RATE = "preemptionRatePerSecond"
 P99_STEP_TIME = "p99StepTimeSeconds"
 KV_USAGE = "kvUsageFraction"
 METRICS = (QUEUE_DEPTH, PREEMPTION_RATE, P99_STEP_TIME, KV_USAGE)
+# Bounded signals: above the target is already too much, so their tolerance applies below the target only.
+THRESHOLDS = frozenset({KV_USAGE})
 
 # Reasons, as status.autoscaler.reason and event reasons.
 SCALED_UP = "ScaledUp"
@@ -60,13 +63,22 @@ def targets_of(targets: AutoscalingTargets) -> dict[str, float]:
     }
 
 
+def tolerances_of(tolerance: AutoscalingTolerances) -> dict[str, float]:
+    return {
+        QUEUE_DEPTH: tolerance.queue_depth_per_replica,
+        PREEMPTION_RATE: tolerance.preemption_rate_per_second,
+        P99_STEP_TIME: tolerance.p99_step_time_seconds,
+        KV_USAGE: tolerance.kv_usage_fraction,
+    }
+
+
 @dataclass(frozen=True)
 class Behavior:
     """HPA's defaults (autoscaling/v2 `behavior`), with the windows from the InferenceService's spec."""
 
     scale_up_stabilization_s: float = 0.0
     scale_down_stabilization_s: float = 300.0
-    tolerance: float = 0.1
+    tolerances: Mapping[str, float] = field(default_factory=lambda: tolerances_of(AutoscalingTolerances()))
     scale_up_pods: int = 4
     scale_up_percent: float = 100.0
     scale_up_period_s: float = 15.0
@@ -80,7 +92,7 @@ class Behavior:
             "scale_down_stabilization_s": float(spec.scale_down_stabilization_seconds),
         }
         values.update(overrides)
-        return cls(**values)  # type: ignore[arg-type]
+        return cls(tolerances=tolerances_of(spec.tolerance), **values)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -141,7 +153,10 @@ def external_scalers(name: str, objects: Iterable[Mapping[str, Any]]) -> tuple[E
 
 
 def proposals(
-    current: int, observed: Mapping[str, float | None], targets: Mapping[str, float], tolerance: float
+    current: int,
+    observed: Mapping[str, float | None],
+    targets: Mapping[str, float],
+    tolerances: Mapping[str, float],
 ) -> dict[str, int]:
     """What each metric with data asks for."""
     result: dict[str, int] = {}
@@ -150,7 +165,12 @@ def proposals(
         if value is None or target is None or target <= 0 or not math.isfinite(value):
             continue
         ratio = value / target
-        result[name] = current if abs(ratio - 1.0) <= tolerance else math.ceil(current * ratio)
+        tolerance = tolerances.get(name, 0.0)
+        if name in THRESHOLDS:
+            within = 1.0 - tolerance <= ratio <= 1.0
+        else:
+            within = abs(ratio - 1.0) <= tolerance
+        result[name] = current if within else math.ceil(current * ratio)
     return result
 
 
@@ -207,7 +227,7 @@ def decide(
     if current > max_replicas:
         return result(max_replicas, ABOVE_MAX, f"{current} replicas is above maxReplicas {max_replicas}")
 
-    asked = proposals(current, observed.values, targets, behavior.tolerance)
+    asked = proposals(current, observed.values, targets, behavior.tolerances)
     if not asked:
         return result(current, NO_METRICS, "no ready replica has reported metrics yet")
     driver = max(asked, key=lambda name: asked[name])

@@ -41,8 +41,6 @@ DEFAULT_PEERING_LIFETIME_S = 60.0
 POD_NAMESPACE_ENV = "POD_NAMESPACE"
 # Every child carries this label (manifests.labels); the watches see only objects that do.
 CHILD_LABELS = {LABEL_MANAGED_BY: MANAGER}
-# HPA's relative tolerance around each target, within which the count is left alone.
-AUTOSCALER_TOLERANCE_ENV = "CHUNKWISE_AUTOSCALER_TOLERANCE"
 
 
 def _env_float(name: str, default: float | None) -> float | None:
@@ -82,10 +80,6 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.Log
     selector = ",".join(f"{k}={v}" for k, v in CHILD_LABELS.items())
     for child in CHILD_KINDS:
         settings.watching.label_selectors[child.group, child.plural] = selector
-    behavior = {}
-    tolerance = _env_float(AUTOSCALER_TOLERANCE_ENV, None)
-    if tolerance is not None:
-        behavior["tolerance"] = tolerance
     memo.autoscaler_interval = _env_float(AUTOSCALER_INTERVAL_ENV, DEFAULT_AUTOSCALER_INTERVAL_S)
     memo.status_interval = _env_float(STATUS_INTERVAL_ENV, DEFAULT_STATUS_INTERVAL_S)
     if not settings.peering.clusterwide:
@@ -93,7 +87,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.Log
         # grant; the resources found at start-up are served.
         settings.scanning.disabled = True
     kube = Kube.from_environment()
-    memo.reconciler = Reconciler(kube, behavior=behavior)
+    memo.reconciler = Reconciler(kube)
     if settings.peering.mandatory and not settings.peering.standalone:
         _ensure_peering(kube, settings, logger)
 

@@ -8,6 +8,7 @@ workers touch the same object: the CR's own handler, the watch on its Deployment
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import json
 import threading
@@ -57,14 +58,11 @@ class Reconciler:
         kube: Kube,
         clock: Callable[[], str] = utc_now,
         wall: Callable[[], float] = time.time,
-        behavior: Mapping[str, float] | None = None,
     ) -> None:
         self.kube = kube
         self._clock = clock
         # The autoscaler's clock: epoch seconds, because its history is stored and outlives the process.
         self._wall = wall
-        # Operator-wide overrides of the autoscaler's Behavior (tolerance, rate-limit periods).
-        self._behavior = dict(behavior or {})
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._guard = threading.Lock()
 
@@ -282,12 +280,14 @@ class Reconciler:
             targets=autoscale.targets_of(a.targets),
             min_replicas=a.min_replicas,
             max_replicas=a.max_replicas,
-            behavior=autoscale.Behavior.from_spec(a, **self._behavior),
+            behavior=autoscale.Behavior.from_spec(a),
             history=history,
             events=events,
             now=now,
             external=external,
         )
+        if decision.reason == autoscale.NO_METRICS and failed:
+            decision = dataclasses.replace(decision, message=scrape.unreachable(failed))
         await asyncio.to_thread(self._apply_autoscale, body, parsed, decision, observed, now, logger)
         return decision
 
@@ -318,10 +318,8 @@ class Reconciler:
             patch = status.status_patch({"autoscaler": previous or {}}, {"autoscaler": block})
             if patch is not None:
                 self.kube.patch_inference_service_status(namespace, name, patch)
-            if (decision.reason == autoscale.SCALER_CONFLICT) != (
-                isinstance(previous, Mapping) and previous.get("reason") == autoscale.SCALER_CONFLICT
-            ):
-                # The ScalerConflict condition follows the block, and conditions are the refresh's to write.
+            if status.autoscaler_conditions(block) != status.autoscaler_conditions(previous):
+                # The autoscaler's conditions follow its block, and conditions are the refresh's to write.
                 self._refresh(namespace, name, parsed=parsed, generation=status.KEEP, failure=status.KEEP)
 
     def _write_replicas(self, body: Mapping[str, Any], desired: int, logger: Any) -> bool:

@@ -135,6 +135,16 @@ async def scrape(
     return [r for r in results if isinstance(r, PodSample)], [r for r in results if isinstance(r, str)]
 
 
+def unreachable(failed: Sequence[str]) -> str:
+    """Why there are no metrics although pods are ready: what the scrapes met, and the likely cause."""
+    return (
+        f"{len(failed)} ready pod(s) did not answer /metrics ({failed[0]}"
+        + (f"; and {len(failed) - 1} more" if len(failed) > 1 else "")
+        + "); if a NetworkPolicy isolates the runtime pods, admit the operator to their port "
+        "(manifests/examples/metrics-networkpolicy.yaml)"
+    )
+
+
 def quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
     """histogram_quantile over cumulative (le, count) pairs; None when the histogram is empty."""
     if not buckets or buckets[-1][1] <= 0:

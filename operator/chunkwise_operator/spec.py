@@ -141,12 +141,27 @@ class AutoscalingTargets:
 
 
 @dataclass(frozen=True)
+class AutoscalingTolerances:
+    """Per metric, the relative band around its target in which the count is left alone (HPA's tolerance).
+
+    kvUsageFraction is a threshold: above its target it scales up at once, and the band applies below only,
+    so a target of 0.9 acts at 90% and not at 99%.
+    """
+
+    queue_depth_per_replica: float = 0.1
+    preemption_rate_per_second: float = 0.1
+    p99_step_time_seconds: float = 0.1
+    kv_usage_fraction: float = 0.1
+
+
+@dataclass(frozen=True)
 class AutoscalingSpec:
     enabled: bool = False
     delegated: bool = False
     min_replicas: int = 1
     max_replicas: int = 4
     targets: AutoscalingTargets = field(default_factory=AutoscalingTargets)
+    tolerance: AutoscalingTolerances = field(default_factory=AutoscalingTolerances)
     scale_up_stabilization_seconds: int = 30
     scale_down_stabilization_seconds: int = 300
 
@@ -591,12 +606,27 @@ def _autoscaling(spec: Mapping[str, Any]) -> AutoscalingSpec:
         p99_step_time_seconds=_num(t, "p99StepTimeSeconds", tp, reason, td.p99_step_time_seconds, 0.001, 60),
         kv_usage_fraction=_num(t, "kvUsageFraction", tp, reason, td.kv_usage_fraction, 0.01, 1.0),
     )
+    tol = _section(data, "tolerance", p, reason)
+    tod = AutoscalingTolerances()
+    tolp = p + "tolerance."
+    tolerance = AutoscalingTolerances(
+        **{
+            attr: _num(tol, key, tolp, reason, getattr(tod, attr), 0.0, 1.0)
+            for key, attr in (
+                ("queueDepthPerReplica", "queue_depth_per_replica"),
+                ("preemptionRatePerSecond", "preemption_rate_per_second"),
+                ("p99StepTimeSeconds", "p99_step_time_seconds"),
+                ("kvUsageFraction", "kv_usage_fraction"),
+            )
+        }
+    )
     result = AutoscalingSpec(
         enabled=_bool(data, "enabled", p, reason, d.enabled),
         delegated=_bool(data, "delegated", p, reason, d.delegated),
         min_replicas=_req_int(data, "minReplicas", p, reason, d.min_replicas, 0, 1000),
         max_replicas=_req_int(data, "maxReplicas", p, reason, d.max_replicas, 1, 1000),
         targets=targets,
+        tolerance=tolerance,
         scale_up_stabilization_seconds=_req_int(
             data, "scaleUpStabilizationSeconds", p, reason, d.scale_up_stabilization_seconds, 0, 3600
         ),

@@ -15,16 +15,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from chunkwise_operator import manifests
-from chunkwise_operator.autoscale import SCALER_CONFLICT, Decision, Observed, Recommendation, ScaleEvent
+from chunkwise_operator.autoscale import (
+    NO_METRICS,
+    SCALER_CONFLICT,
+    Decision,
+    Observed,
+    Recommendation,
+    ScaleEvent,
+)
 from chunkwise_operator.spec import ServiceSpec, SpecError
 
 READY = "Ready"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
-# SCALER_CONFLICT, named as the autoscaler's reason, is present while the built-in autoscaler owns the count
-# (enabled, not delegated): True while another scaler (HPA, ScaledObject) targets the same InferenceService
-# and the built-in one stands down.
-CONDITION_TYPES = (READY, PROGRESSING, DEGRADED, SCALER_CONFLICT)
+# Present while the built-in autoscaler owns the count (enabled, not delegated), from status.autoscaler:
+# SCALER_CONFLICT (named as the autoscaler's reason) is True while another scaler (HPA, ScaledObject)
+# targets the same InferenceService and the built-in one stands down; METRICS_AVAILABLE is False while no
+# ready replica's /metrics could be read, with why.
+METRICS_AVAILABLE = "MetricsAvailable"
+CONDITION_TYPES = (READY, PROGRESSING, DEGRADED, SCALER_CONFLICT, METRICS_AVAILABLE)
 
 # Everything else under .status (for instance fields a later autoscaler adds) is left alone.
 MANAGED_KEYS = (
@@ -137,10 +146,12 @@ def pod_failure(pods: Sequence[Mapping[str, Any]]) -> Failure | None:
     return None
 
 
-def _condition(ctype: str, status: bool, reason: str, message: str, generation: int | None) -> dict[str, Any]:
+def _condition(
+    ctype: str, status: bool | None, reason: str, message: str, generation: int | None
+) -> dict[str, Any]:
     result: dict[str, Any] = {
         "type": ctype,
-        "status": "True" if status else "False",
+        "status": "Unknown" if status is None else "True" if status else "False",
         "reason": reason,
         "message": message,
     }
@@ -247,7 +258,9 @@ def compute_status(
         status["model"] = parsed.model.served_name
         status["autoscaler"] = _autoscaler(parsed, previous.get("autoscaler"))
         if parsed.autoscaling.enabled and not parsed.autoscaling.delegated:
-            conditions.append(_scaler_condition(status["autoscaler"], gen))
+            block = status["autoscaler"]
+            message = str(block.get("message", ""))
+            conditions += [_condition(*state, message, gen) for state in autoscaler_conditions(block)]
     else:
         for key in ("url", "model", "autoscaler"):
             if previous.get(key) is not None:
@@ -256,12 +269,24 @@ def compute_status(
     return status
 
 
-def _scaler_condition(block: Mapping[str, Any], generation: int | None) -> dict[str, Any]:
-    if block.get("reason") == SCALER_CONFLICT:
-        return _condition(SCALER_CONFLICT, True, "ExternalScaler", str(block.get("message", "")), generation)
-    return _condition(
-        SCALER_CONFLICT, False, "NoExternalScaler", "no HPA or ScaledObject targets it", generation
+def autoscaler_conditions(block: Any) -> tuple[tuple[str, bool | None, str], ...]:
+    """(type, status, reason) of the built-in autoscaler's conditions, from its status block.
+
+    Status None is Unknown: standing down for another scaler, the autoscaler reads no metrics at all.
+    """
+    reason = block.get("reason") if isinstance(block, Mapping) else None
+    conflict = (
+        SCALER_CONFLICT,
+        reason == SCALER_CONFLICT,
+        "ExternalScaler" if reason == SCALER_CONFLICT else "NoExternalScaler",
     )
+    if reason == SCALER_CONFLICT:
+        metrics: tuple[str, bool | None, str] = (METRICS_AVAILABLE, None, SCALER_CONFLICT)
+    elif reason in (NO_METRICS, AWAITING_METRICS):
+        metrics = (METRICS_AVAILABLE, False, str(reason))
+    else:
+        metrics = (METRICS_AVAILABLE, True, "MetricsReported")
+    return conflict, metrics
 
 
 def _previous_failure(previous: Mapping[str, Any]) -> Failure | None:

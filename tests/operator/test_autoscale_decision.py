@@ -149,10 +149,26 @@ def test_decision_records_history_and_events_and_prunes_them() -> None:
 
 
 def test_tolerance_is_relative_to_each_target() -> None:
-    # kv 0.86 / 0.8 = 1.075: within 10%; the queue at 0 asks for 0 -> min, which the window holds.
-    d = run(2, seen(queue=0.0, kv=0.86))
-    assert d.proposals == {a.QUEUE_DEPTH: 0, a.KV_USAGE: 2}
-    assert (d.desired, d.reason, d.driver) == (2, a.WITHIN_TOLERANCE, a.KV_USAGE)
+    # p99 0.54 / 0.5 = 1.08: within 10%; the queue at 0 asks for 0 -> min, which the window holds.
+    d = run(2, seen(queue=0.0, p99=0.54))
+    assert d.proposals == {a.QUEUE_DEPTH: 0, a.P99_STEP_TIME: 2}
+    assert (d.desired, d.reason, d.driver) == (2, a.WITHIN_TOLERANCE, a.P99_STEP_TIME)
+
+
+def test_each_metric_has_its_own_tolerance() -> None:
+    # queue 4.6 / 4 = 1.15: outside the default 10%, inside a 20% band set for the queue alone.
+    wide = replace(BEHAVIOR, tolerances={**BEHAVIOR.tolerances, a.QUEUE_DEPTH: 0.2})
+    assert run(2, seen(queue=4.6)).proposals == {a.QUEUE_DEPTH: 3}
+    assert run(2, seen(queue=4.6), behavior=wide).proposals == {a.QUEUE_DEPTH: 2}
+    assert run(2, seen(p99=0.58), behavior=wide).proposals == {a.P99_STEP_TIME: 3}
+
+
+def test_kv_usage_is_a_threshold_that_acts_before_saturation() -> None:
+    # Target 0.8: at 0.82 (within a symmetric 10% band) it already asks for more; at 0.75 it holds.
+    assert run(2, seen(kv=0.82)).proposals == {a.KV_USAGE: 3}
+    assert run(2, seen(kv=0.75)).proposals == {a.KV_USAGE: 2}
+    assert run(2, seen(kv=0.5)).proposals == {a.KV_USAGE: 2}  # ceil(2 x 0.625): down, ratio-wise
+    assert run(4, seen(kv=0.5)).proposals == {a.KV_USAGE: 3}
 
 
 @settings(max_examples=200, deadline=None)

@@ -294,3 +294,26 @@ async def test_an_hpa_on_a_non_delegated_service_makes_the_builtin_autoscaler_st
         lambda: (condition(cluster, "chat", "ScalerConflict") or ("",))[0] == "False", what="conflict cleared"
     )
     assert operator.failures() == []
+
+
+async def test_unreachable_metrics_are_a_condition_that_says_why(
+    fast_autoscaler: None, pods: list[MetricsServer], cluster: Cluster, operator: Any
+) -> None:
+    await cluster.create_isvc("chat", spec())
+    blocked = await add_pod(cluster, pods, "chat", waiting=5.0)
+    blocked.close()  # ready, but nothing answers on its port: what a default-deny NetworkPolicy looks like
+    await eventually(
+        lambda: (condition(cluster, "chat", "MetricsAvailable") or ("",))[:2] == ("False", "NoMetrics"),
+        what="NoMetrics",
+    )
+    _, _, message = condition(cluster, "chat", "MetricsAvailable") or ("", "", "")
+    assert message.startswith("1 ready pod(s) did not answer /metrics (chat-pod-1: ConnectError")
+    assert "NetworkPolicy" in message
+    assert replicas(cluster, "chat") == 1
+
+    await add_pod(cluster, pods, "chat", waiting=5.0)
+    await eventually(
+        lambda: (condition(cluster, "chat", "MetricsAvailable") or ("",))[:2] == ("True", "MetricsReported"),
+        what="metrics again",
+    )
+    assert operator.failures() == []

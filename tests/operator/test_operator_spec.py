@@ -11,6 +11,7 @@ from operator_harness import ROOT, apply_defaults, crd_schema, inference_service
 from chunkwise_operator.spec import (
     AutoscalingSpec,
     AutoscalingTargets,
+    AutoscalingTolerances,
     EngineSpec,
     EnvVar,
     ModelCache,
@@ -90,6 +91,7 @@ def test_defaults_equal_the_crd_defaults() -> None:
     )
     assert defaulted["engine"]["speculation"] == {"method": "none", "numTokens": 4}
     assert defaulted["autoscaling"]["targets"]["kvUsageFraction"] == 0.9
+    assert defaulted["autoscaling"]["tolerance"]["kvUsageFraction"] == 0.1
     assert parse(defaulted) == parse(MINIMAL)
 
 
@@ -122,6 +124,7 @@ def test_full_spec_is_read_field_by_field() -> None:
                 "p99StepTimeSeconds": 0.2,
                 "kvUsageFraction": 0.8,
             },
+            "tolerance": {"queueDepthPerReplica": 0.25, "kvUsageFraction": 0.05},
             "scaleUpStabilizationSeconds": 10,
             "scaleDownStabilizationSeconds": 600,
         },
@@ -166,6 +169,7 @@ def test_full_spec_is_read_field_by_field() -> None:
         min_replicas=2,
         max_replicas=10,
         targets=AutoscalingTargets(4.0, 0.25, 0.2, 0.8),
+        tolerance=AutoscalingTolerances(queue_depth_per_replica=0.25, kv_usage_fraction=0.05),
         scale_up_stabilization_seconds=10,
         scale_down_stabilization_seconds=600,
     )
@@ -308,6 +312,12 @@ def test_pod_overrides_pass_through() -> None:
 # (spec, reason, message, whether the API server rejects it too: the CRD's schema or one of its CEL rules).
 # The ones it accepts are the checks only the operator makes.
 INVALID = [
+    (
+        with_(MINIMAL, autoscaling={"tolerance": {"p99StepTimeSeconds": 1.5}}),
+        "InvalidAutoscaling",
+        "spec.autoscaling.tolerance.p99StepTimeSeconds must be a number in [0, 1], got 1.5",
+        True,
+    ),
     (
         with_(MINIMAL, autoscaling={"minReplicas": 5, "maxReplicas": 2}),
         "InvalidAutoscaling",

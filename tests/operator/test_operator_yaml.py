@@ -53,6 +53,7 @@ def test_the_expected_files_exist() -> None:
         "manifests/examples/gpu-service.yaml",
         "manifests/examples/hpa.yaml",
         "manifests/examples/keda-scaledobject.yaml",
+        "manifests/examples/metrics-networkpolicy.yaml",
         "manifests/examples/service.yaml",
         "manifests/kustomization.yaml",
         "manifests/monitoring/kustomization.yaml",
@@ -84,6 +85,7 @@ def test_every_document_is_covered_by_a_check() -> None:
             ("apiextensions.k8s.io/v1", "CustomResourceDefinition"),
             ("apps/v1", "Deployment"),
             ("autoscaling/v2", "HorizontalPodAutoscaler"),
+            ("networking.k8s.io/v1", "NetworkPolicy"),
             ("rbac.authorization.k8s.io/v1", "ClusterRole"),
             ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"),
             ("rbac.authorization.k8s.io/v1", "Role"),
@@ -356,3 +358,43 @@ def test_scalers_target_the_scale_subresource() -> None:
     assert "vllm:num_requests_waiting" in trigger["metadata"]["query"]
     assert isinstance(trigger["metadata"]["threshold"], str)
     assert {"minReplicaCount", "maxReplicaCount"} <= set(keda["spec"])
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def test_the_metrics_network_policy_admits_the_operator_prometheus_and_routers() -> None:
+    policy = find("NetworkPolicy", "chunkwise-runtime-metrics")
+    spec = parse({"model": {"preset": "tiny"}, "router": {"enabled": True}})
+    runtime = manifests.runtime_deployment("tiny", "ml", spec)["spec"]["template"]
+    router = manifests.router_deployment("tiny", "ml", spec)["spec"]["template"]["metadata"]["labels"]
+    assert selects(policy["spec"]["podSelector"], runtime["metadata"]["labels"])
+    assert not selects(policy["spec"]["podSelector"], router)
+    (rule,) = policy["spec"]["ingress"]
+    # The port the operator scrapes: the engine's named port, where the pods' annotation says /metrics is.
+    (engine,) = [c for c in runtime["spec"]["containers"] if c["name"] == "engine"]
+    (port,) = [p for p in engine["ports"] if p["name"] == rule["ports"][0]["port"]]
+    assert str(port["containerPort"]) == runtime["metadata"]["annotations"]["prometheus.io/port"]
+
+    operator_pod = find("Deployment", "chunkwise-operator")["spec"]["template"]["metadata"]["labels"]
+    namespace = find("Namespace", "chunkwise-system")["metadata"]["name"]
+
+    def admitted(labels: dict[str, str], in_namespace: str | None) -> bool:
+        """Some peer admits a pod with `labels` in `in_namespace` (None: the policy's own namespace)."""
+        for peer in rule["from"]:
+            ns = peer.get("namespaceSelector")
+            if ns is None and in_namespace is not None:
+                continue
+            if ns is not None and in_namespace is None:
+                continue
+            ns_labels = {"kubernetes.io/metadata.name": in_namespace or ""}
+            if (ns is None or selects(ns, ns_labels)) and selects(peer["podSelector"], labels):
+                return True
+        return False
+
+    assert admitted(operator_pod, namespace)  # the cluster-wide install
+    assert admitted(operator_pod, None)  # the namespaced install, beside the pods
+    assert admitted(router, None)
+    assert admitted({"app.kubernetes.io/name": "prometheus"}, "monitoring")
+    assert not admitted({"app": "anything-else"}, "default")
