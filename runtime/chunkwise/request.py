@@ -95,3 +95,21 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+
+def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    """The request's output cap: max_tokens, or what max_model_len leaves after the prompt when the client
+    gave none. Raises ValueError when the prompt leaves no room or max_tokens overruns max_model_len (the
+    engine's check and the simulator's, so a replay refuses what a server refuses)."""
+    if num_prompt_tokens >= max_model_len:
+        raise ValueError(
+            f"prompt is {num_prompt_tokens} tokens; max_model_len is {max_model_len}, "
+            "which must leave room for at least one generated token"
+        )
+    room = max_model_len - num_prompt_tokens
+    if max_tokens is not None and max_tokens > room:
+        raise ValueError(
+            f"prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds "
+            f"max_model_len ({max_model_len})"
+        )
+    return max_tokens if max_tokens is not None else room

@@ -17,6 +17,7 @@ from chunkwise.engine import EngineCore
 from chunkwise.metrics import EngineMetrics
 from chunkwise.request import Request, RequestStatus
 from chunkwise.sampling_params import SamplingParams
+from chunkwise.sched.policies import Preemption, preemption_policy
 from chunkwise.sched.preemption import PreemptionCostModel
 from chunkwise.sched.scheduler import Scheduler
 
@@ -29,14 +30,14 @@ FIXED_TRANSFER_S = 1e-3
 CROSSOVER = 25
 
 
-def cost_model(forced: Literal["auto", "swap", "recompute"] = "auto") -> PreemptionCostModel:
+def cost_model() -> PreemptionCostModel:
     return PreemptionCostModel(
-        KV_BYTES_PER_TOKEN,
-        HOST_COPY_BYTES_PER_S,
-        PREFILL_TOKENS_PER_S,
-        forced=forced,
-        fixed_transfer_s=FIXED_TRANSFER_S,
+        KV_BYTES_PER_TOKEN, HOST_COPY_BYTES_PER_S, PREFILL_TOKENS_PER_S, fixed_transfer_s=FIXED_TRANSFER_S
     )
+
+
+def preemption(mode: Literal["auto", "swap", "recompute"]) -> Preemption:
+    return preemption_policy(SchedulerConfig(max_model_len=64, preemption_mode=mode), cost_model())
 
 
 def request_with_context(num_tokens: int) -> Request:
@@ -56,9 +57,10 @@ def test_auto_recomputes_below_the_crossover_and_swaps_above_it() -> None:
         assert cm.mode(request_with_context(n)) == "recompute", n
     for n in (CROSSOVER + 1, 28, 100, 10_000):
         assert cm.mode(request_with_context(n)) == "swap", n
-    # A forced mode is obeyed whatever the cost.
-    assert cost_model("swap").mode(request_with_context(1)) == "swap"
-    assert cost_model("recompute").mode(request_with_context(10_000)) == "recompute"
+    # The policy the config names: a forced mode is obeyed whatever the cost, auto asks the cost model.
+    assert preemption("swap").mode(request_with_context(1)) == "swap"
+    assert preemption("recompute").mode(request_with_context(10_000)) == "recompute"
+    assert [preemption("auto").mode(request_with_context(n)) for n in (1, 10_000)] == ["recompute", "swap"]
 
 
 def test_crossover_edges() -> None:
@@ -76,8 +78,10 @@ def test_crossover_edges() -> None:
 def make_sched(forced: Literal["auto", "swap", "recompute"], host_blocks: int) -> Scheduler:
     # 9 blocks of 4 tokens, prefix caching off so that a recompute really recomputes.
     kv = KVCacheManager(9, 4, False, host_blocks)
-    config = SchedulerConfig(max_model_len=64, max_num_batched_tokens=64, cold_start_output_tokens=0)
-    return Scheduler(config, kv, cost_model(forced))
+    config = SchedulerConfig(
+        max_model_len=64, max_num_batched_tokens=64, cold_start_output_tokens=0, preemption_mode=forced
+    )
+    return Scheduler.from_config(config, kv, cost_model())
 
 
 def add_three(s: Scheduler) -> tuple[Request, Request, Request]:

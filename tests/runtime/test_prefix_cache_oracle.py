@@ -74,9 +74,14 @@ def test_every_cached_block_holds_the_kv_of_its_prefix(
 ) -> None:
     rng = random.Random(seed)
     kv = KVCacheManager(num_blocks, BLOCK, True, host_blocks)
-    cost = PreemptionCostModel(64, 1e9 if mode != "auto" else 3e3, 1e4, forced=mode)  # type: ignore[arg-type]
-    s = Scheduler(
-        SchedulerConfig(max_model_len=64, max_num_batched_tokens=rng.choice([8, 16, 32]), max_num_seqs=8),
+    cost = PreemptionCostModel(64, 1e9 if mode != "auto" else 3e3, 1e4)
+    s = Scheduler.from_config(
+        SchedulerConfig(
+            max_model_len=64,
+            max_num_batched_tokens=rng.choice([8, 16, 32]),
+            max_num_seqs=8,
+            preemption_mode=mode,  # type: ignore[arg-type]
+        ),
         kv,
         cost,
     )

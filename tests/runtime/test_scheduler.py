@@ -24,8 +24,9 @@ def make_sched(
 ) -> Scheduler:
     cfg.setdefault("max_model_len", 256)
     kv = KVCacheManager(num_blocks, block_size, prefix, host_blocks)
-    cost = PreemptionCostModel(64, 1e9, 1e4, forced=mode)  # type: ignore[arg-type]
-    return Scheduler(SchedulerConfig(**cfg), kv, cost)  # type: ignore[arg-type]
+    cost = PreemptionCostModel(64, 1e9, 1e4)
+    cfg.setdefault("preemption_mode", mode)
+    return Scheduler.from_config(SchedulerConfig(**cfg), kv, cost)  # type: ignore[arg-type]
 
 
 _clock = [0.0]

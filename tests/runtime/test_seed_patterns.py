@@ -28,8 +28,9 @@ class Sim:
         cfg.setdefault("max_model_len", 4096)
         self.max_model_len = int(cfg["max_model_len"])  # type: ignore[call-overload]
         kv = KVCacheManager(num_blocks, block_size, prefix, num_host_blocks=0)
-        cost = PreemptionCostModel(64, 1e9, 1e4, forced="recompute")
-        self.s = Scheduler(SchedulerConfig(**cfg), kv, cost)  # type: ignore[arg-type]
+        cost = PreemptionCostModel(64, 1e9, 1e4)
+        cfg.setdefault("preemption_mode", "recompute")
+        self.s = Scheduler.from_config(SchedulerConfig(**cfg), kv, cost)  # type: ignore[arg-type]
         self.target: dict[str, int] = {}
         self.arrival_step: dict[str, int] = {}
         self.first_token_step: dict[str, int] = {}

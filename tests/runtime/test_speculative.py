@@ -92,7 +92,7 @@ def _spec_sched(max_k: int = 3, budget: int = 64) -> Scheduler:
     kv = KVCacheManager(64, 4)
     cost = PreemptionCostModel(64, 1e9, 1e4)
     policy = AdaptiveDraftLength(max_k, StepCostModel(1.0, 1e-6), adaptive=False)
-    return Scheduler(
+    return Scheduler.from_config(
         SchedulerConfig(max_model_len=200, max_num_batched_tokens=budget), kv, cost, draft_length=policy
     )
 

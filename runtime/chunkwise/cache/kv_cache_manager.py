@@ -62,9 +62,15 @@ class KVCacheManager:
         because the step that finishes a prompt must produce its logits."""
         if not self.enable_prefix_caching:
             return []
+        return self.cached_blocks(self.block_hashes(req), req.num_tokens)
+
+    def cached_blocks(self, hashes: Sequence[BlockHash], num_tokens: int) -> list[int]:
+        """The cached blocks of the longest prefix of `hashes` (a sequence of num_tokens tokens), read only.
+        A request's lookup; the simulator's router asks it of a prompt's hashes too."""
+        if not self.enable_prefix_caching:
+            return []
         hits: list[int] = []
-        max_blocks = (req.num_tokens - 1) // self.block_size
-        for h in self.block_hashes(req)[:max_blocks]:
+        for h in hashes[: (num_tokens - 1) // self.block_size]:
             block_id = self.pool.lookup(h)
             if block_id is None:
                 break

@@ -25,7 +25,7 @@ from chunkwise.engine.step import StepStats, StepUpdate
 from chunkwise.model.loader import LoadedModel, checkpoint_dtype, load_model
 from chunkwise.outputs import RequestOutput
 from chunkwise.platform import cpu_has_bf16_matmul, resolve_dtype
-from chunkwise.request import Request, RequestStatus
+from chunkwise.request import Request, RequestStatus, resolve_max_tokens
 from chunkwise.sampling_params import SamplingParams
 from chunkwise.sched.output import SchedulerStats
 from chunkwise.sched.preemption import PreemptionCostModel
@@ -125,7 +125,6 @@ class EngineCore:
             kv_bytes_per_token=per_token,
             host_copy_bytes_per_s=host_copy_bytes_per_s,
             prefill_tokens_per_s=probe.prefill_rate(),
-            forced=sched_cfg.preemption_mode,
             fixed_transfer_s=fixed_transfer_s,
         )
         if num_host_blocks:
@@ -146,7 +145,9 @@ class EngineCore:
                 adaptive=config.spec.adaptive,
             )
         self._set_up_graphs(config, device, backend)
-        self.scheduler = Scheduler(sched_cfg, self.kv, self.cost_model, draft_length=self.draft_length)
+        self.scheduler = Scheduler.from_config(
+            sched_cfg, self.kv, self.cost_model, draft_length=self.draft_length
+        )
         self.outputs: OutputProcessor | None = OutputProcessor(self.tokenizer)
         self.num_blocks = num_blocks
         self.last_step: StepStats | None = None
@@ -244,23 +245,13 @@ class EngineCore:
             bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {len(ids)} tokens; max_model_len is {self.max_model_len}, "
-                "which must leave room for at least one generated token"
-            )
-        room = self.max_model_len - len(ids)
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len ({self.max_model_len})"
-            )
+        max_tokens = resolve_max_tokens(len(ids), params.max_tokens, self.max_model_len)
         req = Request(
             request_id=request_id,
             prompt_token_ids=ids,
             sampling_params=params,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            max_tokens=params.max_tokens if params.max_tokens is not None else room,
+            max_tokens=max_tokens,
             eos_token_ids=self.eos_token_ids,
             route=route,
             cache_salt=cache_salt,

@@ -49,12 +49,12 @@ class PreemptionCostModel:
     host_copy_bytes_per_s: measured device<->host copy bandwidth (one direction's bytes over its time).
     prefill_tokens_per_s: measured prefill throughput (updated from real steps).
     fixed_transfer_s: measured fixed cost of one transfer (one direction), whatever its size.
+    Which mode a victim gets is the preemption policy's (sched/policies.py: CostChosen asks this model).
     """
 
     kv_bytes_per_token: int
     host_copy_bytes_per_s: float
     prefill_tokens_per_s: float
-    forced: Literal["auto", "swap", "recompute"] = "auto"
     fixed_transfer_s: float = 0.0
 
     def swap_cost_s(self, num_tokens: int) -> float:
@@ -64,6 +64,11 @@ class PreemptionCostModel:
     def recompute_cost_s(self, num_tokens: int) -> float:
         return num_tokens / self.prefill_tokens_per_s
 
+    def mode(self, req: Request) -> Mode:
+        """The cheaper way to preempt req at its context length."""
+        n = req.num_computed_tokens
+        return "swap" if self.swap_cost_s(n) < self.recompute_cost_s(n) else "recompute"
+
     def crossover_tokens(self) -> float:
         """The context length at which swap and recompute cost the same: recompute is chosen below it, swap
         above it. 0 when swap always wins, inf when it never does (its per-token cost is not below
@@ -72,12 +77,6 @@ class PreemptionCostModel:
         if per_token <= 0:
             return math.inf
         return max(0.0, 2 * self.fixed_transfer_s / per_token)
-
-    def mode(self, req: Request) -> Mode:
-        if self.forced != "auto":
-            return self.forced
-        n = req.num_computed_tokens
-        return "swap" if self.swap_cost_s(n) < self.recompute_cost_s(n) else "recompute"
 
     def describe(self) -> str:
         """The measured figures, for the start-up log."""

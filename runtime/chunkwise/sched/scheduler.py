@@ -19,54 +19,32 @@ from collections.abc import Iterable
 from chunkwise.cache.kv_cache_manager import KVCacheManager
 from chunkwise.config import SchedulerConfig
 from chunkwise.request import Request, RequestStatus
-from chunkwise.sched.admission import OutputLengthEstimator, ReservationAdmission
-from chunkwise.sched.batching import ContinuousBatching, StaticBatching
-from chunkwise.sched.budget import TokenBudget
+from chunkwise.sched.admission import OutputLengthEstimator
 from chunkwise.sched.output import ScheduledRequest, SchedulerOutput, SchedulerSnapshot, SchedulerStats
-from chunkwise.sched.preemption import PreemptionCostModel, VictimPolicy
-from chunkwise.sched.queue import PrefixPreference, WaitingQueue
+from chunkwise.sched.policies import SchedulerPolicies, build_policies
+from chunkwise.sched.preemption import PreemptionCostModel
 from chunkwise.speculative.adaptive import AdaptiveDraftLength
 
 
 class Scheduler:
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        kv: KVCacheManager,
-        cost_model: PreemptionCostModel,
-        estimator: OutputLengthEstimator | None = None,
-        draft_length: AdaptiveDraftLength | None = None,
-    ) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policies: SchedulerPolicies) -> None:
         if config.max_model_len is None:
             raise ValueError("SchedulerConfig.max_model_len must be resolved before building a Scheduler")
         self.config = config
         self.max_model_len: int = config.max_model_len
         self.kv = kv
         self.block_size = kv.block_size
-        self.cost_model = cost_model
-        self.estimator = estimator or OutputLengthEstimator(
-            config.output_length_quantile,
-            config.cold_start_output_tokens,
-            kind=config.output_length_estimator,
-        )
-        self.spec = draft_length
-        # Speculation grows a sequence by up to k tokens in a step: admission reserves for that too.
-        spec_tokens = draft_length.max_k if draft_length is not None else 0
-        self.admission = ReservationAdmission(kv.block_size, self.estimator, spec_tokens)
-        self.budget = TokenBudget(
-            config.max_num_batched_tokens,
-            config.enable_chunked_prefill,
-            config.long_prompt_threshold,
-            config.max_long_prefill_chunk,
-        )
-        self.batching: ContinuousBatching | StaticBatching = (
-            StaticBatching(self.max_model_len) if config.batching == "static" else ContinuousBatching()
-        )
-        self.victims = VictimPolicy()
-        self.waiting = WaitingQueue(config.long_prompt_threshold, config.max_long_prefills)
-        self.reuse = PrefixPreference(
-            kv.block_size, config.prefix_lookahead, config.prefix_reuse_min_fraction, config.max_prefix_bypass
-        )
+        self.policies = policies
+        self.cost_model = policies.cost_model
+        self.estimator = policies.estimator
+        self.spec = policies.draft_length
+        self.admission = policies.admission
+        self.budget = policies.budget
+        self.batching = policies.batching
+        self.preemption = policies.preemption
+        self.victims = policies.victims
+        self.waiting = policies.waiting
+        self.reuse = policies.reuse
         self.swapped: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -76,6 +54,19 @@ class Scheduler:
         # within the step only): a decode row changes only its token and position.
         self._decode_rows: dict[str, ScheduledRequest] = {}
         self.last_schedule_seconds = 0.0
+
+    @classmethod
+    def from_config(
+        cls,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        cost_model: PreemptionCostModel,
+        estimator: OutputLengthEstimator | None = None,
+        draft_length: AdaptiveDraftLength | None = None,
+    ) -> Scheduler:
+        """A scheduler with the policies the config names (sched/policies.py), as the engine and the
+        simulator build theirs."""
+        return cls(config, kv, build_policies(config, kv.block_size, cost_model, estimator, draft_length))
 
     # -- requests in and out ----------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -355,7 +346,7 @@ class Scheduler:
     def _preempt(self, req: Request, swap_out: list[tuple[int, int]]) -> None:
         self.running.remove(req)
         req.preempt_count += 1
-        mode = self.cost_model.mode(req)
+        mode = self.preemption.mode(req)
         copies = self.kv.swap_out(req) if mode == "swap" else None
         if copies is not None:
             swap_out.extend(copies)

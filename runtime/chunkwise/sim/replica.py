@@ -19,7 +19,7 @@ from chunkwise.bench.workloads import WorkItem
 from chunkwise.cache.hashing import hash_prefix_blocks
 from chunkwise.cache.kv_cache_manager import KVCacheManager
 from chunkwise.config import SchedulerConfig
-from chunkwise.request import Request
+from chunkwise.request import Request, resolve_max_tokens
 from chunkwise.sampling_params import SamplingParams
 from chunkwise.sched.output import SchedulerOutput
 from chunkwise.sched.preemption import PreemptionCostModel
@@ -76,9 +76,8 @@ class SimReplica:
             kv_bytes_per_token=profile.kv_bytes_per_token,
             host_copy_bytes_per_s=profile.host_copy_bytes_per_s,
             prefill_tokens_per_s=profile.prefill_tokens_per_s,
-            forced=config.preemption_mode,
         )
-        self.scheduler = Scheduler(config, self.kv, self.cost_model)
+        self.scheduler = Scheduler.from_config(config, self.kv, self.cost_model)
         self.targets: dict[str, int] = {}
         self.rate = ServiceRate(profile.prefill_tokens_per_s)
         self.busy = False
@@ -92,14 +91,7 @@ class SimReplica:
     # -- requests -------------------------------------------------------------------------------------------
     def make_request(self, rid: str, item: WorkItem, ids: list[int], arrival_s: float) -> Request:
         """The engine's validation (make_request) on virtual time. Raises ValueError as the engine does."""
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt is {len(ids)} tokens; max_model_len is {self.max_model_len}")
-        room = self.max_model_len - len(ids)
-        if item.max_tokens is not None and item.max_tokens > room:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) plus max_tokens ({item.max_tokens}) exceeds "
-                f"max_model_len ({self.max_model_len})"
-            )
+        max_tokens = resolve_max_tokens(len(ids), item.max_tokens, self.max_model_len)
         params = SamplingParams(
             max_tokens=item.max_tokens, temperature=0.0, ignore_eos=item.max_tokens is not None
         )
@@ -108,7 +100,7 @@ class SimReplica:
             prompt_token_ids=ids,
             sampling_params=params,
             arrival_time=arrival_s,
-            max_tokens=item.max_tokens if item.max_tokens is not None else room,
+            max_tokens=max_tokens,
             eos_token_ids=(SIM_EOS,),
         )
 
@@ -139,14 +131,7 @@ class SimReplica:
 
     def cached_prompt_tokens(self, block_hashes: list[int], num_prompt_tokens: int) -> int:
         """Leading prompt tokens this replica's prefix cache holds (read only; as lookup_prefix counts)."""
-        if not self.kv.enable_prefix_caching:
-            return 0
-        hits = 0
-        for h in block_hashes[: (num_prompt_tokens - 1) // self.kv.block_size]:
-            if self.kv.pool.lookup(h) is None:
-                break
-            hits += 1
-        return hits * self.kv.block_size
+        return len(self.kv.cached_blocks(block_hashes, num_prompt_tokens)) * self.kv.block_size
 
     def output_estimate(self, item: WorkItem) -> int:
         if item.max_tokens is not None:
