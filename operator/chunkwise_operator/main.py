@@ -30,6 +30,8 @@ DEFAULT_AUTOSCALER_INTERVAL_S = 15.0
 # Seconds between status refreshes of one InferenceService (a list of its runtime pods).
 STATUS_INTERVAL_ENV = "CHUNKWISE_STATUS_INTERVAL_SECONDS"
 DEFAULT_STATUS_INTERVAL_S = 30.0
+# A Prometheus to read the autoscaler's signals from (its HTTP API), instead of scraping the pods' /metrics.
+PROMETHEUS_URL_ENV = "CHUNKWISE_PROMETHEUS_URL"
 # Replicas of the operator find each other in this KopfPeering / ClusterKopfPeering (manifests/): the one
 # with the highest priority works, the others stand by.
 PEERING_NAME = "chunkwise-operator"
@@ -41,6 +43,13 @@ DEFAULT_PEERING_LIFETIME_S = 60.0
 POD_NAMESPACE_ENV = "POD_NAMESPACE"
 # Every child carries this label (manifests.labels); the watches see only objects that do.
 CHILD_LABELS = {LABEL_MANAGED_BY: MANAGER}
+
+
+def _prometheus_url() -> str | None:
+    url = os.environ.get(PROMETHEUS_URL_ENV) or None
+    if url is not None and not url.startswith(("http://", "https://")):
+        raise ValueError(f"{PROMETHEUS_URL_ENV} (--prometheus-url) must be an http(s) URL, got {url!r}")
+    return url
 
 
 def _env_float(name: str, default: float | None) -> float | None:
@@ -86,8 +95,12 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.Log
         # Namespaced (a Role, no cluster-wide reads): no watch on CRDs and namespaces, which a Role cannot
         # grant; the resources found at start-up are served.
         settings.scanning.disabled = True
+    try:
+        url = _prometheus_url()
+    except ValueError as e:
+        raise kopf.PermanentError(str(e)) from None  # a misconfiguration no retry fixes: the operator stops
     kube = Kube.from_environment()
-    memo.reconciler = Reconciler(kube)
+    memo.reconciler = Reconciler(kube, prometheus_url=url)
     if settings.peering.mandatory and not settings.peering.standalone:
         _ensure_peering(kube, settings, logger)
 
@@ -246,6 +259,12 @@ def run_operator(argv: list[str] | None = None) -> int:
         f"or the environment variable {AUTOSCALER_INTERVAL_ENV})",
     )
     parser.add_argument(
+        "--prometheus-url",
+        default=None,
+        help="read the autoscaler's signals from this Prometheus (e.g. http://prometheus-operated.monitoring:9090) "
+        f"instead of scraping the pods (or the environment variable {PROMETHEUS_URL_ENV})",
+    )
+    parser.add_argument(
         "--peering",
         action="store_true",
         help=f"run as one of several replicas: peer through the KopfPeering {PEERING_NAME!r} (manifests/), "
@@ -259,6 +278,8 @@ def run_operator(argv: list[str] | None = None) -> int:
             parser.error("--autoscaler-interval-seconds must be positive")
         # Read by the start-up handler, which runs inside kopf.run below.
         os.environ[AUTOSCALER_INTERVAL_ENV] = repr(args.autoscaler_interval_seconds)
+    if args.prometheus_url is not None:
+        os.environ[PROMETHEUS_URL_ENV] = args.prometheus_url  # checked by the start-up handler
     kopf.configure(verbose=args.verbose, quiet=args.quiet)
     kopf.run(
         standalone=not args.peering,

@@ -19,7 +19,7 @@ from typing import Any, cast
 import httpx
 import kopf
 
-from chunkwise_operator import autoscale, manifests, scrape, status
+from chunkwise_operator import autoscale, manifests, prometheus, scrape, status
 from chunkwise_operator.kube import ApiException, ChildConflict, Kube, Outcome, controller_owner, owned_by
 from chunkwise_operator.spec import ServiceSpec, SpecError, parse, validate_name
 
@@ -58,11 +58,14 @@ class Reconciler:
         kube: Kube,
         clock: Callable[[], str] = utc_now,
         wall: Callable[[], float] = time.time,
+        prometheus_url: str | None = None,
     ) -> None:
         self.kube = kube
         self._clock = clock
         # The autoscaler's clock: epoch seconds, because its history is stored and outlives the process.
         self._wall = wall
+        # Where the autoscaler reads its signals when it does not scrape the pods itself.
+        self._prometheus_url = prometheus_url
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._guard = threading.Lock()
 
@@ -245,7 +248,8 @@ class Reconciler:
         client: httpx.AsyncClient,
         logger: Any,
     ) -> autoscale.Decision | None:
-        """One evaluation: scrape the ready runtime pods, decide, write spec.replicas and status.autoscaler.
+        """One evaluation: scrape the ready runtime pods (or ask Prometheus), decide, write spec.replicas and
+        status.autoscaler.
 
         `samples` holds each pod's previous sample (counter deltas need two); the caller keeps it between
         evaluations. Returns None when there is nothing to do (invalid spec, autoscaling off); raises ServiceGone
@@ -257,16 +261,22 @@ class Reconciler:
         parsed = parse_service(name, body.get("spec"))
         if isinstance(parsed, SpecError) or not parsed.autoscaling.enabled:
             return None
-        pods = await asyncio.to_thread(
-            self.kube.list_pods, namespace, manifests.match_labels(name, manifests.RUNTIME)
-        )
         now = self._wall()
-        found, failed = await scrape.scrape(client, scrape.targets(pods), now)
-        for line in failed:
-            logger.warning(f"Could not scrape {line}")
-        observed = scrape.signals(found, samples, parsed.replicas)
-        samples.clear()
-        samples.update({s.key: s for s in found})
+        failed: list[str] = []
+        if self._prometheus_url is not None:
+            observed = await prometheus.observe(
+                client, self._prometheus_url, namespace, name, parsed.replicas
+            )
+        else:
+            pods = await asyncio.to_thread(
+                self.kube.list_pods, namespace, manifests.match_labels(name, manifests.RUNTIME)
+            )
+            found, failed = await scrape.scrape(client, scrape.targets(pods), now)
+            for line in failed:
+                logger.warning(f"Could not scrape {line}")
+            observed = scrape.signals(found, samples, parsed.replicas)
+            samples.clear()
+            samples.update({s.key: s for s in found})
         previous = (body.get("status") or {}).get("autoscaler")
         history, events = status.autoscaler_history(previous)
         a = parsed.autoscaling

@@ -1,0 +1,114 @@
+"""The autoscaler's signals from Prometheus: the queries and answers (pure), then the real Kopf operator on
+kmock scaling from a Prometheus HTTP API that serves the answers a test sets, with no pod to scrape."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+from operator_harness import Cluster, Operator, eventually
+
+from chunkwise_operator import prometheus
+from chunkwise_operator.autoscale import KV_USAGE, P99_STEP_TIME, PREEMPTION_RATE, QUEUE_DEPTH
+from chunkwise_operator.main import AUTOSCALER_INTERVAL_ENV, PROMETHEUS_URL_ENV
+
+
+def vector(value: float | None) -> dict[str, Any]:
+    result = [] if value is None else [{"metric": {}, "value": [1700000000.0, repr(value)]}]
+    return {"status": "success", "data": {"resultType": "vector", "result": result}}
+
+
+def test_queries_select_one_service_by_the_service_monitor_label() -> None:
+    q = prometheus.queries("ml", "chat")
+    sel = 'namespace="ml",serving_chunkwise_dev_inferenceservice="chat"'
+    assert q[prometheus.REPORTING] == f"count(vllm:num_requests_waiting{{{sel}}})"
+    assert q[QUEUE_DEPTH] == f"sum(vllm:num_requests_waiting{{{sel}}})"
+    assert q[PREEMPTION_RATE] == f"sum(rate(vllm:num_preemptions_total{{{sel}}}[1m]))"
+    assert q[P99_STEP_TIME] == (
+        f"histogram_quantile(0.99, sum by (le) (rate(chunkwise:step_duration_seconds_bucket{{{sel}}}[1m])))"
+    )
+    assert q[KV_USAGE] == f"sum(vllm:kv_cache_usage_perc{{{sel}}})"
+    # A name is quoted as PromQL wants, whatever it holds.
+    assert 'serving_chunkwise_dev_inferenceservice="a\\"b"' in prometheus.queries("ml", 'a"b')[QUEUE_DEPTH]
+
+
+def test_answers_become_per_replica_signals() -> None:
+    assert prometheus.scalar(vector(2.5)) == 2.5
+    assert prometheus.scalar(vector(None)) is None
+    assert prometheus.scalar(vector(float("nan"))) is None
+    with pytest.raises(ValueError, match="bad_data: parse error"):
+        prometheus.scalar({"status": "error", "errorType": "bad_data", "error": "parse error"})
+    # 2 pods report for a spec of 4 replicas: extensive signals divide by 4 (the starting pods count idle).
+    seen = prometheus.observed(
+        {prometheus.REPORTING: 2, QUEUE_DEPTH: 12.0, PREEMPTION_RATE: 2.0, P99_STEP_TIME: 0.3, KV_USAGE: 1.2},
+        replicas=4,
+    )
+    assert seen.ready_replicas == 2
+    assert seen.values == {QUEUE_DEPTH: 3.0, PREEMPTION_RATE: 0.5, P99_STEP_TIME: 0.3, KV_USAGE: 0.3}
+    # No pod reports: no signal at all, whatever stale series say.
+    none = prometheus.observed({prometheus.REPORTING: None, QUEUE_DEPTH: 5.0}, replicas=1)
+    assert none.ready_replicas == 0 and set(none.values.values()) == {None}
+
+
+class FakePrometheus:
+    """Prometheus's instant-query API, answering by the metric each query names (as the test sets it)."""
+
+    def __init__(self) -> None:
+        self.answers: dict[str, float | None] = {}
+        self.queries: list[str] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                url = urlparse(self.path)
+                (query,) = parse_qs(url.query)["query"]
+                outer.queries.append(query)
+                value = next((v for k, v in outer.answers.items() if query.startswith(k)), None)
+                body = json.dumps(vector(value)).encode()
+                self.send_response(200 if url.path == "/api/v1/query" else 404)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def prom(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakePrometheus]:
+    server = FakePrometheus()
+    # Read by the operator's start-up handler: the fixture must come before `operator` in a test's arguments.
+    monkeypatch.setenv(PROMETHEUS_URL_ENV, server.url)
+    monkeypatch.setenv(AUTOSCALER_INTERVAL_ENV, "0.2")
+    yield server
+    server.close()
+
+
+async def test_the_autoscaler_scales_from_prometheus_without_scraping_pods(
+    prom: FakePrometheus, cluster: Cluster, operator: Operator
+) -> None:
+    prom.answers = {"count(vllm:num_requests_waiting": 1, "sum(vllm:num_requests_waiting": 6.0}
+    spec = {
+        "model": {"preset": "tiny"},
+        "image": "chunkwise:dev",
+        "autoscaling": {"enabled": True, "maxReplicas": 4, "targets": {"queueDepthPerReplica": 2}},
+    }
+    await cluster.create_isvc("chat", spec)
+    # 6 waiting on 1 replica against 2: ceil(1 x 3) = 3. There is no pod object at all.
+    await eventually(lambda: (cluster.isvc("chat") or {})["spec"].get("replicas") == 3, what="scaled to 3")
+    assert any('serving_chunkwise_dev_inferenceservice="chat"' in q for q in prom.queries)
+    assert operator.failures() == []
