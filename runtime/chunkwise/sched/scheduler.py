@@ -4,8 +4,9 @@ One rule drives everything: each request's num_computed_tokens catches up with i
 chunk, a prefix-cache hit, a recompute after preemption and a decode are all the same catch-up, so the step
 is just "give each running request as many of its missing tokens as the budget allows, then admit".
 
-The scheduler owns request state; the KV cache manager owns block tables; policies decide and the scheduler
-never branches on which policy it holds.
+The scheduler owns request state; the KV cache manager owns block tables; policies decide (policies.py
+builds them from the config) and the scheduler never branches on which policy it holds. Two parts of the
+class live in files of their own: admission (admit.py) and applying a step's result (apply.py).
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ from chunkwise.cache.kv_cache_manager import KVCacheManager
 from chunkwise.config import SchedulerConfig
 from chunkwise.request import Request, RequestStatus
 from chunkwise.sched.admission import OutputLengthEstimator
+from chunkwise.sched.admit import AdmitFromQueues
+from chunkwise.sched.apply import ApplyStepResult
 from chunkwise.sched.output import ScheduledRequest, SchedulerOutput, SchedulerSnapshot, SchedulerStats
 from chunkwise.sched.policies import SchedulerPolicies, build_policies
 from chunkwise.sched.preemption import PreemptionCostModel
 from chunkwise.speculative.adaptive import AdaptiveDraftLength
 
 
-class Scheduler:
+class Scheduler(AdmitFromQueues, ApplyStepResult):
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policies: SchedulerPolicies) -> None:
         if config.max_model_len is None:
             raise ValueError("SchedulerConfig.max_model_len must be resolved before building a Scheduler")
@@ -265,84 +268,6 @@ class Scheduler:
             padding_positions=self._padding(len(scheduled)),
         )
 
-    def _resume_swapped(self, budget: int, num_new: dict[str, int], swap_in: list[tuple[int, int]]) -> int:
-        while self.swapped and len(self.running) < self.config.max_num_seqs:
-            req = self.swapped[0]
-            if not self.kv.can_swap_in(req):
-                break
-            self.swapped.popleft()
-            swap_in.extend(self.kv.swap_in(req))
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            contended = bool(self.swapped or len(self.waiting)) or any(
-                r.is_prefilling for r in self.running if r is not req
-            )
-            n = self.budget.chunk(req, req.num_tokens - req.num_computed_tokens, budget, contended)
-            if n and self.kv.allocate(req, n):
-                num_new[req.request_id] = n
-                budget -= n
-        return budget
-
-    def _admit_waiting(self, budget: int, num_new: dict[str, int], cached_hits: dict[str, int]) -> int:
-        # Blocks promised to running requests but not yet allocated stay off-limits to newcomers.
-        outstanding = sum(
-            max(0, r.reserved_blocks - len(self.kv.block_tables.get(r.request_id, ()))) for r in self.running
-        )
-        num_long = sum(1 for r in self.running if r.is_prefilling and self.waiting.is_long(r))
-        num_prefilling = sum(1 for r in self.running if r.is_prefilling)
-        blocked: Request | None = None  # the head that did not fit, while reuse-heavy requests pass it
-        scanned = 0
-        for req in self.waiting.candidates(num_long):
-            if len(self.running) >= self.config.max_num_seqs:
-                break
-            if budget <= 0 and not self.batching.admits_without_budget:
-                break
-            if blocked is not None:
-                scanned += 1
-                if scanned > self.reuse.lookahead:
-                    break
-            if req.status == RequestStatus.WAITING and req.sampling_params.max_tokens is None:
-                # Estimated at admission, not arrival: a burst that queued before the route had history
-                # gets the quantile learned since, not the cold-start value.
-                req.output_length_estimate = self.admission.output_estimate(req)
-            cached = self.kv.lookup_prefix(req)
-            if blocked is not None and not self.reuse.prefers(req, len(cached)):
-                continue
-            need = self.admission.blocks_needed(req, len(cached))
-            # Hits on free cached blocks leave the free list when taken: they are not there for `need`.
-            if need + self.kv.num_idle(cached) > self.kv.num_free_blocks - outstanding:
-                if blocked is None and self.reuse.may_bypass(req):
-                    blocked = req
-                    continue
-                break
-            if blocked is not None:
-                blocked.num_bypassed += 1
-            num_cached_tokens = len(cached) * self.block_size
-            contended = num_prefilling > 0 or len(self.waiting) > 1
-            n = self.budget.chunk(req, req.num_tokens - num_cached_tokens, budget, contended)
-            if not self.kv.allocate(req, n, cached):
-                break
-            self.waiting.remove(req)
-            if req.status == RequestStatus.WAITING:
-                # First admission: count prefix-cache lookups once per request, as vLLM does.
-                req.num_cached_tokens = num_cached_tokens
-                self.stats.prefix_cache_queries += req.num_prompt_tokens
-                self.stats.prefix_cache_hits += num_cached_tokens
-                req.first_scheduled_time = time.monotonic()
-            req.num_computed_tokens = num_cached_tokens
-            req.status = RequestStatus.RUNNING
-            req.reserved_blocks = need + len(cached)
-            outstanding += max(0, req.reserved_blocks - len(self.kv.block_tables[req.request_id]))
-            self.running.append(req)
-            if req.is_prefilling:
-                num_prefilling += 1
-                if self.waiting.is_long(req):
-                    num_long += 1
-            if n:
-                num_new[req.request_id] = n
-                budget -= n
-        return budget
-
     def _preempt(self, req: Request, swap_out: list[tuple[int, int]]) -> None:
         self.running.remove(req)
         req.preempt_count += 1
@@ -442,105 +367,3 @@ class Scheduler:
         s.num_waiting = len(self.waiting)
         s.num_swapped = len(self.swapped)
         s.kv_usage = self.kv.pool.usage
-
-    # -- apply the step's result ------------------------------------------------------------------------
-    def update_from_output(
-        self,
-        out: SchedulerOutput,
-        sampled: dict[str, list[int]],
-        drafted: dict[str, int] | None = None,
-        row_tokens: list[int] | None = None,
-        forward_seconds: float | None = None,
-    ) -> list[Request]:
-        """Advance each scheduled request and append what it sampled. Returns requests with new tokens
-        (finished ones included, already released).
-
-        With speculation, sampled holds the accepted drafts and then one token from the target: the KV of the
-        accepted drafts is valid and counts as computed; the rejected drafts' KV is rolled back simply by not
-        counting it (those slots are overwritten by the next tokens)."""
-        now = time.monotonic()
-        if forward_seconds is not None:
-            self._learn(out, sampled, drafted or {}, forward_seconds)
-        updated = []
-        self.stats.num_prefill_tokens += out.num_prefill_tokens
-        self.stats.num_decode_tokens += out.num_batched_tokens - out.num_prefill_tokens
-        if drafted:
-            self.stats.spec_num_draft_tokens += sum(drafted.values())
-        requests = self.requests
-        running = RequestStatus.RUNNING
-        if out.decode_only and not drafted:
-            if row_tokens is None:
-                row_tokens = [sampled[sr.req_id][0] for sr in out.scheduled]
-            return self._update_decodes(out, row_tokens, now)
-        for sr in out.scheduled:
-            req = requests.get(sr.req_id)
-            if req is None or req.status is not running:
-                continue  # aborted while the step ran
-            tokens = sampled.get(sr.req_id)
-            if not tokens:
-                req.num_computed_tokens += len(sr.token_ids)
-                continue
-            accepted = len(tokens) - 1 if sr.num_spec_tokens else 0
-            req.num_computed_tokens += len(sr.token_ids) + accepted
-            self.stats.spec_num_accepted_tokens += accepted
-            if req.first_token_time is None:
-                req.first_token_time = now
-            req.last_token_time = now
-            token_ids = req.token_ids
-            limit = req.length_limit
-            stop_ids = req.stop_check_ids
-            for t in tokens:
-                token_ids.append(t)
-                if len(token_ids) >= limit or t in stop_ids:
-                    status, reason = self._check_stop(req, t)  # which one it is (EOS may be ignored)
-                    if status is not None:
-                        self.finish(req, status, reason)
-                        break
-            updated.append(req)
-        return updated
-
-    def _learn(
-        self, out: SchedulerOutput, sampled: dict[str, list[int]], drafted: dict[str, int], seconds: float
-    ) -> None:
-        """The policies that learn from measured steps learn here, where they live: the draft length from
-        every step's time and acceptance, the preemption cost model's recompute rate from prefill-heavy
-        steps (whose time is mostly prefill)."""
-        if self.spec is not None and out.num_batched_tokens:
-            accepted = sum(len(sampled[r]) - 1 for r in drafted)
-            self.spec.observe_step(out.num_batched_tokens, seconds, sum(drafted.values()), accepted)
-        if out.num_prefill_tokens > 0 and out.num_prefill_tokens >= out.num_batched_tokens // 2:
-            self.cost_model.observe_prefill(out.num_batched_tokens, seconds)
-
-    def _update_decodes(self, out: SchedulerOutput, tokens: list[int], now: float) -> list[Request]:
-        """update_from_output for the steady state: every row computed one token and sampled one (`tokens`,
-        in row order)."""
-        updated: list[Request] = []
-        append = updated.append
-        running = RequestStatus.RUNNING
-        for sr, t in zip(out.scheduled, tokens):
-            req = sr.req
-            assert req is not None  # the scheduler's own rows carry their request
-            if req.status is not running:
-                continue  # aborted while the step ran
-            req.num_computed_tokens += 1
-            if req.first_token_time is None:
-                req.first_token_time = now
-            req.last_token_time = now
-            token_ids = req.token_ids
-            token_ids.append(t)
-            if len(token_ids) >= req.length_limit or t in req.stop_check_ids:
-                status, reason = self._check_stop(req, t)
-                if status is not None:
-                    self.finish(req, status, reason)
-            append(req)
-        return updated
-
-    def _check_stop(self, req: Request, token: int) -> tuple[RequestStatus | None, int | None]:
-        params = req.sampling_params
-        if not params.ignore_eos and token in req.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED, None
-        if token in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED, token
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH, None
-        return None, None

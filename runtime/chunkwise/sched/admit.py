@@ -1,0 +1,110 @@
+"""Admission, the last part of composing a step: swapped requests resumed first, then waiting ones in the
+queue's order, each only with blocks for its prompt and estimated output. A part of Scheduler, in a file of
+its own."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from chunkwise.cache.kv_cache_manager import KVCacheManager
+from chunkwise.config import SchedulerConfig
+from chunkwise.request import Request, RequestStatus
+from chunkwise.sched.admission import ReservationAdmission
+from chunkwise.sched.budget import TokenBudget
+from chunkwise.sched.output import SchedulerStats
+from chunkwise.sched.policies import Batching
+from chunkwise.sched.queue import PrefixPreference, WaitingQueue
+
+
+class AdmitFromQueues:
+    # The Scheduler's, read and written here.
+    config: SchedulerConfig
+    kv: KVCacheManager
+    block_size: int
+    stats: SchedulerStats
+    running: list[Request]
+    swapped: deque[Request]
+    waiting: WaitingQueue
+    budget: TokenBudget
+    batching: Batching
+    admission: ReservationAdmission
+    reuse: PrefixPreference
+
+    def _resume_swapped(self, budget: int, num_new: dict[str, int], swap_in: list[tuple[int, int]]) -> int:
+        while self.swapped and len(self.running) < self.config.max_num_seqs:
+            req = self.swapped[0]
+            if not self.kv.can_swap_in(req):
+                break
+            self.swapped.popleft()
+            swap_in.extend(self.kv.swap_in(req))
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            contended = bool(self.swapped or len(self.waiting)) or any(
+                r.is_prefilling for r in self.running if r is not req
+            )
+            n = self.budget.chunk(req, req.num_tokens - req.num_computed_tokens, budget, contended)
+            if n and self.kv.allocate(req, n):
+                num_new[req.request_id] = n
+                budget -= n
+        return budget
+
+    def _admit_waiting(self, budget: int, num_new: dict[str, int], cached_hits: dict[str, int]) -> int:
+        # Blocks promised to running requests but not yet allocated stay off-limits to newcomers.
+        outstanding = sum(
+            max(0, r.reserved_blocks - len(self.kv.block_tables.get(r.request_id, ()))) for r in self.running
+        )
+        num_long = sum(1 for r in self.running if r.is_prefilling and self.waiting.is_long(r))
+        num_prefilling = sum(1 for r in self.running if r.is_prefilling)
+        blocked: Request | None = None  # the head that did not fit, while reuse-heavy requests pass it
+        scanned = 0
+        for req in self.waiting.candidates(num_long):
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            if budget <= 0 and not self.batching.admits_without_budget:
+                break
+            if blocked is not None:
+                scanned += 1
+                if scanned > self.reuse.lookahead:
+                    break
+            if req.status == RequestStatus.WAITING and req.sampling_params.max_tokens is None:
+                # Estimated at admission, not arrival: a burst that queued before the route had history
+                # gets the quantile learned since, not the cold-start value.
+                req.output_length_estimate = self.admission.output_estimate(req)
+            cached = self.kv.lookup_prefix(req)
+            if blocked is not None and not self.reuse.prefers(req, len(cached)):
+                continue
+            need = self.admission.blocks_needed(req, len(cached))
+            # Hits on free cached blocks leave the free list when taken: they are not there for `need`.
+            if need + self.kv.num_idle(cached) > self.kv.num_free_blocks - outstanding:
+                if blocked is None and self.reuse.may_bypass(req):
+                    blocked = req
+                    continue
+                break
+            if blocked is not None:
+                blocked.num_bypassed += 1
+            num_cached_tokens = len(cached) * self.block_size
+            contended = num_prefilling > 0 or len(self.waiting) > 1
+            n = self.budget.chunk(req, req.num_tokens - num_cached_tokens, budget, contended)
+            if not self.kv.allocate(req, n, cached):
+                break
+            self.waiting.remove(req)
+            if req.status == RequestStatus.WAITING:
+                # First admission: count prefix-cache lookups once per request, as vLLM does.
+                req.num_cached_tokens = num_cached_tokens
+                self.stats.prefix_cache_queries += req.num_prompt_tokens
+                self.stats.prefix_cache_hits += num_cached_tokens
+                req.first_scheduled_time = time.monotonic()
+            req.num_computed_tokens = num_cached_tokens
+            req.status = RequestStatus.RUNNING
+            req.reserved_blocks = need + len(cached)
+            outstanding += max(0, req.reserved_blocks - len(self.kv.block_tables[req.request_id]))
+            self.running.append(req)
+            if req.is_prefilling:
+                num_prefilling += 1
+                if self.waiting.is_long(req):
+                    num_long += 1
+            if n:
+                num_new[req.request_id] = n
+                budget -= n
+        return budget

@@ -1,0 +1,124 @@
+"""The second half of a step: the runner's result applied to the scheduler's requests (Scheduler's
+update_from_output), and the learning policies fed from it. A part of Scheduler, in a file of its own."""
+
+from __future__ import annotations
+
+import time
+
+from chunkwise.request import Request, RequestStatus
+from chunkwise.sched.output import SchedulerOutput, SchedulerStats
+from chunkwise.sched.preemption import PreemptionCostModel
+from chunkwise.speculative.adaptive import AdaptiveDraftLength
+
+
+class ApplyStepResult:
+    # The Scheduler's, read and written here.
+    requests: dict[str, Request]
+    stats: SchedulerStats
+    spec: AdaptiveDraftLength | None
+    cost_model: PreemptionCostModel
+    max_model_len: int
+
+    def finish(self, req: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        raise NotImplementedError  # Scheduler.finish
+
+    def update_from_output(
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, list[int]],
+        drafted: dict[str, int] | None = None,
+        row_tokens: list[int] | None = None,
+        forward_seconds: float | None = None,
+    ) -> list[Request]:
+        """Advance each scheduled request and append what it sampled. Returns requests with new tokens
+        (finished ones included, already released).
+
+        With speculation, sampled holds the accepted drafts and then one token from the target: the KV of the
+        accepted drafts is valid and counts as computed; the rejected drafts' KV is rolled back simply by not
+        counting it (those slots are overwritten by the next tokens)."""
+        now = time.monotonic()
+        if forward_seconds is not None:
+            self._learn(out, sampled, drafted or {}, forward_seconds)
+        updated = []
+        self.stats.num_prefill_tokens += out.num_prefill_tokens
+        self.stats.num_decode_tokens += out.num_batched_tokens - out.num_prefill_tokens
+        if drafted:
+            self.stats.spec_num_draft_tokens += sum(drafted.values())
+        requests = self.requests
+        running = RequestStatus.RUNNING
+        if out.decode_only and not drafted:
+            if row_tokens is None:
+                row_tokens = [sampled[sr.req_id][0] for sr in out.scheduled]
+            return self._update_decodes(out, row_tokens, now)
+        for sr in out.scheduled:
+            req = requests.get(sr.req_id)
+            if req is None or req.status is not running:
+                continue  # aborted while the step ran
+            tokens = sampled.get(sr.req_id)
+            if not tokens:
+                req.num_computed_tokens += len(sr.token_ids)
+                continue
+            accepted = len(tokens) - 1 if sr.num_spec_tokens else 0
+            req.num_computed_tokens += len(sr.token_ids) + accepted
+            self.stats.spec_num_accepted_tokens += accepted
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            token_ids = req.token_ids
+            limit = req.length_limit
+            stop_ids = req.stop_check_ids
+            for t in tokens:
+                token_ids.append(t)
+                if len(token_ids) >= limit or t in stop_ids:
+                    status, reason = self._check_stop(req, t)  # which one it is (EOS may be ignored)
+                    if status is not None:
+                        self.finish(req, status, reason)
+                        break
+            updated.append(req)
+        return updated
+
+    def _learn(
+        self, out: SchedulerOutput, sampled: dict[str, list[int]], drafted: dict[str, int], seconds: float
+    ) -> None:
+        """The policies that learn from measured steps learn here, where they live: the draft length from
+        every step's time and acceptance, the preemption cost model's recompute rate from prefill-heavy
+        steps (whose time is mostly prefill)."""
+        if self.spec is not None and out.num_batched_tokens:
+            accepted = sum(len(sampled[r]) - 1 for r in drafted)
+            self.spec.observe_step(out.num_batched_tokens, seconds, sum(drafted.values()), accepted)
+        if out.num_prefill_tokens > 0 and out.num_prefill_tokens >= out.num_batched_tokens // 2:
+            self.cost_model.observe_prefill(out.num_batched_tokens, seconds)
+
+    def _update_decodes(self, out: SchedulerOutput, tokens: list[int], now: float) -> list[Request]:
+        """update_from_output for the steady state: every row computed one token and sampled one (`tokens`,
+        in row order)."""
+        updated: list[Request] = []
+        append = updated.append
+        running = RequestStatus.RUNNING
+        for sr, t in zip(out.scheduled, tokens):
+            req = sr.req
+            assert req is not None  # the scheduler's own rows carry their request
+            if req.status is not running:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            token_ids = req.token_ids
+            token_ids.append(t)
+            if len(token_ids) >= req.length_limit or t in req.stop_check_ids:
+                status, reason = self._check_stop(req, t)
+                if status is not None:
+                    self.finish(req, status, reason)
+            append(req)
+        return updated
+
+    def _check_stop(self, req: Request, token: int) -> tuple[RequestStatus | None, int | None]:
+        params = req.sampling_params
+        if not params.ignore_eos and token in req.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED, None
+        if token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, token
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None
