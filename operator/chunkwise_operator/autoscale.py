@@ -54,21 +54,13 @@ SCALER_CONFLICT = "ScalerConflict"
 ABOVE_MAX = "AboveMaxReplicas"
 
 
-def targets_of(targets: AutoscalingTargets) -> dict[str, float]:
+def per_metric(values: AutoscalingTargets | AutoscalingTolerances) -> dict[str, float]:
+    """A spec section with one field per metric (targets, tolerance), keyed by the metric's name."""
     return {
-        QUEUE_DEPTH: targets.queue_depth_per_replica,
-        PREEMPTION_RATE: targets.preemption_rate_per_second,
-        P99_STEP_TIME: targets.p99_step_time_seconds,
-        KV_USAGE: targets.kv_usage_fraction,
-    }
-
-
-def tolerances_of(tolerance: AutoscalingTolerances) -> dict[str, float]:
-    return {
-        QUEUE_DEPTH: tolerance.queue_depth_per_replica,
-        PREEMPTION_RATE: tolerance.preemption_rate_per_second,
-        P99_STEP_TIME: tolerance.p99_step_time_seconds,
-        KV_USAGE: tolerance.kv_usage_fraction,
+        QUEUE_DEPTH: values.queue_depth_per_replica,
+        PREEMPTION_RATE: values.preemption_rate_per_second,
+        P99_STEP_TIME: values.p99_step_time_seconds,
+        KV_USAGE: values.kv_usage_fraction,
     }
 
 
@@ -78,7 +70,7 @@ class Behavior:
 
     scale_up_stabilization_s: float = 0.0
     scale_down_stabilization_s: float = 300.0
-    tolerances: Mapping[str, float] = field(default_factory=lambda: tolerances_of(AutoscalingTolerances()))
+    tolerances: Mapping[str, float] = field(default_factory=lambda: per_metric(AutoscalingTolerances()))
     scale_up_pods: int = 4
     scale_up_percent: float = 100.0
     scale_up_period_s: float = 15.0
@@ -92,7 +84,7 @@ class Behavior:
             "scale_down_stabilization_s": float(spec.scale_down_stabilization_seconds),
         }
         values.update(overrides)
-        return cls(tolerances=tolerances_of(spec.tolerance), **values)  # type: ignore[arg-type]
+        return cls(tolerances=per_metric(spec.tolerance), **values)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

@@ -287,7 +287,7 @@ class Reconciler:
         decision = autoscale.decide(
             current=parsed.replicas,
             observed=observed,
-            targets=autoscale.targets_of(a.targets),
+            targets=autoscale.per_metric(a.targets),
             min_replicas=a.min_replicas,
             max_replicas=a.max_replicas,
             behavior=autoscale.Behavior.from_spec(a),

@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -215,6 +216,35 @@ async def eventually(predicate: Callable[[], Any], timeout: float = 10.0, what: 
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} not reached within {timeout} s")
         await asyncio.sleep(0.02)
+
+
+class HttpStub:
+    """A stand-in for a system at the network's edge (a pod's /metrics, Prometheus) on 127.0.0.1:<random>.
+
+    `respond(path)` gives each GET's (status, content type, body); it runs on the server's thread.
+    """
+
+    def __init__(self, respond: Callable[[str], tuple[int, str, bytes]]) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                status, content_type, body = respond(self.path)
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
 
 
 class Operator:

@@ -7,15 +7,13 @@ backed by a small HTTP server on that port serving the metrics text the test set
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import kmock as km
 import kubernetes
 import pytest
-from operator_harness import MERGE, NAMESPACE, VERBS, Cluster, eventually, running_operator
+from operator_harness import MERGE, NAMESPACE, VERBS, Cluster, HttpStub, eventually, running_operator
 
 from chunkwise_operator import manifests
 from chunkwise_operator.main import AUTOSCALER_INTERVAL_ENV
@@ -24,7 +22,7 @@ from chunkwise_operator.spec import GROUP, PLURAL, VERSION
 PODS = km.resource("v1/pods")
 
 
-class MetricsServer:
+class MetricsServer(HttpStub):
     """A replica's /metrics: vllm:num_requests_waiting as the test sets it, and nothing else."""
 
     def __init__(self) -> None:
@@ -32,37 +30,20 @@ class MetricsServer:
         self.scrapes = 0
         # Runs inside a scrape, before it answers: something the operator meets between its read and its write.
         self.during_scrape: Callable[[], None] | None = None
-        outer = self
+        super().__init__(self._metrics)
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                outer.scrapes += 1
-                if outer.during_scrape is not None:
-                    hook, outer.during_scrape = outer.during_scrape, None
-                    hook()
-                body = (
-                    "# TYPE vllm:num_requests_waiting gauge\n"
-                    f'vllm:num_requests_waiting{{model_name="tiny"}} {outer.waiting}\n'
-                    "# TYPE vllm:kv_cache_usage_perc gauge\n"
-                    'vllm:kv_cache_usage_perc{model_name="tiny"} 0.0\n'
-                ).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.httpd.server_address[1]
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+    def _metrics(self, path: str) -> tuple[int, str, bytes]:
+        self.scrapes += 1
+        if self.during_scrape is not None:
+            hook, self.during_scrape = self.during_scrape, None
+            hook()
+        body = (
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f'vllm:num_requests_waiting{{model_name="tiny"}} {self.waiting}\n'
+            "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            'vllm:kv_cache_usage_perc{model_name="tiny"} 0.0\n'
+        ).encode()
+        return 200, "text/plain; version=0.0.4", body
 
 
 @pytest.fixture

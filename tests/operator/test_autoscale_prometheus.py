@@ -4,14 +4,12 @@ kmock scaling from a Prometheus HTTP API that serves the answers a test sets, wi
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 import pytest
-from operator_harness import Cluster, Operator, eventually
+from operator_harness import Cluster, HttpStub, Operator, eventually
 
 from chunkwise_operator import prometheus
 from chunkwise_operator.autoscale import KV_USAGE, P99_STEP_TIME, PREEMPTION_RATE, QUEUE_DEPTH
@@ -55,37 +53,24 @@ def test_answers_become_per_replica_signals() -> None:
     assert none.ready_replicas == 0 and set(none.values.values()) == {None}
 
 
-class FakePrometheus:
+class FakePrometheus(HttpStub):
     """Prometheus's instant-query API, answering by the metric each query names (as the test sets it)."""
 
     def __init__(self) -> None:
         self.answers: dict[str, float | None] = {}
         self.queries: list[str] = []
-        outer = self
+        super().__init__(self._query)
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                url = urlparse(self.path)
-                (query,) = parse_qs(url.query)["query"]
-                outer.queries.append(query)
-                value = next((v for k, v in outer.answers.items() if query.startswith(k)), None)
-                body = json.dumps(vector(value)).encode()
-                self.send_response(200 if url.path == "/api/v1/query" else 404)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+    def _query(self, path: str) -> tuple[int, str, bytes]:
+        url = urlparse(path)
+        (query,) = parse_qs(url.query)["query"]
+        self.queries.append(query)
+        value = next((v for k, v in self.answers.items() if query.startswith(k)), None)
+        return (
+            200 if url.path == "/api/v1/query" else 404,
+            "application/json",
+            json.dumps(vector(value)).encode(),
+        )
 
 
 @pytest.fixture

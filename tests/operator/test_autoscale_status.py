@@ -37,7 +37,7 @@ def evaluate(parsed: Any, history: tuple[a.Recommendation, ...] = ()) -> a.Decis
     return a.decide(
         current=parsed.replicas,
         observed=OBSERVED,
-        targets=a.targets_of(parsed.autoscaling.targets),
+        targets=a.per_metric(parsed.autoscaling.targets),
         min_replicas=1,
         max_replicas=8,
         behavior=a.Behavior.from_spec(parsed.autoscaling),
