@@ -16,6 +16,11 @@ DEFAULT_PREFIX_CACHE_BLOCKS = 65536
 # Stand-ins for a replica's speed until the router has measured it.
 DEFAULT_PREFILL_RATE = 10_000.0
 DEFAULT_TPOT_S = 0.02
+# Scale from zero: how many requests a router holds while no replica is ready, and for how long (a cold
+# start pulls an image and loads a model: minutes on a GPU node).
+DEFAULT_WAKE_QUEUE_LIMIT = 128
+DEFAULT_WAKE_TIMEOUT_S = 300.0
+DEFAULT_KEEPALIVE_S = 10.0
 # Kept here rather than imported from policies.py, so that `chunkwise --help` imports nothing heavy.
 POLICY_NAMES = ("predicted-completion", "round-robin", "least-loaded", "prefix-affinity")
 
@@ -97,5 +102,30 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         type=positive_float,
         default=DEFAULT_TPOT_S,
         help=f"time per output token assumed until measured (default {DEFAULT_TPOT_S:g})",
+    )
+    g.add_argument(
+        "--wake-inference-service",
+        default=None,
+        metavar="NAME",
+        help="scale from zero: while no replica is ready, hold requests and raise this InferenceService's "
+        "/scale (in --namespace) from 0 to 1; needs --kube-service",
+    )
+    g.add_argument(
+        "--wake-queue-limit",
+        type=positive_int,
+        default=DEFAULT_WAKE_QUEUE_LIMIT,
+        help=f"requests held at once while waking; past it, 503 (default {DEFAULT_WAKE_QUEUE_LIMIT})",
+    )
+    g.add_argument(
+        "--wake-timeout-seconds",
+        type=positive_float,
+        default=DEFAULT_WAKE_TIMEOUT_S,
+        help=f"how long a request is held for a replica; past it, 503 (default {DEFAULT_WAKE_TIMEOUT_S:g})",
+    )
+    g.add_argument(
+        "--keepalive-seconds",
+        type=positive_float,
+        default=DEFAULT_KEEPALIVE_S,
+        help=f"SSE comment interval for a held streaming request (default {DEFAULT_KEEPALIVE_S:g})",
     )
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default info)")

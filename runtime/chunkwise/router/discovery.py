@@ -63,6 +63,21 @@ def endpoint_urls(slices: Iterable[Mapping[str, Any]], service: str) -> list[str
     return sorted(urls)
 
 
+def kube_api_client() -> Any:
+    """A client with in-cluster credentials in a pod, else the kubeconfig's (discovery and scaling share it)."""
+    # Imported here: only a router that discovers replicas in Kubernetes needs the client.
+    import kubernetes
+
+    config = kubernetes.client.Configuration()
+    try:
+        kubernetes.config.load_incluster_config(client_configuration=config)
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config(
+            config_file=os.environ.get("KUBECONFIG"), client_configuration=config, persist_config=False
+        )
+    return kubernetes.client.ApiClient(config)
+
+
 class KubeDiscovery:
     def __init__(self, service: str, namespace: str, interval_s: float) -> None:
         self.service = service
@@ -72,19 +87,9 @@ class KubeDiscovery:
 
     def _client(self) -> Any:
         if self._api is None:
-            # Imported here: only a router that discovers replicas in Kubernetes needs the client.
             import kubernetes
 
-            config = kubernetes.client.Configuration()
-            try:
-                kubernetes.config.load_incluster_config(client_configuration=config)
-            except kubernetes.config.ConfigException:
-                kubernetes.config.load_kube_config(
-                    config_file=os.environ.get("KUBECONFIG"),
-                    client_configuration=config,
-                    persist_config=False,
-                )
-            self._api = kubernetes.client.DiscoveryV1Api(kubernetes.client.ApiClient(config))
+            self._api = kubernetes.client.DiscoveryV1Api(kube_api_client())
         return self._api
 
     def list_urls(self) -> list[str]:

@@ -13,6 +13,8 @@ the fleet's overload signal and goes back to the client.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
@@ -26,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from chunkwise.router.core import Pick, Router
 from chunkwise.router.prompt import CHAT, COMPLETIONS, PromptReader, RoutedRequest
+from chunkwise.router.wake import Waker
 
 logger = logging.getLogger("chunkwise.router")
 
@@ -101,24 +104,67 @@ class _Relay(StreamingResponse):
         headers: Mapping[str, str],
     ) -> None:
         super().__init__(content, status_code=status_code, headers=dict(headers))
-        self._on_close = on_close
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self._on_close()
+            await self.on_close()
 
 
 class Proxy:
-    def __init__(self, router: Router, reader: PromptReader) -> None:
+    def __init__(self, router: Router, reader: PromptReader, waker: Waker | None = None) -> None:
         self.router = router
         self.reader = reader
+        self.waker = waker
 
     async def generate(self, request: Request) -> Response:
         body = await request.body()
         routed = self.reader.read(request.url.path, body)
+        waker = self.waker
+        if waker is not None and not self.router.candidates(self.router.clock()):
+            if not waker.admit():
+                return self._no_replica(
+                    f"no replica is ready and {waker.held} requests already wait for one",
+                    waker.config.retry_after_s,
+                )
+            if routed.stream:
+                return StreamingResponse(
+                    self._held_stream(waker, request, body, routed), media_type="text/event-stream"
+                )
+            if not await waker.wait():
+                return self._no_replica(
+                    f"no replica became ready within {waker.config.wait_s:g} s", waker.config.retry_after_s
+                )
         return await self._forward(request, body, routed)
+
+    async def _held_stream(
+        self, waker: Waker, request: Request, body: bytes, routed: RoutedRequest
+    ) -> AsyncIterator[bytes]:
+        """A streaming request held for a replica: comments while it waits, then the replica's own stream."""
+        waiting = asyncio.ensure_future(waker.wait())
+        try:
+            yield b": waiting for a replica to start\n\n"  # the 200 and its headers go out now
+            while not waiting.done():
+                await asyncio.wait({waiting}, timeout=waker.config.keepalive_s)
+                if not waiting.done():
+                    yield b": still waiting for a replica\n\n"
+        finally:
+            waiting.cancel()  # a client that went away while held leaves the queue
+        if not waiting.result():
+            yield _error_event(f"no replica became ready within {waker.config.wait_s:g} s", "no_replica")
+            return
+        resp = await self._forward(request, body, routed)
+        if not isinstance(resp, _Relay):
+            # The status line is sent already: a refusal (429, 503) travels as an error event.
+            yield _error_event(bytes(resp.body).decode(errors="replace"), f"upstream_{resp.status_code}")
+            return
+        try:
+            async for chunk in resp.body_iterator:
+                yield chunk if isinstance(chunk, bytes) else str(chunk).encode()
+        finally:
+            await resp.on_close()
 
     async def passthrough(self, request: Request) -> Response:
         """Anything else under /v1 (models): any replica can answer, no accounting."""
@@ -146,14 +192,13 @@ class Proxy:
             )
         return self._no_replica()
 
-    def _no_replica(self) -> Response:
+    def _no_replica(
+        self,
+        message: str = "no replica is available to serve this request",
+        retry_after_s: int = NO_REPLICA_RETRY_AFTER_S,
+    ) -> Response:
         self.router.metrics.responses.labels("503").inc()
-        return openai_error(
-            503,
-            "no replica is available to serve this request",
-            "no_replica",
-            {"Retry-After": str(NO_REPLICA_RETRY_AFTER_S)},
-        )
+        return openai_error(503, message, "no_replica", {"Retry-After": str(retry_after_s)})
 
     async def _forward(self, request: Request, body: bytes, routed: RoutedRequest) -> Response:
         router = self.router
@@ -231,12 +276,16 @@ class Proxy:
     async def health(self, request: Request) -> Response:
         now = self.router.clock()
         replicas = self.router.replicas.values()
-        body = {
-            "status": "ok" if self.router.ready() else "unavailable",
+        ready = self.router.ready()
+        body: dict[str, Any] = {
+            # A router that wakes its service stays ready with no replica: it holds requests meanwhile.
+            "status": "ok" if ready else "waking" if self.waker is not None else "unavailable",
             "replicas": len(replicas),
             "healthy": sum(1 for r in replicas if r.healthy and r.candidate(now)),
         }
-        status = 200 if body["status"] == "ok" else 503
+        if self.waker is not None:
+            body["held"] = self.waker.held
+        status = 503 if body["status"] == "unavailable" else 200
         return JSONResponse(body, status_code=status)
 
     async def metrics(self, request: Request) -> Response:
@@ -257,8 +306,16 @@ def _decoded(headers: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() != "content-encoding"}
 
 
-def build_app(router: Router, reader: PromptReader, lifespan: Any = None) -> Starlette:
-    proxy = Proxy(router, reader)
+def _error_event(message: str, code: str) -> bytes:
+    """OpenAI's error body as one SSE event, then the end of the stream."""
+    error = {"error": {"message": message, "type": "service_unavailable", "param": None, "code": code}}
+    return f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+
+
+def build_app(
+    router: Router, reader: PromptReader, lifespan: Any = None, waker: Waker | None = None
+) -> Starlette:
+    proxy = Proxy(router, reader, waker)
     routes = [
         Route(COMPLETIONS, proxy.generate, methods=["POST"]),
         Route(CHAT, proxy.generate, methods=["POST"]),

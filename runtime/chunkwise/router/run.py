@@ -13,10 +13,11 @@ import uvicorn
 from starlette.applications import Starlette
 
 from chunkwise.router.core import Router
-from chunkwise.router.discovery import Discovery, KubeDiscovery, StaticDiscovery
+from chunkwise.router.discovery import Discovery, KubeDiscovery, StaticDiscovery, kube_api_client
 from chunkwise.router.policies import CostModel, Defaults
 from chunkwise.router.prompt import PromptReader, load_tokenizer
 from chunkwise.router.proxy import build_app
+from chunkwise.router.wake import WAKE_RETRY_AFTER_S, KubeScaler, WakeConfig, Waker
 
 logger = logging.getLogger("chunkwise.router")
 
@@ -49,6 +50,9 @@ def build(args: argparse.Namespace) -> tuple[Router, Starlette]:
         index_capacity_blocks=args.prefix_cache_blocks,
     )
     discovery: Discovery
+    waker: Waker | None = None
+    if args.wake_inference_service and not args.kube_service:
+        raise ValueError("--wake-inference-service needs --kube-service: replicas appear through the Service")
     if args.kube_service:
         try:
             import kubernetes  # noqa: F401
@@ -57,6 +61,17 @@ def build(args: argparse.Namespace) -> tuple[Router, Starlette]:
                 "--kube-service needs the kubernetes client: pip install 'chunkwise[operator]'"
             ) from None
         discovery = KubeDiscovery(args.kube_service, args.namespace, args.poll_interval_seconds)
+        if args.wake_inference_service:
+            config = WakeConfig(
+                service=args.wake_inference_service,
+                namespace=args.namespace,
+                queue_limit=args.wake_queue_limit,
+                wait_s=args.wake_timeout_seconds,
+                keepalive_s=args.keepalive_seconds,
+                retry_after_s=WAKE_RETRY_AFTER_S,
+            )
+            scaler = KubeScaler(config.service, config.namespace, kube_api_client)
+            waker = Waker(config, lambda: bool(router.candidates(router.clock())), scaler.scale_up)
     else:
         discovery = StaticDiscovery(args.replicas or [])
 
@@ -84,7 +99,7 @@ def build(args: argparse.Namespace) -> tuple[Router, Starlette]:
             await router.close()
             await router.client.aclose()
 
-    return router, build_app(router, reader, lifespan=lifespan)
+    return router, build_app(router, reader, lifespan=lifespan, waker=waker)
 
 
 def serve_router(args: argparse.Namespace) -> int:
