@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import pytest
 import torch
 
-from chunkwise.worker.inputs import PADDING_TOKEN, InputBatch, Row, build_batch
+from chunkwise.sched.output import DecodeStep
+from chunkwise.worker.inputs import PADDING_TOKEN, InputBatch, Row, RowLike, build_batch
 
 
-def assert_same_step(batch: InputBatch, rows: list[Row], block_size: int) -> None:
-    # A step of one-token rows may say so (the decode-only fast path): the same inputs either way.
-    got = batch.fill(rows, one_token_rows=all(len(r.token_ids) == 1 for r in rows))
+def decode_step(rows: Sequence[RowLike], grown: list[int]) -> DecodeStep:
+    return DecodeStep([r.token_ids[0] for r in rows], [r.start_pos for r in rows], grown)
+
+
+def assert_same_step(
+    batch: InputBatch, rows: Sequence[RowLike], block_size: int, decode: DecodeStep | None = None
+) -> None:
+    got = batch.fill(rows, decode=decode)
     ids, pos, meta = build_batch(rows, block_size, torch.device("cpu"))
     assert torch.equal(got.input_ids, ids)
     assert torch.equal(got.positions, pos)
@@ -101,3 +109,46 @@ def test_rows_must_all_be_keyed_or_all_unkeyed():
     )
     with pytest.raises(ValueError, match="all keyed or all unkeyed"):
         batch.fill([Row([1], 0, [3], "a"), Row([2], 0, [5])])
+
+
+@dataclass
+class MutableRow:
+    """A row object kept from step to step, as the scheduler keeps its decode rows."""
+
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    req_id: str
+
+
+def test_steady_decode_steps_visit_only_the_tables_that_grew():
+    """Decode steps over the same row objects (the scheduler's steady state) reuse the last step's table
+    rows and rewrite only the rows named as grown: the inputs match freshly built ones at every step, and a
+    general step in between makes the next decode step visit every row again."""
+    rng = random.Random(1)
+    bs = 4
+    batch = InputBatch(
+        max_num_tokens=16, max_num_reqs=8, max_blocks_per_req=32, block_size=bs, device=torch.device("cpu")
+    )
+    next_block = iter(range(10_000))
+    rows = [
+        MutableRow([rng.randrange(100)], p, [next(next_block) for _ in range(p // bs + 1)], f"r{i}")
+        for i, p in enumerate([0, 3, 5, 9, 14, 15])
+    ]
+    for step in range(40):
+        grown = []
+        for i, r in enumerate(rows):
+            r.start_pos += 1
+            r.token_ids[0] = rng.randrange(100)
+            if r.start_pos >= len(r.block_table) * bs:
+                r.block_table.append(next(next_block))  # grown in place, as the KV manager does
+                grown.append(i)
+        if step % 13 == 12:
+            assert_same_step(batch, rows, bs)  # a general step: tables may change without being named
+        else:
+            assert_same_step(batch, rows, bs, decode_step(rows, grown))
+    # A step that names no growth although a table grew reads stale blocks: the reuse is real.
+    rows[0].start_pos = len(rows[0].block_table) * bs
+    rows[0].block_table.append(next(next_block))
+    stale = batch.fill(rows, decode=decode_step(rows, []))
+    assert stale.meta.block_tables[0, len(rows[0].block_table) - 1].item() == 0

@@ -12,8 +12,9 @@ that collides with another tenant's would take a second preimage of BLAKE2b, not
 from __future__ import annotations
 
 import hashlib
-from array import array
+import struct
 from collections.abc import Sequence
+from functools import lru_cache
 
 BlockHash = int
 
@@ -22,12 +23,19 @@ HASH_BYTES = 16
 
 
 def hash_block(parent: BlockHash | None, tokens: Sequence[int], extra: str | None = None) -> BlockHash:
-    h = hashlib.blake2b(digest_size=HASH_BYTES)
-    h.update(_ROOT if parent is None else parent.to_bytes(HASH_BYTES, "little"))
-    h.update(array("q", tokens).tobytes())
+    data = (_ROOT if parent is None else parent.to_bytes(HASH_BYTES, "little")) + _packer(len(tokens)).pack(
+        *tokens
+    )
     if extra:
-        h.update(b"\x00salt\x00" + extra.encode())
-    return int.from_bytes(h.digest(), "little")
+        data += b"\x00salt\x00" + extra.encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=HASH_BYTES).digest(), "little")
+
+
+@lru_cache(maxsize=16)
+def _packer(n: int) -> struct.Struct:
+    # Tokens as little-endian int64 (one per block size in use): the bytes hashed everywhere, whatever the
+    # machine's own byte order.
+    return struct.Struct(f"<{n}q")
 
 
 def hash_prefix_blocks(

@@ -96,9 +96,13 @@ class KVCacheManager:
         """
         end = req.num_computed_tokens + num_new_tokens
         table = self.block_tables.get(req.request_id)
-        if not cached and table is not None and end <= len(table) * self.block_size:
-            # The common decode step: the token fits in the last block. Only a block that just filled up
-            # has anything to register.
+        if not cached and table is not None:
+            # A running request growing (every decode step): the general path below, without its lookups.
+            need = -(-end // self.block_size) - len(table)
+            if need > 0:
+                if need > self.pool.num_free:
+                    return False
+                table.extend(self.pool.allocate(need))
             self._register(req, end)
             return True
         need = self.blocks_to_allocate(req, num_new_tokens, cached)
@@ -126,13 +130,16 @@ class KVCacheManager:
             return
         rid = req.request_id
         full = min(num_tokens, len(req.token_ids)) // self.block_size
-        if full <= self._num_registered.get(rid, 0):
-            return
         done = self._num_registered.get(rid, 0)
-        hashes = self.block_hashes(req)
+        if full <= done:
+            return
+        hashes = self._hashes.get(rid)
+        if hashes is None or len(hashes) < full:
+            hashes = self.block_hashes(req)
         table = self.block_tables[rid]
+        cache = self.pool.cache
         for i in range(done, full):
-            self.pool.cache(table[i], hashes[i])
+            cache(table[i], hashes[i])
         self._num_registered[rid] = full
 
     def _withdraw_unwritten(self, req: Request, table: list[int]) -> None:

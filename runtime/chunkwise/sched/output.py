@@ -29,6 +29,17 @@ class ScheduledRequest:
     req: Request | None = None
 
 
+@dataclass(slots=True)
+class DecodeStep:
+    """A decode-only step at a glance, gathered while it was composed: each row's one token and position
+    (the same as its row's, in row order), and the rows whose block table grew this step. The runner fills
+    its inputs from these lists instead of reading every row again."""
+
+    token_ids: list[int]
+    positions: list[int]
+    grown: list[int]  # indices into scheduled
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
@@ -42,6 +53,8 @@ class SchedulerOutput:
     num_preempted: int = 0
     # Set by the steady-state path: every row is one token of a decode that samples (none speculating).
     decode_only: bool = False
+    # The steady-state path's summary of its rows (None on the general path).
+    decode: DecodeStep | None = None
     # Static batching's padding rows, one per finished request whose slot the batch still holds: the position
     # of each. The runner computes each as a one-token decode row into its sink block (a block no request
     # owns) and discards its logits; they belong to no request and produce nothing.

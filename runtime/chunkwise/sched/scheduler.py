@@ -23,7 +23,13 @@ from chunkwise.request import Request, RequestStatus
 from chunkwise.sched.admission import OutputLengthEstimator
 from chunkwise.sched.admit import AdmitFromQueues
 from chunkwise.sched.apply import ApplyStepResult
-from chunkwise.sched.output import ScheduledRequest, SchedulerOutput, SchedulerSnapshot, SchedulerStats
+from chunkwise.sched.output import (
+    DecodeStep,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerSnapshot,
+    SchedulerStats,
+)
 from chunkwise.sched.policies import SchedulerPolicies, build_policies
 from chunkwise.sched.preemption import PreemptionCostModel
 from chunkwise.speculative.adaptive import AdaptiveDraftLength
@@ -53,9 +59,6 @@ class Scheduler(AdmitFromQueues, ApplyStepResult):
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self._finished_ids: set[str] = set()
-        # The steady-state path's row per request, reused step after step (the runner reads a step's rows
-        # within the step only): a decode row changes only its token and position.
-        self._decode_rows: dict[str, ScheduledRequest] = {}
         self.last_schedule_seconds = 0.0
 
     @classmethod
@@ -114,7 +117,7 @@ class Scheduler(AdmitFromQueues, ApplyStepResult):
             self.waiting.remove(req)
         self.kv.forget(req)
         self.requests.pop(req.request_id, None)
-        self._decode_rows.pop(req.request_id, None)
+        req.decode_row = None
         self._finished_ids.add(req.request_id)
         if status != RequestStatus.FINISHED_ABORTED:
             self.estimator.observe(req.route, req.num_output_tokens)
@@ -223,9 +226,13 @@ class Scheduler(AdmitFromQueues, ApplyStepResult):
         kv = self.kv
         capacity = kv.block_size
         tables = kv.block_tables
-        rows = self._decode_rows
         scheduled: list[ScheduledRequest] = []
         append = scheduled.append
+        # Gathered here, where each request is already in hand, so that the runner need not visit every
+        # row again (at hundreds of rows, each visit is a cache miss after the forward).
+        ids: list[int] = []
+        positions: list[int] = []
+        grown: list[int] = []
         num_prefill = 0
         for req in running:
             tokens = req.token_ids
@@ -239,24 +246,30 @@ class Scheduler(AdmitFromQueues, ApplyStepResult):
             table = tables.get(req.request_id)
             if table is None or start >= len(table) * capacity or (start + 1) % capacity == 0:
                 # A new block, or one that fills up now (its hash goes to the prefix cache).
+                had = len(table) if table is not None else 0
                 if not kv.allocate(req, 1):
                     return None
                 table = tables[req.request_id]
-            row = rows.get(req.request_id)
+                if len(table) != had:
+                    grown.append(len(scheduled))
+            token = tokens[start]
+            row = req.decode_row
             if row is None or row.block_table is not table:
                 params = req.sampling_params
-                row = rows[req.request_id] = ScheduledRequest(
-                    req.request_id, tokens[start:], start, table, True, params, req=req
+                row = req.decode_row = ScheduledRequest(
+                    req.request_id, [token], start, table, True, params, req=req
                 )
                 if params.has_penalty:
                     row.output_token_ids = req.output_token_ids
             else:
                 # The row's own one-token list (no step keeps it past its own): refilled, not reallocated.
-                row.token_ids[0] = tokens[start]
+                row.token_ids[0] = token
                 row.start_pos = start
                 if row.output_token_ids is not None:  # penalties read the outputs so far
                     row.output_token_ids = req.output_token_ids
             append(row)
+            ids.append(token)
+            positions.append(start)
         finished, self._finished_ids = self._finished_ids, set()
         self._update_gauges()
         return SchedulerOutput(
@@ -265,6 +278,7 @@ class Scheduler(AdmitFromQueues, ApplyStepResult):
             finished_req_ids=finished,
             num_prefill_tokens=num_prefill,
             decode_only=True,
+            decode=DecodeStep(ids, positions, grown),
             padding_positions=self._padding(len(scheduled)),
         )
 

@@ -9,6 +9,7 @@ buffers, for callers that run a batch once (the draft proposer, tests).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from chunkwise.attention.backend import AttentionMetadata
+from chunkwise.sched.output import DecodeStep
 
 # The token a padding row decodes (any valid id would do: its output is discarded).
 PADDING_TOKEN = 0
@@ -85,6 +87,9 @@ class InputBatch:
         self._tables = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int64)
         self._table_state: dict[str, list] = {}
         self._free_table_rows = list(range(max_num_reqs - 1, -1, -1))
+        # The last decode step's rows and their table rows: the next decode step over the same row objects
+        # reuses the index and updates only the tables that grew (DecodeStep.grown).
+        self._last_decode: tuple[list[RowLike], np.ndarray] | None = None
 
     def _alloc_tokens(self, n: int) -> None:
         self._view_cache: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
@@ -104,6 +109,7 @@ class InputBatch:
 
     def forget(self, req_ids: Sequence[str] | set[str]) -> None:
         """Release the table rows of requests that left (finished, aborted or preempted)."""
+        self._last_decode = None
         for rid in req_ids:
             state = self._table_state.pop(rid, None)
             if state is not None:
@@ -121,6 +127,21 @@ class InputBatch:
                 index.append(state[0])
             else:
                 index.append(self._update_table(r.req_id, table, state))
+        return index
+
+    def _decode_table_rows(self, rows: Sequence[RowLike], grown: Sequence[int]) -> np.ndarray:
+        """_table_rows for a decode step: when its rows are the last decode step's row objects (the steady
+        state), only the rows whose tables grew are visited."""
+        last = self._last_decode
+        if last is not None and len(last[0]) == len(rows) and all(map(operator.is_, last[0], rows)):
+            states = self._table_state
+            for i in grown:
+                r = rows[i]
+                self._update_table(r.req_id, r.block_table, states.get(r.req_id))  # type: ignore[arg-type]
+            return last[1]
+        # Kept as an array: converting hundreds of ints each step would visit each one.
+        index = np.array(self._table_rows(rows), dtype=np.int64)
+        self._last_decode = (list(rows), index)
         return index
 
     def _update_table(self, rid: str | None, table: Sequence[int], state: list | None) -> int:
@@ -155,11 +176,10 @@ class InputBatch:
     # -- one step ---------------------------------------------------------------------------------------
 
     def fill(
-        self, rows: Sequence[RowLike], padding: Sequence[int] = (), one_token_rows: bool = False
+        self, rows: Sequence[RowLike], padding: Sequence[int] = (), decode: DecodeStep | None = None
     ) -> StepInputs:
         """The step's inputs. Rows are all keyed (a req_id each: their tables persist here) or all not.
-        `one_token_rows`: the caller knows every row is one token (a decode-only step), so no row's length
-        needs reading.
+        `decode`: a decode-only step's summary (keyed rows, one token each), read instead of the rows.
 
         `padding`: positions of padding rows to append after the real ones (static batching's held slots):
         each one token (PADDING_TOKEN) at its position over a block table of nothing but the sink block, so
@@ -175,19 +195,22 @@ class InputBatch:
             self._alloc_reqs(max(n, 2 * self.max_num_reqs))
         # What only Python can read: tokens, lengths, start positions. Comprehensions, not an append loop:
         # at hundreds of rows this pass is most of the fill.
-        starts_l = [r.start_pos for r in rows]
-        lens = [1] * num_real if one_token_rows else [len(r.token_ids) for r in rows]
-        if num_pad:
-            starts_l.extend(padding)
-            lens.extend([1] * num_pad)
+        if decode is not None:
+            starts_l, flat, lens = decode.positions, decode.token_ids, [1] * n
+            if num_pad:  # the scheduler's lists are its own: extended in copies
+                starts_l, flat = [*starts_l, *padding], [*flat, *[PADDING_TOKEN] * num_pad]
+        else:
+            starts_l = [r.start_pos for r in rows]
+            lens = [len(r.token_ids) for r in rows]
+            if num_pad:
+                starts_l.extend(padding)
+                lens.extend([1] * num_pad)
         total = sum(lens)
         decode_only = total == n
-        if decode_only:
-            flat = [r.token_ids[0] for r in rows]
-        else:
-            flat = [t for r in rows for t in r.token_ids]
-        if num_pad:
-            flat.extend([PADDING_TOKEN] * num_pad)
+        if decode is None:
+            flat = [r.token_ids[0] for r in rows] if decode_only else [t for r in rows for t in r.token_ids]
+            if num_pad:
+                flat.extend([PADDING_TOKEN] * num_pad)
         if total > self.max_num_tokens:
             self._alloc_tokens(max(total, 2 * self.max_num_tokens))
         bs = self.block_size
@@ -211,7 +234,12 @@ class InputBatch:
             )
         tables = self._bt[:n, :width]
         if rows[0].req_id is not None:
-            index = self._table_rows(rows)  # first: it may grow the persistent tables
+            # First: either may grow the persistent tables.
+            if decode is not None:
+                index: Sequence[int] | np.ndarray = self._decode_table_rows(rows, decode.grown)
+            else:
+                self._last_decode = None  # a general step may grow any table: the next decode visits all
+                index = self._table_rows(rows)
             np.take(self._tables[:, :width], index, axis=0, out=tables[:num_real])
         else:
             tables[:num_real] = 0

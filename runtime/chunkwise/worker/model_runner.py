@@ -199,7 +199,7 @@ class ModelRunner:
         # Static batching's padding rows go after the real ones: decode rows into the sink block, computed
         # through the logits like any decode row, and then dropped.
         num_pad = len(so.padding_positions)
-        step = self.inputs.fill(rows, so.padding_positions, one_token_rows=so.decode_only)
+        step = self.inputs.fill(rows, so.padding_positions, decode=so.decode)
         meta = step.meta
         scheduled = so.scheduled
         num_rows = len(scheduled)
