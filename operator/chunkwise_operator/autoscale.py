@@ -51,6 +51,7 @@ AT_MIN = "AtMinReplicas"
 NO_METRICS = "NoMetrics"
 BELOW_MIN = "BelowMinReplicas"
 SCALER_CONFLICT = "ScalerConflict"
+SCALED_TO_ZERO = "ScaledToZero"
 ABOVE_MAX = "AboveMaxReplicas"
 
 
@@ -93,6 +94,9 @@ class Observed:
 
     values: Mapping[str, float | None]
     ready_replicas: int
+    # Requests seen over the fleet this window (running, waiting, finished); None without data. Only
+    # scaling to zero reads it: no request at all, not a low queue.
+    requests: float | None = None
 
 
 @dataclass(frozen=True)
@@ -182,10 +186,14 @@ def decide(
     events: Sequence[ScaleEvent],
     now: float,
     external: Sequence[ExternalScaler] = (),
+    idle_s: float | None = None,
+    scale_to_zero_after_s: float | None = None,
 ) -> Decision:
     """The replica count to run now, why, and the history to keep for the next evaluation.
 
     `external` are other scalers writing the same spec.replicas: while there is one, the count is theirs.
+    With min_replicas 0, only `idle_s` (seconds since the fleet last had a request) of at least
+    `scale_to_zero_after_s` goes to 0; the metrics alone never do, since a short queue is no idle fleet.
     """
     keep = max(behavior.scale_up_stabilization_s, behavior.scale_down_stabilization_s)
     period = max(behavior.scale_up_period_s, behavior.scale_down_period_s)
@@ -218,6 +226,22 @@ def decide(
         return result(min_replicas, BELOW_MIN, f"{current} replicas is below minReplicas {min_replicas}")
     if current > max_replicas:
         return result(max_replicas, ABOVE_MAX, f"{current} replicas is above maxReplicas {max_replicas}")
+    if (
+        min_replicas == 0
+        and current > 0
+        and idle_s is not None
+        and scale_to_zero_after_s is not None
+        and idle_s >= scale_to_zero_after_s
+    ):
+        return result(
+            0,
+            SCALED_TO_ZERO,
+            f"no request for {_fmt(idle_s)} s (scaleToZeroAfterSeconds {_fmt(scale_to_zero_after_s)})",
+        )
+    if min_replicas == 0 and current == 0:
+        return result(0, SCALED_TO_ZERO, "at 0 replicas until a request arrives (the router scales up)")
+    # Going to 0 is the idle rule's alone: the metrics' floor is 1 while any replica runs.
+    floor = max(min_replicas, 1)
 
     asked = proposals(current, observed.values, targets, behavior.tolerances)
     if not asked:
@@ -238,7 +262,7 @@ def decide(
             driver,
             asked,
         )
-    rec = min(max(raw, min_replicas), max_replicas)
+    rec = min(max(raw, floor), max_replicas)
     kept = (*kept, Recommendation(now, rec))
 
     up_window = [h.replicas for h in kept if now - h.time <= behavior.scale_up_stabilization_s]
@@ -284,7 +308,7 @@ def decide(
         return result(
             current, AT_MAX, f"{driver} asks for {raw}; held at maxReplicas ({seen})", rec, driver, asked
         )
-    if raw < current and current == min_replicas:
+    if raw < current and current == floor:
         return result(
             current, AT_MIN, f"{driver} asks for {raw}; held at minReplicas ({seen})", rec, driver, asked
         )

@@ -191,7 +191,13 @@ def router_command(name: str, namespace: str, spec: ServiceSpec) -> list[str]:
         router_tokenizer(spec),
         "--block-size",
         str(spec.engine.block_size),
+        # minReplicas 0: at zero replicas the router holds requests and raises /scale to 1.
+        *(["--wake-inference-service", name] if scales_from_zero(spec) else []),
     ]
+
+
+def scales_from_zero(spec: ServiceSpec) -> bool:
+    return spec.autoscaling.enabled and spec.autoscaling.min_replicas == 0 and spec.router.enabled
 
 
 def termination_grace_seconds(spec: ServiceSpec) -> int:

@@ -18,11 +18,12 @@ import httpx
 
 from chunkwise_operator import manifests
 from chunkwise_operator.autoscale import KV_USAGE, P99_STEP_TIME, PREEMPTION_RATE, QUEUE_DEPTH, Observed
-from chunkwise_operator.scrape import KV, PREEMPTIONS, SCRAPE_TIMEOUT_S, STEP, WAITING
+from chunkwise_operator.scrape import FINISHED, KV, PREEMPTIONS, RUNNING, SCRAPE_TIMEOUT_S, STEP, WAITING
 
 # Two scrape intervals of the ServiceMonitor (15 s) and more: rate() needs two samples in its window.
 RATE_WINDOW = "1m"
 REPORTING = "reporting"
+REQUESTS = "requests"
 # The label Prometheus gives the ServiceMonitor's targetLabels entry (non-identifier characters become _).
 SERVICE_LABEL = re.sub(r"[^a-zA-Z0-9_]", "_", manifests.LABEL_SERVICE)
 
@@ -40,6 +41,7 @@ def queries(namespace: str, name: str) -> dict[str, str]:
         PREEMPTION_RATE: f"sum(rate({PREEMPTIONS}{{{sel}}}[{RATE_WINDOW}]))",
         P99_STEP_TIME: f"histogram_quantile(0.99, sum by (le) (rate({STEP}_bucket{{{sel}}}[{RATE_WINDOW}])))",
         KV_USAGE: f"sum({KV}{{{sel}}})",
+        REQUESTS: f"sum({WAITING}{{{sel}}}) + sum({RUNNING}{{{sel}}}) + sum(increase({FINISHED}{{{sel}}}[{RATE_WINDOW}]))",
     }
 
 
@@ -62,7 +64,7 @@ def observed(values: Mapping[str, float | None], replicas: int) -> Observed:
     for metric in (QUEUE_DEPTH, PREEMPTION_RATE, P99_STEP_TIME, KV_USAGE):
         value = values.get(metric) if reporting else None
         result[metric] = value / divisor if value is not None and metric in per_replica else value
-    return Observed(result, ready_replicas=reporting)
+    return Observed(result, ready_replicas=reporting, requests=values.get(REQUESTS) if reporting else None)
 
 
 async def observe(client: httpx.AsyncClient, url: str, namespace: str, name: str, replicas: int) -> Observed:

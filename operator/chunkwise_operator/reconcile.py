@@ -280,6 +280,11 @@ class Reconciler:
         previous = (body.get("status") or {}).get("autoscaler")
         history, events = status.autoscaler_history(previous)
         a = parsed.autoscaling
+        last_active = status.last_active(previous)
+        busy = observed.requests is None or observed.requests > 0
+        if busy or observed.ready_replicas < parsed.replicas or last_active is None:
+            # A replica still starting counts as activity: the request that woke it may not have arrived.
+            last_active = now
         external: tuple[autoscale.ExternalScaler, ...] = ()
         if not a.delegated:
             scalers = await asyncio.to_thread(self.kube.list_scalers, namespace)
@@ -295,10 +300,14 @@ class Reconciler:
             events=events,
             now=now,
             external=external,
+            idle_s=now - last_active,
+            scale_to_zero_after_s=float(a.scale_to_zero_after_seconds),
         )
         if decision.reason == autoscale.NO_METRICS and failed:
             decision = dataclasses.replace(decision, message=scrape.unreachable(failed))
-        await asyncio.to_thread(self._apply_autoscale, body, parsed, decision, observed, now, logger)
+        await asyncio.to_thread(
+            self._apply_autoscale, body, parsed, decision, observed, now, last_active, logger
+        )
         return decision
 
     def _apply_autoscale(
@@ -308,6 +317,7 @@ class Reconciler:
         decision: autoscale.Decision,
         observed: autoscale.Observed,
         now: float,
+        last_active: float,
         logger: Any,
     ) -> None:
         meta = body["metadata"]
@@ -323,7 +333,12 @@ class Reconciler:
                 logger.info(f"Autoscaler: {message}")
                 _event(body, NORMAL, decision.reason, message)
             block = status.autoscaler_block(
-                spec=parsed, decision=decision, observed=observed, previous=previous, now=now
+                spec=parsed,
+                decision=decision,
+                observed=observed,
+                previous=previous,
+                now=now,
+                last_active=last_active,
             )
             patch = status.status_patch({"autoscaler": previous or {}}, {"autoscaler": block})
             if patch is not None:

@@ -8,7 +8,8 @@ Signals, over the window between two scrapes of the same pod:
 - preemption rate: the increase of vllm:num_preemptions_total over the window's length;
 - p99 step time: from the increase of chunkwise:step_duration_seconds's buckets, merged over pods,
   interpolated within a bucket as Prometheus' histogram_quantile does;
-- KV usage: vllm:kv_cache_usage_perc.
+- KV usage: vllm:kv_cache_usage_perc;
+- requests (for scaling to zero only): running and waiting now, plus vllm:request_success_total's increase.
 Extensive signals are divided by the current replica count, not by the pods that answered, so that pods not
 ready yet count as idle: HPA's rule, which keeps a scale up from being repeated for pods still starting.
 """
@@ -27,6 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from chunkwise_operator.autoscale import KV_USAGE, P99_STEP_TIME, PREEMPTION_RATE, QUEUE_DEPTH, Observed
 
 WAITING = "vllm:num_requests_waiting"
+RUNNING = "vllm:num_requests_running"
+FINISHED = "vllm:request_success_total"
 KV = "vllm:kv_cache_usage_perc"
 PREEMPTIONS = "vllm:num_preemptions_total"
 STEP = "chunkwise:step_duration_seconds"
@@ -53,6 +56,8 @@ class PodSample:
     preemptions: float
     # Cumulative (upper bound, count) pairs of the step-time histogram, +Inf last.
     step_buckets: tuple[tuple[float, float], ...]
+    running: float = 0.0
+    finished: float = 0.0
 
     @property
     def steps(self) -> float:
@@ -115,6 +120,8 @@ def parse(text: str, key: str, now: float) -> PodSample:
         kv_usage=values.get(KV, 0.0),
         preemptions=values.get(PREEMPTIONS, 0.0),
         step_buckets=tuple(sorted(buckets.items())),
+        running=values.get(RUNNING, 0.0),
+        finished=values.get(FINISHED, 0.0),
     )
 
 
@@ -182,10 +189,14 @@ def signals(samples: Sequence[PodSample], previous: Mapping[str, PodSample], rep
     rate = 0.0
     rated = 0
     merged: dict[float, float] = {}
+    requests = 0.0
     for s in samples:
+        requests += s.waiting + s.running
         before = previous.get(s.key)
         if before is None or s.time <= before.time:
             continue
+        # Finished since the last scrape: requests shorter than the interval leave no other trace.
+        requests += max(0.0, s.finished - before.finished)
         d_preempt = s.preemptions - before.preemptions
         deltas = _delta_buckets(s, before)
         if d_preempt < 0 or deltas is None:
@@ -203,4 +214,5 @@ def signals(samples: Sequence[PodSample], previous: Mapping[str, PodSample], rep
             KV_USAGE: sum(s.kv_usage for s in samples) / divisor,
         },
         ready_replicas=len(samples),
+        requests=requests,
     )

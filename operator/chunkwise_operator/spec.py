@@ -164,6 +164,8 @@ class AutoscalingSpec:
     tolerance: AutoscalingTolerances = field(default_factory=AutoscalingTolerances)
     scale_up_stabilization_seconds: int = 30
     scale_down_stabilization_seconds: int = 300
+    # With minReplicas 0: seconds without a request before the built-in autoscaler goes to 0 replicas.
+    scale_to_zero_after_seconds: int = 300
 
 
 @dataclass(frozen=True)
@@ -633,13 +635,22 @@ def _autoscaling(spec: Mapping[str, Any]) -> AutoscalingSpec:
         scale_down_stabilization_seconds=_req_int(
             data, "scaleDownStabilizationSeconds", p, reason, d.scale_down_stabilization_seconds, 0, 3600
         ),
+        scale_to_zero_after_seconds=_req_int(
+            data, "scaleToZeroAfterSeconds", p, reason, d.scale_to_zero_after_seconds, 1, 86400
+        ),
     )
-    if result.min_replicas == 0 and not result.delegated:
-        # At 0 replicas there is nothing to scrape, so the built-in autoscaler could never scale back up.
+    router = spec.get("router")
+    if (
+        result.min_replicas == 0
+        and not result.delegated
+        and not (isinstance(router, Mapping) and router.get("enabled") is True)
+    ):
+        # At 0 replicas there is nothing to scrape: something must bring the first replica back.
         raise SpecError(
             reason,
-            f"{p}minReplicas 0 needs {p}delegated: true (an HPA or KEDA that can scale from zero); the "
-            "built-in autoscaler has no metrics at 0 replicas and would never scale back up",
+            f"{p}minReplicas 0 needs spec.router.enabled (the router holds requests and scales from zero) "
+            f"or {p}delegated: true (an HPA or KEDA that can scale from zero); the built-in autoscaler "
+            "has no metrics at 0 replicas",
         )
     if result.min_replicas > result.max_replicas:
         raise SpecError(

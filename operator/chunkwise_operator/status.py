@@ -17,6 +17,7 @@ from typing import Any
 from chunkwise_operator import manifests
 from chunkwise_operator.autoscale import (
     NO_METRICS,
+    SCALED_TO_ZERO,
     SCALER_CONFLICT,
     Decision,
     Observed,
@@ -272,7 +273,7 @@ def compute_status(
 def autoscaler_conditions(block: Any) -> tuple[tuple[str, bool | None, str], ...]:
     """(type, status, reason) of the built-in autoscaler's conditions, from its status block.
 
-    Status None is Unknown: standing down for another scaler, the autoscaler reads no metrics at all.
+    Status None is Unknown: standing down for another scaler, or at 0 replicas, it reads no metrics at all.
     """
     reason = block.get("reason") if isinstance(block, Mapping) else None
     conflict = (
@@ -280,8 +281,9 @@ def autoscaler_conditions(block: Any) -> tuple[tuple[str, bool | None, str], ...
         reason == SCALER_CONFLICT,
         "ExternalScaler" if reason == SCALER_CONFLICT else "NoExternalScaler",
     )
-    if reason == SCALER_CONFLICT:
-        metrics: tuple[str, bool | None, str] = (METRICS_AVAILABLE, None, SCALER_CONFLICT)
+    if reason in (SCALER_CONFLICT, SCALED_TO_ZERO):
+        # Standing down, or nothing to read at 0 replicas: whether metrics would arrive is not known.
+        metrics: tuple[str, bool | None, str] = (METRICS_AVAILABLE, None, str(reason))
     elif reason in (NO_METRICS, AWAITING_METRICS):
         metrics = (METRICS_AVAILABLE, False, str(reason))
     else:
@@ -367,6 +369,11 @@ def autoscaler_history(block: Any) -> tuple[tuple[Recommendation, ...], tuple[Sc
     return tuple(history), tuple(events)
 
 
+def last_active(block: Any) -> float | None:
+    """When the fleet last had a request, as the previous evaluation stored it."""
+    return parse_time(block.get("lastActiveTime")) if isinstance(block, Mapping) else None
+
+
 def autoscaler_block(
     *,
     spec: ServiceSpec,
@@ -374,6 +381,7 @@ def autoscaler_block(
     observed: Observed,
     previous: Any,
     now: float,
+    last_active: float | None = None,
 ) -> dict[str, Any]:
     """status.autoscaler after an evaluation: the decision, the signals it saw, and its history."""
     prev = previous if isinstance(previous, Mapping) else {}
@@ -383,6 +391,8 @@ def autoscaler_block(
         "metrics": {k: round(v, 6) for k, v in observed.values.items() if v is not None},
         "recommendations": [{"time": iso_time(h.time), "replicas": h.replicas} for h in decision.history],
     }
+    if last_active is not None:
+        block["lastActiveTime"] = iso_time(last_active)
     if spec.autoscaling.delegated:
         # Reporting only: what chunkwise would run, while an HPA or KEDA owns spec.replicas.
         block.update(

@@ -226,3 +226,17 @@ def test_external_scalers_are_those_aimed_at_this_service() -> None:
         a.ExternalScaler("HorizontalPodAutoscaler", "hpa"),
         a.ExternalScaler("ScaledObject", "keda"),
     )
+
+
+def test_scale_to_zero_needs_the_whole_idle_time_and_the_metrics_alone_never_go_there() -> None:
+    zero = {"min_replicas": 0, "scale_to_zero_after_s": 60.0}
+    # An idle queue with min 0: the metrics ask for 0, but their floor is 1 while a replica runs.
+    d = run(2, seen(queue=0.0), behavior=replace(BEHAVIOR, scale_down_stabilization_s=0.0), **zero)
+    assert (d.desired, d.reason) == (1, a.SCALED_DOWN)
+    assert run(1, seen(queue=0.0), idle_s=59.0, **zero).desired == 1
+    d = run(1, seen(queue=0.0), idle_s=60.0, **zero)
+    assert (d.desired, d.reason) == (0, a.SCALED_TO_ZERO)
+    assert d.message == "no request for 60 s (scaleToZeroAfterSeconds 60)"
+    # At 0 it stays until the router raises /scale; with min 1 idleness changes nothing.
+    assert (run(0, seen(), **zero).desired, run(0, seen(), **zero).reason) == (0, a.SCALED_TO_ZERO)
+    assert run(1, seen(queue=0.0), idle_s=600.0, scale_to_zero_after_s=60.0).desired == 1

@@ -117,3 +117,21 @@ def test_signals_count_pods_not_ready_as_idle_and_skip_restarted_counters() -> N
     assert observed.values[a.PREEMPTION_RATE] is None
     assert observed.values[a.P99_STEP_TIME] is None
     assert signals([], {}, replicas=2).values[a.QUEUE_DEPTH] is None
+
+
+def test_requests_count_running_waiting_and_the_finished_since_the_last_scrape() -> None:
+    def text(waiting: float, running: float, finished: float) -> str:
+        return (
+            f"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting {waiting}\n"
+            f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running {running}\n"
+            f"# TYPE vllm:request_success counter\nvllm:request_success_total {finished}\n"
+        )
+
+    before = parse(text(0, 0, 7), "a", 10.0)
+    idle = parse(text(0, 0, 7), "a", 11.0)
+    short = parse(text(0, 0, 9), "a", 11.0)  # two requests came and went between scrapes
+    busy = parse(text(1, 2, 7), "a", 11.0)
+    assert signals([idle], {"a": before}, 1).requests == 0.0
+    assert signals([short], {"a": before}, 1).requests == 2.0
+    assert signals([busy], {"a": before}, 1).requests == 3.0
+    assert signals([], {}, 1).requests is None

@@ -288,6 +288,9 @@ def test_router_children() -> None:
         "--policy", "least-loaded", "--kube-service", "llama", "--namespace", "ml",
         "--tokenizer", "/models/org/llama", "--block-size", "32",
     ]  # fmt: skip
+    # minReplicas 0: the router is the one that brings the first replica back.
+    from_zero = parse({**GPU_ROUTER, "autoscaling": {"enabled": True, "minReplicas": 0}})
+    assert manifests.router_command("llama", "ml", from_zero)[-2:] == ["--wake-inference-service", "llama"]
     assert manifests.router_service_account("llama", "ml") == {
         "apiVersion": "v1",
         "kind": "ServiceAccount",

@@ -15,11 +15,12 @@ import pytest
 from chunkwise.config import engine_args
 from chunkwise.engine_args import engine_config_from_args
 from chunkwise.fetch.args import add_fetch_args
+from chunkwise.router import wake
 from chunkwise.router.args import add_router_args
 from chunkwise.server.args import add_serve_args
 from chunkwise_operator import manifests
 from chunkwise_operator import spec as operator_spec
-from chunkwise_operator.spec import EngineSpec, Speculation, parse
+from chunkwise_operator.spec import GROUP, PLURAL, VERSION, EngineSpec, Speculation, parse
 
 
 def parser(add: Any) -> argparse.ArgumentParser:
@@ -66,6 +67,7 @@ def test_an_empty_spec_runs_the_engine_as_shipped() -> None:
                 "extraArgs": ["--max-model-len", "8192"],
             },
             "router": {"enabled": True},
+            "autoscaling": {"enabled": True, "minReplicas": 0},
         },
     ],
     ids=["defaults", "every-field"],
@@ -83,6 +85,9 @@ def test_every_command_the_operator_writes_parses_with_the_runtime(spec: dict[st
     assert router[:2] == ["chunkwise", "router"]
     rns = parser(add_router_args).parse_args(router[2:])
     assert rns.block_size == e.block_size
+    # Scale from zero: the router raises this service's /scale, on the API the CRD serves.
+    assert rns.wake_inference_service == ("svc" if parsed.autoscaling.min_replicas == 0 else None)
+    assert (wake.GROUP, wake.VERSION, wake.PLURAL) == (GROUP, VERSION, PLURAL)
     if parsed.model.uri is not None:
         for tokenizer_only in (False, True):
             fetch = manifests.fetch_command(parsed, tokenizer_only)

@@ -280,6 +280,17 @@ def test_zero_replicas_floor_is_allowed_when_delegated() -> None:
     assert schema_errors(inference_service("svc", data)) == []
 
 
+def test_zero_replicas_floor_is_allowed_with_a_router_to_wake_it() -> None:
+    data = with_(
+        MINIMAL,
+        autoscaling={"enabled": True, "minReplicas": 0, "scaleToZeroAfterSeconds": 60},
+        router={"enabled": True},
+    )
+    assert parse(data).autoscaling.min_replicas == 0
+    assert parse(data).autoscaling.scale_to_zero_after_seconds == 60
+    assert schema_errors(inference_service("svc", data)) == []
+
+
 def test_pod_overrides_pass_through() -> None:
     affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}}}
     data = with_(
@@ -327,8 +338,9 @@ INVALID = [
     (
         with_(MINIMAL, autoscaling={"enabled": True, "minReplicas": 0}),
         "InvalidAutoscaling",
-        "spec.autoscaling.minReplicas 0 needs spec.autoscaling.delegated: true (an HPA or KEDA that can scale "
-        "from zero); the built-in autoscaler has no metrics at 0 replicas and would never scale back up",
+        "spec.autoscaling.minReplicas 0 needs spec.router.enabled (the router holds requests and scales from "
+        "zero) or spec.autoscaling.delegated: true (an HPA or KEDA that can scale from zero); the built-in "
+        "autoscaler has no metrics at 0 replicas",
         True,
     ),
     (

@@ -239,7 +239,9 @@ def test_rbac_bindings_name_the_accounts() -> None:
             "apiGroups": ["discovery.k8s.io"],
             "resources": ["endpointslices"],
             "verbs": ["get", "list", "watch"],
-        }
+        },
+        # Scale from zero: the router reads and raises its service's count (chunkwise.router.wake).
+        {"apiGroups": [GROUP], "resources": [f"{PLURAL}/scale"], "verbs": ["get", "patch"]},
     ]
     binding = find("ClusterRoleBinding", "chunkwise-operator")
     account = find("ServiceAccount", "chunkwise-operator", "manifests/rbac.yaml")
