@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import types
+from collections.abc import Sequence
 from typing import Any, Literal, Union, get_args, get_origin
 
 from chunkwise.config import EngineArg, EngineConfig, engine_args, engine_config_from_kwargs
@@ -32,9 +33,16 @@ def _argparse_kind(tp: Any) -> dict[str, Any]:
     raise TypeError(f"no flag for an engine option of type {tp!r}")
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    for a in engine_args().values():
+def add_engine_args(
+    p: argparse.ArgumentParser, names: Sequence[str] | None = None, title: str = "engine"
+) -> None:
+    """The engine's flags (all of them, or those named), in one argument group."""
+    table = engine_args()
+    unknown = sorted(set(names or ()) - set(table))
+    if unknown:
+        raise ValueError(f"no engine options named {unknown}")
+    g = p.add_argument_group(title)
+    for a in table.values() if names is None else (table[n] for n in names):
         if not a.has_engine_flag:
             continue
         g.add_argument(

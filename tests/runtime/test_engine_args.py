@@ -194,3 +194,24 @@ def test_choices_on_the_cli_are_the_configs() -> None:
     assert p._option_string_actions["--speculative-method"].choices == ["ngram", "draft"]
     with pytest.raises(argparse.ArgumentError):
         p.parse_args(["--batching", "dynamic"])
+
+
+def test_replay_replica_flags_are_the_engines() -> None:
+    """`chunkwise replay run` takes the engine's own scheduler flags (same help, same defaults): a value
+    given lands in the replica's scheduler config, one not given is the engine's default."""
+    from chunkwise.sim.cli import _SCHED_OPTIONS, _config_kwargs, _prefix_caching, add_replay_args
+
+    p = argparse.ArgumentParser()
+    add_replay_args(p)
+    engine = argparse.ArgumentParser()
+    add_engine_args(engine)
+    helps = {a.dest: a.help for a in engine._actions}
+    replay_run = p._subparsers._group_actions[0].choices["run"]  # type: ignore[union-attr]
+    replay_helps = {a.dest: a.help for a in replay_run._actions}
+    for name in _SCHED_OPTIONS:
+        assert replay_helps[name] == helps[name], name
+    given = p.parse_args(["run", "--profile", "x", "--preemption-mode", "swap", "--no-enable-prefix-caching"])
+    assert _config_kwargs(given)["preemption_mode"] == "swap" and _prefix_caching(given) is False
+    default = p.parse_args(["run", "--profile", "x"])
+    assert "preemption_mode" not in _config_kwargs(default)
+    assert _prefix_caching(default) is CacheConfig().enable_prefix_caching

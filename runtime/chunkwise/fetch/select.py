@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-# What HFTokenizer.from_dir and read_checkpoint read (tokenizer.py, model/loader.py), plus the files of
+# What HFTokenizer.from_dir and read_checkpoint read (tokenizer/hf.py, model/loader.py), plus the files of
 # slow tokenizers' vocabularies, so that the router's pod gets a working tokenizer and nothing else.
 # Matched at the top of the model directory only, which is where the loader looks.
 TOKENIZER_FILES = frozenset(

@@ -7,7 +7,7 @@ its arithmetic order, in fp32, so the tables agree bit for bit with what transfo
 Only scalings that do not depend on the running sequence length are computed: "dynamic" (NTK) and
 "longrope" switch frequencies once a sequence passes a threshold, recomputed per forward pass in
 transformers, which no batched engine with chunked prefill reproduces; below that threshold they are exactly
-the default and the short factors, and the loader caps the context there (model/loader.py).
+the default and the short factors, and the loader caps the context there (model/hf_config.py).
 """
 
 from __future__ import annotations

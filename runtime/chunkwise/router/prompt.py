@@ -2,7 +2,7 @@
 
 The prompt must be tokenized exactly as the replica will tokenize it, or the block hashes never match the
 engine's: completions encode the prompt with the tokenizer's special tokens (the byte tokenizer prepends
-BOS); chat renders the messages with the model's chat template first, as chunkwise.server.serving does.
+BOS); chat renders the messages with the model's chat template first, as chunkwise.server.endpoints does.
 Anything the router cannot read is routed without prefix information, and the replica answers with the
 error it would give a direct client.
 """

@@ -94,7 +94,7 @@ def serve(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        config = engine_config_from_args(args, max_waiting=args.max_waiting)
+        config = engine_config_from_args(args)  # --max-waiting included: it is an engine option too
     except ValueError as e:
         logger.error("invalid engine arguments: %s", e)
         return 2

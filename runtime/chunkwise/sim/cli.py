@@ -19,23 +19,30 @@ if TYPE_CHECKING:
     from chunkwise.sim.profile import Profile
 
 ROUTER_NAMES = ("round-robin", "least-loaded", "predicted-completion")
+# The scheduler options a replay can vary (SchedulerConfig's, plus prefix caching).
+_SCHED_OPTIONS = (
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enable_chunked_prefill",
+    "enable_prefix_caching",
+    "batching",
+    "preemption_mode",
+    "output_length_estimator",
+    "output_length_quantile",
+    "max_long_prefill_chunk",
+)
 
 
 def _sched_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("replica (the engine's flags, same defaults)")
-    g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    from chunkwise.engine_args import add_engine_args
+
+    # The engine's own flags (help and defaults from its config), but for the two the profile sizes.
+    add_engine_args(p, _SCHED_OPTIONS, title="replica (the engine's flags, same defaults)")
+    g = p.add_argument_group("replica sizing")
     g.add_argument("--max-model-len", type=int, default=None, help="default: the profile's")
     g.add_argument(
         "--num-blocks", type=int, default=None, help="KV blocks per replica (default: the profile's)"
     )
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--batching", choices=["continuous", "static"], default=None)
-    g.add_argument("--preemption-mode", choices=["auto", "swap", "recompute"], default=None)
-    g.add_argument("--output-length-estimator", choices=["quantile", "mean"], default=None)
-    g.add_argument("--output-length-quantile", type=float, default=None)
-    g.add_argument("--max-long-prefill-chunk", type=int, default=None)
     g.add_argument("--replicas", type=int, default=1, help="replicas behind the router (1)")
     g.add_argument("--router", choices=ROUTER_NAMES, default="round-robin")
 
@@ -88,18 +95,15 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _prefix_caching(ns: argparse.Namespace) -> bool:
+    from chunkwise.config import CacheConfig
+
+    flag = ns.enable_prefix_caching  # None when not given: the engine's default
+    return CacheConfig().enable_prefix_caching if flag is None else bool(flag)
+
+
 def _config_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
-    names = (
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "max_model_len",
-        "enable_chunked_prefill",
-        "batching",
-        "preemption_mode",
-        "output_length_estimator",
-        "output_length_quantile",
-        "max_long_prefill_chunk",
-    )
+    names = [n for n in _SCHED_OPTIONS if n != "enable_prefix_caching"] + ["max_model_len"]
     kw = {n: getattr(ns, n) for n in names if getattr(ns, n) is not None}
     if kw.get("enable_chunked_prefill") is False and "max_num_batched_tokens" not in kw:
         kw["max_num_batched_tokens"] = kw.get("max_model_len") or ns.profile_obj.max_model_len
@@ -186,7 +190,7 @@ def _replay(args: argparse.Namespace, items: list[WorkItem], name: str, **change
         num_replicas=changes.get("replicas", args.replicas),
         router=changes.get("router", args.router),
         num_blocks=args.num_blocks,
-        enable_prefix_caching=changes.get("prefix", args.enable_prefix_caching),
+        enable_prefix_caching=changes.get("prefix", _prefix_caching(args)),
         name=name,
     )
 
