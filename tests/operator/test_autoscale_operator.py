@@ -298,3 +298,26 @@ async def test_unreachable_metrics_are_a_condition_that_says_why(
         what="metrics again",
     )
     assert operator.failures() == []
+
+
+async def test_an_idle_fleet_goes_to_zero_after_scale_to_zero_after_seconds(
+    fast_autoscaler: None, pods: list[MetricsServer], cluster: Cluster, operator: Any
+) -> None:
+    from_zero = {**spec(minReplicas=0, scaleToZeroAfterSeconds=1), "router": {"enabled": True}}
+    await cluster.create_isvc("chat", from_zero)
+    pod = await add_pod(cluster, pods, "chat", waiting=1.0)  # busy: within target, never idle
+    await eventually(lambda: autoscaler_status(cluster, "chat").get("lastActiveTime"), what="activity seen")
+    await asyncio.sleep(1.5)
+    assert replicas(cluster, "chat") == 1
+    pod.waiting = 0.0
+    await eventually(lambda: replicas(cluster, "chat") == 0, what="scaled to zero")
+    # spec.replicas is written before status (two subresources): wait for the status to follow.
+    await eventually(
+        lambda: autoscaler_status(cluster, "chat").get("reason") == "ScaledToZero", what="status"
+    )
+    events = [e["message"] for e in cluster.events() if e["reason"] == "ScaledToZero"]
+    assert events and events[0].startswith("1 -> 0 replicas: no request for ")
+    router = cluster.get(Cluster.DEPLOYMENTS, "chat-router") or {}
+    args = router["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[-2:] == ["--wake-inference-service", "chat"]
+    assert operator.failures() == []
