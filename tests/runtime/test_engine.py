@@ -443,7 +443,9 @@ def test_output_processor_reports_stop_strings_and_finishes_without_the_schedule
     first = proc.process(StepUpdate.of([a, b]))
     assert first.stopped == [(a, "wor")] and first.finished == [a]
     out_a, out_b = first.outputs
-    assert out_a.finished and out_a.outputs[0].finish_reason == "stop" and out_a.outputs[0].stop_reason == "wor"
+    assert (
+        out_a.finished and out_a.outputs[0].finish_reason == "stop" and out_a.outputs[0].stop_reason == "wor"
+    )
     assert out_a.outputs[0].text == " hello " and not out_b.finished
     assert a.status.value == "waiting"  # nothing reached the scheduler's state
     b.token_ids.extend(tok.encode("!"))

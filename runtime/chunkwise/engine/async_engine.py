@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import dataclasses
 import itertools
@@ -16,7 +15,7 @@ from dataclasses import dataclass
 from chunkwise.config import EngineConfig
 from chunkwise.engine.core import EngineCore, ModelInfo
 from chunkwise.engine.step import StepStats, StepUpdate
-from chunkwise.engine.stream import RequestStream
+from chunkwise.engine.stream import RequestStream, StreamRegistry
 from chunkwise.outputs import RequestOutput
 from chunkwise.request import Request
 from chunkwise.sampling_params import SamplingParams
@@ -59,10 +58,9 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue[tuple[Request, str | _StopString | None] | str] = queue.SimpleQueue()
         # To the output thread, in step order: requests to track, each step's updates, aborts; None ends it.
         self._out_q: queue.SimpleQueue[_OutputEvent | None] = queue.SimpleQueue()
-        self._streams: dict[
-            str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | Exception]]
-        ] = {}
         self._lock = threading.Lock()
+        # Each live request's stream, under the same lock as the pending counts below.
+        self._streams = StreamRegistry(self._lock)
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="chunkwise-engine", daemon=True)
@@ -118,8 +116,7 @@ class AsyncEngine:
 
     @property
     def num_unfinished(self) -> int:
-        with self._lock:
-            return len(self._streams)
+        return len(self._streams)
 
     def add_observer(
         self, observer: Callable[[StepStats | None, list[RequestOutput], list[Request]], None]
@@ -161,7 +158,7 @@ class AsyncEngine:
         q: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         with self._lock:
-            if rid in self._streams or rid in self._pending:
+            if self._streams.has_locked(rid) or rid in self._pending:
                 raise ValueError(f"request id {rid!r} is already in use")
             if params.max_tokens is not None:
                 decode = req.max_tokens
@@ -171,7 +168,7 @@ class AsyncEngine:
                 decision = decide(shedding, self._load_locked())
                 if not decision.admitted:
                     raise Overloaded(decision)
-            self._streams[rid] = (loop, q)
+            self._streams.add_locked(rid, loop, q)
             self._pending[rid] = (req.num_prompt_tokens, decode)
             self._pending_prefill += req.num_prompt_tokens
             self._pending_decode += decode
@@ -203,52 +200,17 @@ class AsyncEngine:
 
     def abort_all(self) -> int:
         """Abort every request in flight; returns how many."""
-        with self._lock:
-            rids = list(self._streams)
+        rids = self._streams.ids()
         for rid in rids:
             self.abort(rid)
         return len(rids)
 
-    def _deliver(self, out: RequestOutput | Exception, rid: str) -> None:
-        with self._lock:
-            entry = self._streams.get(rid)
-            if entry is not None and (isinstance(out, Exception) or out.finished):
-                del self._streams[rid]
-        if entry is not None:
-            loop, q = entry
-            # A closed event loop raises RuntimeError: nobody is listening any more.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(q.put_nowait, out)
-
-    def _deliver_all(self, outs: Sequence[RequestOutput]) -> None:
-        """Hand a step's outputs to their streams: one wake-up of each event loop, not one per request."""
-        by_loop: dict[
-            asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[RequestOutput | Exception], RequestOutput]]
-        ]
-        by_loop = {}
-        with self._lock:
-            streams = self._streams
-            for out in outs:
-                entry = streams.get(out.request_id)
-                if entry is None:
-                    continue
-                if out.finished:
-                    del streams[out.request_id]
-                loop, q = entry
-                by_loop.setdefault(loop, []).append((q, out))
-        for loop, items in by_loop.items():
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_put_all, items)
-
     def _fail_streams(self, error: Exception) -> None:
         with self._lock:
-            streams = list(self._streams.values())
-            self._streams.clear()
+            entries = self._streams.take_all_locked()
             self._pending.clear()
             self._pending_prefill = self._pending_decode = 0
-        for loop, q in streams:
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(q.put_nowait, error)
+        StreamRegistry.send(entries, error)
 
     def _drain_inbox(self) -> bool:
         """Apply queued adds, aborts and stop strings; returns whether there were any."""
@@ -274,7 +236,7 @@ class AsyncEngine:
             try:
                 core.add(req, extra)
             except ValueError as e:
-                self._deliver(e, req.request_id)
+                self._streams.deliver(e, req.request_id)
                 continue
             self._out_q.put(_OutputEvent(added=[(req, extra)]))
             self._routes.add(req.route)
@@ -319,7 +281,7 @@ class AsyncEngine:
         aborted = core.cancel_all()
         failure = RuntimeError(f"the engine step failed and this request was aborted: {error!r}")
         for req in aborted:
-            self._deliver(failure, req.request_id)
+            self._streams.deliver(failure, req.request_id)
         self._publish()
         # The output side forgets them (their streams are gone: nothing more is delivered) and observers
         # count them as aborted.
@@ -355,7 +317,7 @@ class AsyncEngine:
                             outs.append(outputs.aborted(req))
                             finished.append(req)
                 if outs:
-                    self._deliver_all(outs)
+                    self._streams.deliver_all(outs)
                 self._notify(event.step, outs, finished)
             except Exception:  # one bad event must not end every stream's output
                 logging.getLogger(__name__).exception("engine output processing failed")
@@ -401,8 +363,3 @@ class _OutputEvent:
     step: StepStats | None = None
     update: StepUpdate | None = None
     aborted: list[Request] = dataclasses.field(default_factory=list)
-
-
-def _put_all(items: list[tuple[asyncio.Queue[RequestOutput | Exception], RequestOutput]]) -> None:
-    for q, out in items:
-        q.put_nowait(out)

@@ -12,13 +12,14 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
 from chunkwise.attention import get_attention_backend
 from chunkwise.attention.backend import AttentionBackend
 from chunkwise.cache.kv_cache_manager import KVCacheManager
-from chunkwise.config import EngineConfig
+from chunkwise.config import Dtype, EngineConfig
 from chunkwise.engine.calibration import StartupProbe, default_kv_bytes
 from chunkwise.engine.output_processor import OutputProcessor
 from chunkwise.engine.step import StepStats, StepUpdate
@@ -82,7 +83,8 @@ class EngineCore:
                 f"max_position_embeddings {mcfg.max_position_embeddings}"
             )
         # The resolved dtype, so that what reads the config later (benchmarks, calibration) sees the real one.
-        self.config = dataclasses.replace(config, scheduler=sched_cfg, dtype=choice.name)
+        resolved = cast(Dtype, choice.name)  # resolve_dtype names one of the config's dtypes
+        self.config = dataclasses.replace(config, scheduler=sched_cfg, dtype=resolved)
         self.max_model_len: int = sched_cfg.max_model_len  # type: ignore[assignment]
         self.tokenizer: Tokenizer = self.loaded.tokenizer
         # The checkpoint's own EOS ids and the tokenizer's: generation stops on either, as in transformers.
