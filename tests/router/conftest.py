@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 
 import httpx
+import kmock as km
 import pytest
+import yaml
 
 from chunkwise.cache.hashing import hash_prefix_blocks
+from chunkwise.router import wake
 from chunkwise.router.core import Router
 from chunkwise.router.policies import CostModel, Defaults
 from chunkwise.router.prompt import RoutedRequest
@@ -58,3 +62,32 @@ def make_router() -> Iterator[MakeRouter]:
         return router
 
     yield make
+
+
+KUBE_VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
+
+
+@pytest.fixture
+async def kube(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[str]:
+    """kmock's API server with what the router reads and writes, and KUBECONFIG pointing at it."""
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    async with km.KubernetesEmulator() as emulator, km.Server(emulator) as server:
+        emulator.resources["discovery.k8s.io/v1/endpointslices"] = km.ResourceInfo(
+            kind="EndpointSlice", namespaced=True, verbs=KUBE_VERBS
+        )
+        emulator.resources[f"{wake.GROUP}/{wake.VERSION}/{wake.PLURAL}"] = km.ResourceInfo(
+            kind="InferenceService", namespaced=True, verbs=KUBE_VERBS, subresources={"scale"}
+        )
+        url = str(server.url).rstrip("/")
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "k", "cluster": {"server": url}}],
+            "users": [{"name": "k", "user": {"token": "t"}}],
+            "contexts": [{"name": "k", "context": {"cluster": "k", "user": "k"}}],
+            "current-context": "k",
+        }
+        path = tmp_path / "kubeconfig"
+        path.write_text(yaml.safe_dump(config))
+        monkeypatch.setenv("KUBECONFIG", str(path))
+        yield url

@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
-import kmock as km
 import kubernetes
-import pytest
-import yaml
 
 from chunkwise.router.discovery import KubeDiscovery, StaticDiscovery, endpoint_urls
 
@@ -54,28 +49,6 @@ async def test_static_discovery_reports_its_list_once() -> None:
     seen: list[list[str]] = []
     await StaticDiscovery(["http://a:1", " ", "http://b:2"]).run(seen.append)
     assert seen == [["http://a:1", "http://b:2"]]
-
-
-@pytest.fixture
-async def kube(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[str]:
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    async with km.KubernetesEmulator() as emulator, km.Server(emulator) as server:
-        emulator.resources["discovery.k8s.io/v1/endpointslices"] = km.ResourceInfo(
-            kind="EndpointSlice", namespaced=True, verbs=VERBS
-        )
-        url = str(server.url).rstrip("/")
-        config = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [{"name": "k", "cluster": {"server": url}}],
-            "users": [{"name": "k", "user": {"token": "t"}}],
-            "contexts": [{"name": "k", "context": {"cluster": "k", "user": "k"}}],
-            "current-context": "k",
-        }
-        path = tmp_path / "kubeconfig"
-        path.write_text(yaml.safe_dump(config))
-        monkeypatch.setenv("KUBECONFIG", str(path))
-        yield url
 
 
 async def test_kube_discovery_follows_endpoint_slices(kube: str) -> None:

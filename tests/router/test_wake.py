@@ -5,14 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import httpx
-import kmock as km
 import kubernetes
-import pytest
-import yaml
 
 from chunkwise.router.core import Router
 from chunkwise.router.discovery import kube_api_client
@@ -137,28 +132,6 @@ async def test_health_stays_ok_while_waking() -> None:
     plain = build_app(make_router(FakeFleet(), []), PromptReader(ByteTokenizer(), 16, 64))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=plain), base_url="http://r") as c:
         assert (await c.get("/health")).status_code == 503
-
-
-@pytest.fixture
-async def kube(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[str]:
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    async with km.KubernetesEmulator() as emulator, km.Server(emulator) as server:
-        emulator.resources[f"{GROUP}/{VERSION}/{PLURAL}"] = km.ResourceInfo(
-            kind="InferenceService", namespaced=True, verbs=VERBS, subresources={"scale"}
-        )
-        url = str(server.url).rstrip("/")
-        config = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [{"name": "k", "cluster": {"server": url}}],
-            "users": [{"name": "k", "user": {"token": "t"}}],
-            "contexts": [{"name": "k", "context": {"cluster": "k", "user": "k"}}],
-            "current-context": "k",
-        }
-        path = tmp_path / "kubeconfig"
-        path.write_text(yaml.safe_dump(config))
-        monkeypatch.setenv("KUBECONFIG", str(path))
-        yield url
 
 
 async def test_the_scaler_raises_zero_to_one_and_nothing_else(kube: str) -> None:
