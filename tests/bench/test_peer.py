@@ -181,7 +181,7 @@ def test_worker_protocol_end_to_end_with_chunkwise_survives_stdout_noise(
 ) -> None:
     wrapper = tmp_path / "noisy_worker.py"
     wrapper.write_text(NOISY_WORKER.format(worker=str(peer.WORKER_PATH)))
-    monkeypatch.setattr(peer, "WORKER_PATH", wrapper)
+    monkeypatch.setattr(peer.offline, "WORKER_PATH", wrapper)
     items = [WorkItem(tuple(p), n) for p, n in zip(PROMPTS, (NEW_TOKENS, 3, 1))]
     workload = tmp_path / "w.jsonl"
     save_jsonl(items, workload)

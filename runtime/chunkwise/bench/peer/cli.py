@@ -1,0 +1,199 @@
+"""`chunkwise bench compare vllm` from its parsed flags: the modes' defaults, the checks, the workload,
+and the printed report."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from chunkwise.bench.peer.base import PeerError, PeerReport, PeerSettings, check_vllm
+from chunkwise.bench.peer.convoy import compare_convoy, http_serve, process_servers
+from chunkwise.bench.peer.offline import compare_throughput, process_workers
+from chunkwise.bench.workloads import WorkItem
+
+if TYPE_CHECKING:
+    import argparse
+
+MODES = ("throughput", "convoy")
+
+# Defaults that differ between the modes (the CLI leaves these flags unset and fills them in here).
+MODE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "throughput": {
+        "workload": "long-tailed",
+        "num_requests": 64,
+        "min_prompt": 32,
+        "max_prompt": 256,
+        "median_output": 32,
+        "sigma": 1.0,
+        "max_output": 512,
+        "max_model_len": 2048,
+    },
+    "convoy": {
+        "workload": "convoy",
+        "num_requests": 8,
+        "min_prompt": 16,
+        "max_prompt": 64,
+        "median_output": 128,
+        "sigma": 0.0,
+        "max_output": 128,
+        "max_model_len": 4096,
+    },
+}
+
+
+# -- printing -------------------------------------------------------------------------------------------------
+def format_report(report: PeerReport) -> str:
+    lines: list[str] = []
+    if report.mode == "throughput":
+        lines.append(f"{'run':<28}{'output tok/s':>14}{'tok/s of CPU':>14}{'wall s':>10}{'CPU s':>10}")
+        for r in report.runs:
+            name = f"{r['engine']} {r['dtype']} #{r['repeat'] + 1}"
+            lines.append(
+                f"{name:<28}{r['output_throughput']:>14.1f}{r['cpu_output_throughput']:>14.1f}"
+                f"{r['seconds']:>10.1f}{r['cpu_seconds']:>10.1f}"
+            )
+    else:
+        lines.append(f"{'run':<28}{'p99 ITL ms':>12}{'max ITL ms':>12}{'long TTFT ms':>22}")
+        for r in report.runs:
+            name = f"{r['engine']} {r['dtype']} #{r['repeat'] + 1}"
+            ttft = ", ".join(f"{t:.0f}" for t in r["long_ttft_ms"])
+            lines.append(f"{name:<28}{r['p99_itl_ms']:>12.1f}{r['max_itl_ms']:>12.1f}{ttft:>22}")
+    for key, value in report.info.items():
+        lines.append(f"{key}: {json.dumps(value)}")
+    lines += [ratio.line() for ratio in report.ratios]
+    lines += [f"note: {n}" for n in report.notes]
+    return "\n".join(lines)
+
+
+# -- the command ----------------------------------------------------------------------------------------------
+def resolve_mode_defaults(args: argparse.Namespace) -> None:
+    """Fill the flags the user left unset with the mode's defaults (MODE_DEFAULTS)."""
+    for key, value in MODE_DEFAULTS[args.mode].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+
+
+def parse_dtypes(text: str) -> list[str]:
+    from chunkwise.bench.peer_worker import DTYPES
+
+    dtypes = [d.strip() for d in text.split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in DTYPES]
+    if bad or not dtypes:
+        raise ValueError(f"--dtype {text!r}: expected a comma-separated list of {', '.join(DTYPES)}")
+    return list(dict.fromkeys(dtypes))
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """`chunkwise bench compare vllm`, from its parsed flags (see chunkwise.bench.cli)."""
+    import argparse as _argparse
+
+    from chunkwise.bench.checkpoint import CheckpointSpec, ensure_checkpoint
+    from chunkwise.bench.cli import build_workload, describe
+    from chunkwise.bench.peer_worker import parse_cpus
+
+    resolve_mode_defaults(args)
+    try:
+        dtypes = parse_dtypes(args.dtype)
+        cpus = parse_cpus(args.cpus)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    allowed = sorted(os.sched_getaffinity(0))
+    if not set(cpus) <= set(allowed):
+        raise SystemExit(
+            f"--cpus {args.cpus}: CPU(s) {sorted(set(cpus) - set(allowed))} not available (have {allowed})"
+        )
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
+    if args.mode == "convoy" and args.workload != "convoy":
+        raise SystemExit("--mode convoy runs the convoy workload (--workload convoy)")
+    if args.mode == "throughput" and args.workload == "convoy":
+        raise SystemExit("the convoy workload needs arrival times: use --mode convoy")
+    try:
+        version = check_vllm(args.vllm_python)
+    except PeerError as e:
+        raise SystemExit(str(e)) from None
+    _log(f"vLLM {version} under {args.vllm_python}")
+
+    if args.model:
+        model = Path(args.model)
+        if not (model / "config.json").is_file():
+            raise SystemExit(f"--model {args.model}: not a Hugging Face model directory (no config.json)")
+        made = False
+    else:
+        try:
+            model, made = ensure_checkpoint(CheckpointSpec(), args.checkpoint_dir, log=_log)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+        if not made:
+            _log(f"reusing the benchmark checkpoint in {model}")
+    vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
+    settings = PeerSettings(
+        model=str(model.resolve()),
+        cpus=args.cpus,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        kv_cache_gib=args.kv_cache_gib,
+        vllm_python=args.vllm_python,
+    )
+
+    def make_workload(rep: int) -> list[WorkItem]:
+        # A fresh seed per repeat: no engine ever sees a prompt (or a prefix) twice.
+        return build_workload(
+            _argparse.Namespace(**{**vars(args), "seed": args.seed + rep}), vocab_size=vocab
+        )
+
+    first = make_workload(0)
+    too_long = [it for it in first if len(it.token_ids()) + it.output_len > args.max_model_len]
+    if too_long:
+        raise SystemExit(
+            f"{len(too_long)} request(s) need more than --max-model-len {args.max_model_len} tokens "
+            f"(prompt + output); raise it or shorten the workload"
+        )
+    _log(f"workload: {describe(first)}; {args.repeats} repeat(s), a fresh seed each")
+    # Kept afterwards: it holds the engines' logs, which are what one reads when a ratio looks wrong.
+    workdir = Path(tempfile.mkdtemp(prefix="chunkwise-peer-"))
+    _log(f"workloads and engine logs in {workdir}")
+    load_before = os.getloadavg()[0]
+    if args.mode == "throughput":
+        report = compare_throughput(
+            make_workload, dtypes, args.repeats, process_workers(settings, workdir, _log), workdir, _log
+        )
+    else:
+        report = compare_convoy(
+            make_workload,
+            dtypes,
+            args.repeats,
+            args.long_len,
+            process_servers(settings, workdir, _log),
+            http_serve(not args.no_progress),
+            _log,
+        )
+    report.info.update(
+        {
+            "model": settings.model,
+            "cpus": args.cpus,
+            "settings": {k: v for k, v in asdict(settings).items() if not k.endswith("python")},
+            "vllm_python": args.vllm_python,
+            "loadavg_1m_before_after": [load_before, os.getloadavg()[0]],
+            "logs": str(workdir),
+        }
+    )
+    print(format_report(report))
+    if args.json_out:
+        out = report.as_dict()
+        out["workload"] = describe(first)
+        out["command"] = " ".join(sys.argv)
+        with open(args.json_out, "w") as f:
+            json.dump(out, f, indent=2)
+        _log(f"wrote {args.json_out}")
+    return 0
