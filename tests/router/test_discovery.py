@@ -9,8 +9,6 @@ import kubernetes
 
 from chunkwise.router.discovery import KubeDiscovery, StaticDiscovery, endpoint_urls
 
-VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
-
 
 def endpoint_slice(
     name: str, service: str, endpoints: list[dict[str, Any]], port: int | None = 8000

@@ -19,8 +19,6 @@ from chunkwise.tokenizer import ByteTokenizer
 from .conftest import URLS
 from .fake_replicas import FakeFleet, body, make_router, sse
 
-VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
-
 
 class Wake:
     """A router with no replica, and a scale-up that brings one `delay` seconds after it is asked."""
