@@ -7,42 +7,33 @@
 
 Everything heavy (torch, the engine, httpx, matplotlib) is imported inside the run functions, so that
 `chunkwise --help` stays cheap.
+
+The parser is built here (and the workload flags in workload_args.py); the commands it dispatches to
+run in commands.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
 
 from chunkwise.argtypes import positive_float, positive_int
+from chunkwise.bench.commands import run_bench
+from chunkwise.bench.workload_args import WORKLOADS, add_workload_args, build_workload, describe
 
-if TYPE_CHECKING:
-    from chunkwise.bench.clock import ClockName
-    from chunkwise.bench.compare import Comparison
-    from chunkwise.bench.workloads import WorkItem
+__all__ = [
+    "DEFAULT_THREADS",
+    "WORKLOADS",
+    "add_bench_args",
+    "add_workload_args",
+    "build_workload",
+    "describe",
+    "run_bench",
+]
 
-WORKLOADS = ("long-tailed", "agent", "convoy", "trace")
 # On a 2-core machine shared with other work, one intra-op thread gives the steadiest timings (see
 # docs/benchmarks.md); --threads changes it.
 DEFAULT_THREADS = 1
-
-
-def _rate(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive (or inf), got {text}")
-    return value
-
-
-def _seconds_list(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated seconds, got {text!r}") from None
 
 
 def _ints(text: str) -> list[int]:
@@ -50,95 +41,6 @@ def _ints(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def add_workload_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
-    g = p.add_argument_group("workload")
-    g.add_argument("--workload", choices=WORKLOADS, default="long-tailed", help="the request shapes")
-    g.add_argument("--trace", default=None, help="JSONL trace (with --workload trace)")
-    g.add_argument("--num-requests", type=int, default=64, help="requests (streams, for convoy)")
-    g.add_argument("--min-prompt", type=int, default=16, help="shortest prompt (tokens)")
-    g.add_argument("--max-prompt", type=int, default=128, help="longest prompt (tokens)")
-    g.add_argument("--median-output", type=int, default=32, help="median output length (long-tailed)")
-    g.add_argument(
-        "--sigma", type=float, default=1.0, help="log-normal sigma of output lengths (0: all equal)"
-    )
-    g.add_argument("--max-output", type=int, default=512, help="longest output")
-    g.add_argument("--hide-lengths", action="store_true", help="the client gives no max_tokens (replay only)")
-    g.add_argument("--system-len", type=int, default=1024, help="shared system prompt length (agent)")
-    g.add_argument("--num-system-prompts", type=int, default=1, help="distinct system prompts (agent)")
-    g.add_argument("--long-len", type=int, default=3000, help="injected long prompt length (convoy)")
-    g.add_argument("--num-long", type=int, default=2, help="long prompts injected (convoy)")
-    g.add_argument(
-        "--long-at", type=_seconds_list, default=[2.0, 6.0], help="injection offsets in seconds (convoy)"
-    )
-    g.add_argument(
-        "--request-rate", type=_rate, default=math.inf, help="requests/s (default inf: all at once)"
-    )
-    g.add_argument("--burstiness", type=_rate, default=1.0, help="gamma shape of gaps: 1 Poisson, <1 bursty")
-    g.add_argument("--burst-size", type=int, default=1, help="requests arriving together in each burst")
-    g.add_argument("--seed", type=int, default=0, help="workload seed")
-    if defaults:
-        p.set_defaults(**defaults)
-
-
-def build_workload(ns: argparse.Namespace, vocab_size: int = 258) -> list[WorkItem]:
-    from chunkwise.bench import workloads as w
-
-    if ns.workload == "trace":
-        if not ns.trace:
-            raise SystemExit("--workload trace needs --trace FILE.jsonl")
-        return w.load_jsonl(ns.trace)
-    prompt = (ns.min_prompt, ns.max_prompt)
-    if ns.workload == "agent":
-        items = w.shared_prefix(
-            ns.num_requests,
-            vocab_size=vocab_size,
-            system_len=ns.system_len,
-            num_system_prompts=ns.num_system_prompts,
-            suffix_len=prompt,
-            output_len=(max(1, ns.median_output // 2), ns.median_output * 3 // 2),
-            seed=ns.seed,
-        )
-    else:
-        items = w.long_tailed(
-            ns.num_requests,
-            vocab_size=vocab_size,
-            prompt_len=prompt,
-            median_output=ns.median_output,
-            sigma=ns.sigma,
-            max_output=ns.max_output,
-            seed=ns.seed,
-            client_max_tokens=not ns.hide_lengths,
-        )
-    if ns.burst_size > 1:
-        times = w.burst_arrivals(len(items), ns.request_rate, ns.burst_size, ns.seed)
-    else:
-        times = w.arrival_times(len(items), ns.request_rate, ns.burstiness, ns.seed)
-    items = w.with_arrivals(items, times)
-    if ns.workload == "convoy":
-        items = w.with_long_prompts(
-            items,
-            vocab_size=vocab_size,
-            num_long=ns.num_long,
-            long_len=ns.long_len,
-            at_s=ns.long_at,
-            seed=ns.seed,
-        )
-    return items
-
-
-def describe(items: Sequence[WorkItem]) -> str:
-    from chunkwise.bench.workloads import offered_rate
-
-    outs = sorted(it.output_len for it in items)
-    prompts = sorted(len(it.prompt_token_ids or ()) for it in items)
-    rate = offered_rate(items)
-    return (
-        f"{len(items)} requests; prompt tokens median {prompts[len(prompts) // 2]} max {prompts[-1]}; "
-        f"output tokens median {outs[len(outs) // 2]} max {outs[-1]}; "
-        f"arrivals {'all at once' if math.isinf(rate) else f'{rate:.2f}/s'}"
-    )
 
 
 def _common(p: argparse.ArgumentParser, model_default: str = "small") -> None:
@@ -296,236 +198,3 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         sigma=None,
         max_output=None,
     )
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
-def run_bench(args: argparse.Namespace) -> int:
-    if args.bench_command == "serve":
-        return _serve(args)
-    if args.bench_command == "workload":
-        return _workload(args)
-    if args.what == "vllm":
-        from chunkwise.bench.peer import run_from_args
-
-        return run_from_args(args)
-    return _compare(args)
-
-
-def _workload(args: argparse.Namespace) -> int:
-    from chunkwise.bench.workloads import save_jsonl
-
-    items = build_workload(args)
-    save_jsonl(items, args.out)
-    print(f"wrote {args.out}: {describe(items)}")
-    return 0
-
-
-def _serve(args: argparse.Namespace) -> int:
-    import httpx
-
-    from chunkwise.bench.metrics import format_report, parse_slos
-    from chunkwise.bench.serve import _base, run_serve
-
-    slos = parse_slos(args.goodput)
-    model = args.model
-    if model is None:
-        try:
-            model = httpx.get(f"{_base(args.base_url)}/v1/models", timeout=10).json()["data"][0]["id"]
-        except Exception as e:
-            raise SystemExit(f"cannot ask {args.base_url} for its model ({e}); give --model") from None
-    items = build_workload(args)
-    _log(f"workload: {describe(items)}")
-    result = run_serve(
-        args.base_url,
-        items,
-        model=model,
-        max_concurrency=args.max_concurrency,
-        timeout_s=args.timeout,
-        ignore_eos=not args.no_ignore_eos,
-        progress=not args.no_progress,
-    )
-    report = result.report(slos)
-    print(format_report(report))
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(
-                {**report, "model": model, "base_url": args.base_url, "workload": describe(items)},
-                f,
-                indent=2,
-            )
-    if args.plot_dir:
-        from chunkwise.bench.plots import write_plots
-
-        for path in write_plots({"serve": result}, args.plot_dir, "serve"):
-            _log(f"wrote {path}")
-    return 0 if report["completed"] else 1
-
-
-def _print_comparison(cmp: Comparison, slos: dict[str, float]) -> None:
-    from chunkwise.bench.compare import noise
-
-    keys = ("output_throughput", "mean_ttft_ms", "p99_itl_ms", "max_step_ms", "duration")
-    print(f"{'run':<16}" + "".join(f"{k:>20}" for k in keys))
-    for name, runs in cmp.results.items():
-        for i, r in enumerate(runs):
-            rep = r.report(slos)
-            print(
-                f"{name + ' #' + str(i + 1):<16}"
-                + "".join(f"{rep.get(k, float('nan')):>20.2f}" for k in keys)
-            )
-    for k, v in cmp.info.items():
-        print(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}")
-    for ratio in cmp.ratios:
-        print(ratio.line())
-    for name, by_clock in noise(cmp.results).items():
-        spreads = ", ".join(f"{spread:.0%} on the {c} clock" for c, spread in by_clock.items())
-        print(f"noise: {name} output throughput varied across repeats by {spreads}")
-    for n in cmp.notes:
-        print(f"note: {n}")
-
-
-def _compare(args: argparse.Namespace) -> int:
-    import torch
-
-    from chunkwise.bench import compare as cmpmod
-    from chunkwise.bench.clock import check_clock
-    from chunkwise.bench.metrics import parse_slos
-
-    torch.set_num_threads(args.threads)
-    try:
-        clock = check_clock(args.clock or ("cpu" if args.threads == 1 else "wall"), args.threads)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
-    slos = parse_slos(args.goodput)
-    progress = not args.no_progress
-    engine_args: dict[str, Any] = {}
-    if args.kv_cache_memory_bytes:
-        engine_args["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
-    info = cmpmod.machine_info()
-    _log(
-        f"torch threads {info['torch_threads']}, {info['cpus']} CPUs, load average {info['loadavg_1m']:.2f}; "
-        f"headline clock: {clock}"
-    )
-    what = args.what
-    if what == "preemption":
-        return _preemption(args, engine_args, clock)
-    run: Callable[[], Comparison]
-    items: list[WorkItem] = []
-    if what == "sched-overhead":
-
-        def run() -> Comparison:
-            return cmpmod.scheduler_overhead(
-                args.model,
-                num_running=args.num_running,
-                prompt_len=args.prompt_len,
-                max_tokens=args.max_tokens,
-                repeats=args.repeats,
-                engine_args=engine_args,
-                progress=progress,
-                log=_log,
-                clock=clock,
-            )
-    else:
-        items = build_workload(args)
-        _log(f"workload: {describe(items)}")
-        common = {
-            "repeats": args.repeats,
-            "engine_args": engine_args,
-            "progress": progress,
-            "log": _log,
-            "clock": clock,
-        }
-        if what == "batching":
-
-            def run() -> Comparison:
-                return cmpmod.compare_batching(args.model, items, max_num_seqs=args.max_num_seqs, **common)
-        elif what == "chunked":
-            if args.max_long_prefill_chunk:
-                engine_args["max_long_prefill_chunk"] = args.max_long_prefill_chunk
-
-            def run() -> Comparison:
-                return cmpmod.compare_chunked(args.model, items, max_model_len=args.max_model_len, **common)
-        elif what == "prefix":
-
-            def run() -> Comparison:
-                return cmpmod.compare_prefix(args.model, items, **common)
-        else:
-
-            def run() -> Comparison:
-                return cmpmod.compare_hf(args.model, items, concurrency=args.concurrency, **common)
-
-    result = run()
-    info_after = cmpmod.machine_info()
-    result.info["loadavg_1m_before_after"] = [info["loadavg_1m"], info_after["loadavg_1m"]]
-    result.info["torch_threads"] = info["torch_threads"]
-    _print_comparison(result, slos)
-    if args.json_out:
-        out = result.as_dict(slos)
-        out["workload"] = describe(items) if items else ""
-        out["command"] = " ".join(sys.argv)
-        with open(args.json_out, "w") as f:
-            json.dump(out, f, indent=2)
-    if args.plot_dir:
-        from chunkwise.bench.plots import write_plots
-
-        last = {name: runs[-1] for name, runs in result.results.items()}
-        for path in write_plots(last, args.plot_dir, what):
-            _log(f"wrote {path}")
-    return 0
-
-
-def _preemption(args: argparse.Namespace, engine_args: dict[str, Any], clock: ClockName) -> int:
-    import statistics
-
-    from chunkwise.bench.compare import compare_preemption, crossover
-
-    timings, info = compare_preemption(
-        args.model, args.contexts, repeats=args.repeats, engine_args=engine_args, log=_log, clock=clock
-    )
-    print(f"clock: {clock}")
-    by = {(t.context, t.mode): statistics.median(t.extra_seconds) for t in timings}
-    pred = info["predicted_s"]
-    print(f"{'context':>8} {'swap ms':>10} {'recompute ms':>14} {'model swap':>12} {'model recomp':>14}")
-    for i, ctx in enumerate(args.contexts):
-        print(
-            f"{ctx:>8} {by[(ctx, 'swap')] * 1000:>10.1f} {by[(ctx, 'recompute')] * 1000:>14.1f} "
-            f"{pred['swap'][i] * 1000:>12.1f} {pred['recompute'][i] * 1000:>14.1f}"
-        )
-    swap = [by[(c, "swap")] for c in args.contexts]
-    rec = [by[(c, "recompute")] for c in args.contexts]
-    cross = crossover(args.contexts, swap, rec)
-    model_cross = crossover(args.contexts, pred["swap"], pred["recompute"])
-
-    def verdict(c: float | None, s: list[float], r: list[float]) -> str:
-        if c is not None:
-            return f"{c:.0f} tokens"
-        cheaper = "swap" if s[0] < r[0] else "recompute"
-        return f"none in {args.contexts[0]}-{args.contexts[-1]} tokens: {cheaper} is cheaper at every length"
-
-    print(f"measured crossover: {verdict(cross, swap, rec)}")
-    print(
-        "recompute/swap cost by context: "
-        + ", ".join(f"{c}: {r / s:.1f}x" for c, s, r in zip(args.contexts, swap, rec))
-    )
-    print(f"engine cost model's crossover: {verdict(model_cross, pred['swap'], pred['recompute'])}")
-    print(f"rates: {info['rates']}")
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(
-                {
-                    "what": "preemption",
-                    "contexts": args.contexts,
-                    "measured_median_s": {"swap": swap, "recompute": rec},
-                    "measured_all_s": {f"{t.mode}@{t.context}": t.extra_seconds for t in timings},
-                    "crossover_tokens": cross,
-                    "model_crossover_tokens": model_cross,
-                    **info,
-                    "command": " ".join(sys.argv),
-                },
-                f,
-                indent=2,
-            )
-    return 0

@@ -97,8 +97,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     import argparse as _argparse
 
     from chunkwise.bench.checkpoint import CheckpointSpec, ensure_checkpoint
-    from chunkwise.bench.cli import build_workload, describe
     from chunkwise.bench.peer_worker import parse_cpus
+    from chunkwise.bench.workload_args import build_workload, describe
 
     resolve_mode_defaults(args)
     try:
