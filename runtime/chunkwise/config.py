@@ -125,6 +125,11 @@ class CacheConfig:
     )
     enable_prefix_caching: bool = option(True, help="reuse the KV blocks of a prompt prefix already computed")
     swap_space_bytes: int = option(1 << 30, help="host memory for KV blocks swapped out by preemption")
+    kv_events_buffer: int = option(
+        4096,
+        help="steps of prefix-cache changes kept for readers of /v1/kv_events (the router's exact prefix "
+        "index); 0 publishes none",
+    )
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -134,6 +139,8 @@ class CacheConfig:
             raise ValueError("give the KV cache capacity as num_blocks or kv_cache_memory_bytes, not both")
         if self.swap_space_bytes < 0:
             raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
+        if self.kv_events_buffer < 0:
+            raise ValueError(f"kv_events_buffer must be >= 0, got {self.kv_events_buffer}")
 
 
 @dataclass(frozen=True)

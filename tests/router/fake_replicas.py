@@ -52,6 +52,9 @@ class FakeFleet:
             return httpx.Response(status, json={"status": "ok" if status == 200 else "loading"})
         if path == "/metrics":
             return httpx.Response(200, text=METRICS)
+        if path.startswith("/v1/kv_events"):
+            # A replica that publishes no KV events: the router routes on its own estimate.
+            return httpx.Response(404, json={"error": {"message": "no KV events", "type": "not_found_error"}})
         self.received.append((base, path, request.content))
         handler = self.handlers.get(base)
         if handler is not None:

@@ -34,6 +34,7 @@ NOT_DEFAULT: dict[str, object] = {
     "num_blocks": 99,
     "enable_prefix_caching": False,
     "swap_space_bytes": 12345,
+    "kv_events_buffer": 16,
     "max_num_seqs": 3,
     "max_num_batched_tokens": 4096,
     "max_model_len": 2048,

@@ -10,11 +10,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from chunkwise.cache.events import KVEventLog
 from chunkwise.cache.hashing import BlockHash
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, events: KVEventLog | None = None
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -25,6 +28,8 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
         self.num_evictions = 0
+        # Where each hash entering or leaving _cached is recorded, for consumers outside the engine.
+        self.events = events
 
     @property
     def num_free(self) -> int:
@@ -44,9 +49,7 @@ class BlockPool:
             h = self.block_hash[block_id]
             if h is not None:
                 # Evict: the block is about to hold other tokens.
-                if self._cached.get(h) == block_id:
-                    del self._cached[h]
-                self.block_hash[block_id] = None
+                self._drop(h, block_id)
                 self.num_evictions += 1
             self.ref_cnt[block_id] = 1
             out.append(block_id)
@@ -86,20 +89,27 @@ class BlockPool:
             return
         self.block_hash[block_id] = block_hash
         self._cached[block_hash] = block_id
+        if self.events is not None:
+            self.events.record(block_hash, True)
 
     def uncache(self, block_id: int) -> None:
         """Withdraw a block's hash: its KV was never written (its request gave way before the step ran)."""
         h = self.block_hash[block_id]
         if h is not None:
-            if self._cached.get(h) == block_id:
-                del self._cached[h]
-            self.block_hash[block_id] = None
+            self._drop(h, block_id)
+
+    def _drop(self, h: BlockHash, block_id: int) -> None:
+        """The block no longer holds h's KV."""
+        if self._cached.get(h) == block_id:
+            del self._cached[h]
+            if self.events is not None:
+                self.events.record(h, False)
+        self.block_hash[block_id] = None
 
     def reset_cache(self) -> None:
         for h, block_id in list(self._cached.items()):
             if self.ref_cnt[block_id] == 0:
-                del self._cached[h]
-                self.block_hash[block_id] = None
+                self._drop(h, block_id)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the pool's bookkeeping is inconsistent (tests call this after workloads)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from chunkwise.cache.block_pool import BlockPool
+from chunkwise.cache.events import KVEventLog
 from chunkwise.cache.hashing import BlockHash, hash_prefix_blocks
 from chunkwise.cache.swap import SwapSpace
 from chunkwise.request import Request
@@ -20,10 +21,15 @@ def cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_host_blocks: int = 0
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_host_blocks: int = 0,
+        events: KVEventLog | None = None,
     ) -> None:
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, events)
         self.swap_space = SwapSpace(num_host_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.block_tables: dict[str, list[int]] = {}

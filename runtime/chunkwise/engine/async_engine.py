@@ -12,6 +12,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
+from chunkwise.cache.events import KVEventLog
 from chunkwise.config import EngineConfig
 from chunkwise.engine.core import EngineCore, ModelInfo
 from chunkwise.engine.step import StepStats, StepUpdate
@@ -107,8 +108,9 @@ class AsyncEngine:
         return self.core.model_info
 
     @property
-    def max_model_len(self) -> int:
-        return self.core.max_model_len
+    def kv_events(self) -> KVEventLog | None:
+        """The prefix cache's changes, step by step (None when prefix caching or events are off)."""
+        return self.core.kv_events
 
     @property
     def is_running(self) -> bool:

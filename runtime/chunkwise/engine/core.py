@@ -18,6 +18,7 @@ import torch
 
 from chunkwise.attention import get_attention_backend
 from chunkwise.attention.backend import AttentionBackend
+from chunkwise.cache.events import KVEventLog
 from chunkwise.cache.kv_cache_manager import KVCacheManager
 from chunkwise.config import Dtype, EngineConfig
 from chunkwise.engine.calibration import StartupProbe, default_kv_bytes
@@ -106,7 +107,15 @@ class EngineCore:
             )
         num_host_blocks = cache.swap_space_bytes // block_bytes
         proposer = self._make_proposer(config, num_blocks, dtype, device, backend)
-        self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, num_host_blocks)
+        # What enters and leaves the prefix cache, for the router's exact index (GET /v1/kv_events).
+        self.kv_events = (
+            KVEventLog(cache.kv_events_buffer)
+            if cache.enable_prefix_caching and cache.kv_events_buffer
+            else None
+        )
+        self.kv = KVCacheManager(
+            num_blocks, cache.block_size, cache.enable_prefix_caching, num_host_blocks, self.kv_events
+        )
         self.runner = ModelRunner(
             self.loaded.model,
             mcfg,
@@ -283,10 +292,17 @@ class EngineCore:
     def cancel(self, request_ids: Sequence[str]) -> list[Request]:
         """End these requests now (their blocks are free for the next step); returns the ones that had not
         finished. Their streams' last outputs are the output side's to make (OutputProcessor.aborted)."""
-        return self.scheduler.abort(request_ids)
+        cancelled = self.scheduler.abort(request_ids)
+        self._flush_kv_events()
+        return cancelled
 
     def cancel_all(self) -> list[Request]:
-        return self.scheduler.abort(list(self.scheduler.requests))
+        return self.cancel(list(self.scheduler.requests))
+
+    def _flush_kv_events(self) -> None:
+        # After a step, and after what changes the cache between steps (aborts, stop strings).
+        if self.kv_events is not None:
+            self.kv_events.flush()
 
     def abort(self, request_ids: Sequence[str]) -> list[RequestOutput]:
         """cancel(), with each request's last output ("abort"), when this core processes its outputs."""
@@ -341,6 +357,7 @@ class EngineCore:
         updated = self.scheduler.update_from_output(
             so, result.sampled, result.drafted, result.row_tokens, forward_seconds=result.forward_seconds
         )
+        self._flush_kv_events()  # the step's KV is written: its cache changes are now true
         update = StepUpdate.of(updated, result.logprobs)
         t3 = time.perf_counter()
         self.last_step = StepStats(
@@ -365,3 +382,4 @@ class EngineCore:
         """End a request at a stop string its text reached (no-op if it has already ended)."""
         if not req.is_finished and req.request_id in self.scheduler.requests:
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED, stop)
+            self._flush_kv_events()

@@ -78,6 +78,13 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         "(default byte)",
     )
     g.add_argument(
+        "--kv-events",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="read each replica's GET /v1/kv_events with its metrics and route on the exact prefix index it "
+        "gives; a replica without them, or out of sync, is routed on the router's estimate (default on)",
+    )
+    g.add_argument(
         "--prefix-cache-blocks",
         type=positive_int,
         default=DEFAULT_PREFIX_CACHE_BLOCKS,

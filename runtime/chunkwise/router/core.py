@@ -52,12 +52,14 @@ class Router:
         poll_interval_s: float = 0.5,
         index_capacity_blocks: int = 65536,
         clock: Callable[[], float] = time.monotonic,
+        kv_events: bool = True,
     ) -> None:
         self.cost = cost
         self.client = client
         self.poll_interval_s = poll_interval_s
         self.index_capacity_blocks = index_capacity_blocks
         self.clock = clock
+        self.kv_events = kv_events
         self.replicas: dict[str, Replica] = {}
         cost.bind(lambda: list(self.replicas.values()))
         self.policy: Policy = make_policy(policy, cost)
@@ -168,6 +170,8 @@ class Router:
             scrape = await self.client.get(replica.url + "/metrics", timeout=PROBE_TIMEOUT_S)
             if scrape.status_code == 200:
                 replica.observe(parse_metrics(scrape.text, self.clock()), self.clock())
+            if self.kv_events:
+                await replica.read_kv_events(self.client, PROBE_TIMEOUT_S)
             if replica.healthy is not True:
                 logger.info("replica %s healthy", replica.url)
             replica.recovered()

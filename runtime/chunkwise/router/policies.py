@@ -107,7 +107,7 @@ class CostModel:
     def cached_tokens(self, replica: Replica, request: RoutedRequest) -> int:
         if not request.block_hashes:
             return 0
-        matched = replica.index.match(request.block_hashes) * self.block_size
+        matched = replica.cached_blocks(request.block_hashes) * self.block_size
         return min(matched, request.prompt_tokens - 1)
 
     def predict(self, replica: Replica, request: RoutedRequest, now: float) -> Prediction:

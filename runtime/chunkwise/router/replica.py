@@ -9,9 +9,14 @@ and every later prediction sees it.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import httpx
+
 from chunkwise.router.estimates import MetricsSample, ReplicaEstimates
+from chunkwise.router.kv_events import KVEventIndex
 from chunkwise.router.prefix_index import PrefixIndex
 
 # Backoff of an unreachable replica: the first retry after one poll interval, doubling up to this. One that
@@ -35,6 +40,7 @@ class InFlight:
     predicted_completion: float
     first_token_at: float | None = None
     id: int = 0
+    block_hashes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.id = next(_ids)
@@ -57,7 +63,13 @@ class Load:
 class Replica:
     def __init__(self, url: str, index_capacity_blocks: int) -> None:
         self.url = url
+        # The estimate (what the router sent there) and, while the replica's KV events are read, the
+        # exact index as of the last read, plus the prompts sent since (in flight, or finished after
+        # it): the replica holds those too once computed, and the next read will say so.
         self.index = PrefixIndex(index_capacity_blocks)
+        self.kv = KVEventIndex()
+        self._inflight_blocks: Counter[int] = Counter()
+        self._sent_since_read: set[int] = set()
         self.estimates = ReplicaEstimates()
         # None: not probed yet (a candidate, optimistically); True: /health answered 200.
         self.healthy: bool | None = None
@@ -87,6 +99,7 @@ class Replica:
         self.healthy = False
         # A replica that stopped answering may come back as a fresh process with an empty cache.
         self.index.clear()
+        self.kv.lose_sync()
         if reachable:
             self.backoff = poll_interval
         else:
@@ -134,16 +147,42 @@ class Replica:
         if sample.cache_blocks:
             self.index.resize(sample.cache_blocks)
 
+    # -- prefixes ----------------------------------------------------------------------------------------
+    def cached_blocks(self, hashes: Sequence[int]) -> int:
+        """Leading blocks of a prompt the replica holds, or will once its requests in flight are computed:
+        from its KV events while they are read, else from the router's own estimate."""
+        if not self.kv.synced:
+            return self.index.match(hashes)
+        held, pending, sent = self.kv.hashes, self._inflight_blocks, self._sent_since_read
+        n = 0
+        for h in hashes:
+            if h not in held and h not in pending and h not in sent:
+                break
+            n += 1
+        return n
+
+    async def read_kv_events(self, client: httpx.AsyncClient, timeout: float) -> None:
+        """Bring the exact index up to date from the replica's KV events (see router/kv_events.py)."""
+        sent, self._sent_since_read = self._sent_since_read, set()
+        await self.kv.sync(client, self.url, timeout)
+        if not self.kv.synced:
+            self._sent_since_read |= sent  # not read: they still count until a read shows them
+
     # -- accounting --------------------------------------------------------------------------------------
     def begin(self, request: InFlight, block_hashes: tuple[int, ...]) -> None:
         self.inflight[request.id] = request
         self.picks += 1
         # The replica will hold these blocks once it has computed them; later picks may count on it.
         self.index.insert(block_hashes)
+        request.block_hashes = block_hashes
+        self._inflight_blocks.update(block_hashes)
+        self._sent_since_read.update(block_hashes)
 
     def first_token(self, request: InFlight, now: float) -> None:
         if request.first_token_at is None:
             request.first_token_at = now
 
     def end(self, request: InFlight) -> None:
-        self.inflight.pop(request.id, None)
+        if self.inflight.pop(request.id, None) is not None:
+            self._inflight_blocks.subtract(request.block_hashes)
+            self._inflight_blocks += Counter()  # drop the hashes no request in flight holds

@@ -48,6 +48,7 @@ def build(args: argparse.Namespace) -> tuple[Router, Starlette]:
         client=make_client(),
         poll_interval_s=args.poll_interval_seconds,
         index_capacity_blocks=args.prefix_cache_blocks,
+        kv_events=args.kv_events,
     )
     discovery: Discovery
     waker: Waker | None = None

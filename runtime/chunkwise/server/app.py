@@ -1,7 +1,8 @@
 """The app factory: `build_app(engine, ...)` returns a FastAPI app serving that engine; nothing is global.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (200 ready; 503 while
-loading, draining or after an engine failure), GET /metrics (Prometheus text).
+loading, draining or after an engine failure), GET /metrics (Prometheus text), GET /v1/kv_events and
+/v1/kv_events/snapshot (the prefix cache's changes, for the router: server/kv_events.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from chunkwise.metrics import EngineMetrics
 from chunkwise.sched.shedding import SheddingPolicy
 from chunkwise.server.endpoints import CHAT, COMPLETIONS
 from chunkwise.server.errors import APIError, bad_request, install_error_handlers, validation_message
+from chunkwise.server.kv_events import add_kv_event_routes
 from chunkwise.server.protocol import ChatCompletionRequest, CompletionRequest
 from chunkwise.server.serving import UNAVAILABLE_RETRY_AFTER_S, ServerState, serve
 
@@ -174,4 +176,5 @@ def build_app(
     async def prometheus_metrics() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
+    add_kv_event_routes(app, state)
     return app

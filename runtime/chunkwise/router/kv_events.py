@@ -1,0 +1,87 @@
+"""A replica's prefix cache as its own KV events say (the engine's GET /v1/kv_events, server/kv_events.py).
+
+While in sync the index is exact: the set of block hashes the replica's cache holds as of the last event
+read. It falls out of sync when the replica's stream cannot be read (unreachable, events off, an answer it
+cannot parse) and resyncs from a snapshot when the replica says the router fell behind (410) or a new
+epoch shows a restarted engine. Out of sync, the router routes on its own estimate (prefix_index.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from chunkwise.cache.events import hex_hash
+from chunkwise.cache.hashing import BlockHash
+
+logger = logging.getLogger(__name__)
+
+
+class KVEventIndex:
+    def __init__(self) -> None:
+        self.hashes: set[BlockHash] = set()
+        self.epoch: str | None = None
+        self.seq: int | None = None  # None: not in sync
+        self.resyncs = 0
+
+    @property
+    def synced(self) -> bool:
+        return self.seq is not None
+
+    def match(self, hashes: Sequence[BlockHash]) -> int:
+        """Leading blocks of `hashes` the replica holds."""
+        n = 0
+        for h in hashes:
+            if h not in self.hashes:
+                break
+            n += 1
+        return n
+
+    def lose_sync(self) -> None:
+        self.seq = None
+
+    def load_snapshot(self, body: dict[str, Any]) -> None:
+        self.hashes = {hex_hash(h) for h in body["hashes"]}
+        self.epoch = str(body["epoch"])
+        self.seq = int(body["seq"])
+        self.resyncs += 1
+
+    def apply(self, body: dict[str, Any]) -> bool:
+        """Apply an answer of /v1/kv_events; False (nothing applied) when it cannot follow what this index
+        holds: another epoch, or events that do not continue from its seq."""
+        if not self.synced or body["epoch"] != self.epoch:
+            return False
+        expected = self.seq
+        for event in body["events"]:
+            if expected is None or int(event["seq"]) != expected + 1:
+                return False
+            expected = int(event["seq"])
+        for event in body["events"]:
+            self.hashes.update(hex_hash(h) for h in event["stored"])
+            self.hashes.difference_update(hex_hash(h) for h in event["removed"])
+        self.seq = int(body["seq"]) if body["events"] else self.seq
+        return True
+
+    async def sync(self, client: httpx.AsyncClient, url: str, timeout: float) -> None:
+        """Catch up with the replica at `url`: the events since the last read, or a snapshot when they do
+        not follow. Any failure leaves the index out of sync (the caller falls back to its estimate)."""
+        try:
+            if self.synced:
+                resp = await client.get(f"{url}/v1/kv_events", params={"after": self.seq}, timeout=timeout)
+                if resp.status_code == 200 and self.apply(resp.json()):
+                    return
+                if resp.status_code not in (200, 410):
+                    self.lose_sync()
+                    return
+            snap = await client.get(f"{url}/v1/kv_events/snapshot", timeout=timeout)
+            if snap.status_code != 200:
+                self.lose_sync()
+                return
+            self.load_snapshot(snap.json())
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+            if self.synced:
+                logger.info("replica %s: KV events unreadable (%s); routing on the estimate", url, e)
+            self.lose_sync()
