@@ -51,7 +51,9 @@ def test_bucketed_decode_gives_the_plain_tokens(attention_backend, dtype):
 
 def test_padding_rows_write_only_the_sink_block():
     engine = EngineCore(
-        engine_config_from_kwargs("tiny", dtype="float32", max_num_seqs=8, block_size=4, max_model_len=64)
+        engine_config_from_kwargs(
+            "tiny", dtype="float32", max_num_seqs=8, block_size=4, max_model_len=64, num_blocks=64
+        )
     )
     runner = engine.runner
     runner.use_decode_graphs([8], capture=False)
