@@ -64,12 +64,12 @@ class Replica:
     def __init__(self, url: str, index_capacity_blocks: int) -> None:
         self.url = url
         # The estimate (what the router sent there) and, while the replica's KV events are read, the
-        # exact index as of the last read, plus the prompts sent since (in flight, or finished after
-        # it): the replica holds those too once computed, and the next read will say so.
+        # exact index as of the last read, plus the prompts of requests in flight there and of those that
+        # finished since that read began: the replica holds those too, and the next read will say so.
         self.index = PrefixIndex(index_capacity_blocks)
         self.kv = KVEventIndex()
         self._inflight_blocks: Counter[int] = Counter()
-        self._sent_since_read: set[int] = set()
+        self._ended_since_read: set[int] = set()
         self.estimates = ReplicaEstimates()
         # None: not probed yet (a candidate, optimistically); True: /health answered 200.
         self.healthy: bool | None = None
@@ -153,20 +153,20 @@ class Replica:
         from its KV events while they are read, else from the router's own estimate."""
         if not self.kv.synced:
             return self.index.match(hashes)
-        held, pending, sent = self.kv.hashes, self._inflight_blocks, self._sent_since_read
+        held, pending, ended = self.kv.hashes, self._inflight_blocks, self._ended_since_read
         n = 0
         for h in hashes:
-            if h not in held and h not in pending and h not in sent:
+            if h not in held and h not in pending and h not in ended:
                 break
             n += 1
         return n
 
     async def read_kv_events(self, client: httpx.AsyncClient, timeout: float) -> None:
         """Bring the exact index up to date from the replica's KV events (see router/kv_events.py)."""
-        sent, self._sent_since_read = self._sent_since_read, set()
+        # A request that ended before this read began was computed before the replica answers it: the
+        # answer holds its blocks (or their eviction). One that ends meanwhile waits for the next read.
+        self._ended_since_read = set()
         await self.kv.sync(client, self.url, timeout)
-        if not self.kv.synced:
-            self._sent_since_read |= sent  # not read: they still count until a read shows them
 
     # -- accounting --------------------------------------------------------------------------------------
     def begin(self, request: InFlight, block_hashes: tuple[int, ...]) -> None:
@@ -176,7 +176,6 @@ class Replica:
         self.index.insert(block_hashes)
         request.block_hashes = block_hashes
         self._inflight_blocks.update(block_hashes)
-        self._sent_since_read.update(block_hashes)
 
     def first_token(self, request: InFlight, now: float) -> None:
         if request.first_token_at is None:
@@ -186,3 +185,5 @@ class Replica:
         if self.inflight.pop(request.id, None) is not None:
             self._inflight_blocks.subtract(request.block_hashes)
             self._inflight_blocks += Counter()  # drop the hashes no request in flight holds
+            if self.kv.synced:  # out of sync, the estimate holds them already
+                self._ended_since_read.update(request.block_hashes)
