@@ -1,7 +1,11 @@
+import hashlib
+import random
+import struct
+
 import pytest
 
 from chunkwise.cache.block_pool import BlockPool
-from chunkwise.cache.hashing import hash_block, hash_prefix_blocks
+from chunkwise.cache.hashing import HASH_BYTES, hash_block, hash_prefix_blocks
 from chunkwise.cache.kv_cache_manager import KVCacheManager
 from chunkwise.request import Request
 from chunkwise.sampling_params import SamplingParams
@@ -118,3 +122,19 @@ def test_blocks_of_a_request_that_gave_way_before_its_step_are_not_cached():
     c = make_req("c", [*range(12), 99])
     assert kv.lookup_prefix(c) == [0, 1]  # the written blocks stay cached; the unwritten one is withdrawn
     kv.pool.check_invariants()
+
+
+def test_block_hash_is_the_documented_blake2b_of_parent_tokens_and_salt():
+    """The bytes hashed are the wire format the router and KV-event readers rely on: the parent's 16
+    little-endian bytes (or the root tag), the tokens as little-endian int64, then the salt."""
+    rng = random.Random(0)
+    for _ in range(50):
+        tokens = [rng.randrange(0, 2**40) for _ in range(rng.choice([1, 4, 16]))]
+        parent = rng.choice([None, rng.randrange(2**128)])
+        salt = rng.choice([None, "tenant-a"])
+        data = b"chunkwise-v2" if parent is None else parent.to_bytes(HASH_BYTES, "little")
+        data += struct.pack(f"<{len(tokens)}q", *tokens)
+        if salt:
+            data += b"\x00salt\x00" + salt.encode()
+        want = int.from_bytes(hashlib.blake2b(data, digest_size=HASH_BYTES).digest(), "little")
+        assert hash_block(parent, tokens, salt) == want
