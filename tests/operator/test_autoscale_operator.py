@@ -132,8 +132,11 @@ async def test_queue_depth_scales_up_then_down(
     status = autoscaler_status(cluster, "chat")
     assert status["reason"] == "ScaledUp" and status["desiredReplicas"] == 3
     assert status["scaleEvents"][-1]["from"] == 1 and status["scaleEvents"][-1]["to"] == 3
-    events = [e for e in cluster.events() if e["reason"] == "ScaledUp"]
-    assert events and events[0]["message"].startswith("1 -> 3 replicas: queueDepthPerReplica asks for 3")
+    # Kopf posts events from a queue of its own: the status can land before the event does.
+    events = await eventually(
+        lambda: [e for e in cluster.events() if e["reason"] == "ScaledUp"], what="ScaledUp event"
+    )
+    assert events[0]["message"].startswith("1 -> 3 replicas: queueDepthPerReplica asks for 3")
 
     # Two of the three replicas not ready yet: an idle queue must not scale down meanwhile.
     first.waiting = 0.0
@@ -315,8 +318,12 @@ async def test_an_idle_fleet_goes_to_zero_after_scale_to_zero_after_seconds(
     await eventually(
         lambda: autoscaler_status(cluster, "chat").get("reason") == "ScaledToZero", what="status"
     )
-    events = [e["message"] for e in cluster.events() if e["reason"] == "ScaledToZero"]
-    assert events and events[0].startswith("1 -> 0 replicas: no request for ")
+    # Kopf posts events from a queue of its own: the status can land before the event does.
+    events = await eventually(
+        lambda: [e["message"] for e in cluster.events() if e["reason"] == "ScaledToZero"],
+        what="ScaledToZero event",
+    )
+    assert events[0].startswith("1 -> 0 replicas: no request for ")
     router = cluster.get(Cluster.DEPLOYMENTS, "chat-router") or {}
     args = router["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[-2:] == ["--wake-inference-service", "chat"]
