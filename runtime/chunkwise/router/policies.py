@@ -29,6 +29,7 @@ from typing import Protocol
 
 from chunkwise.router.args import DEFAULT_PREFILL_RATE, DEFAULT_TPOT_S
 from chunkwise.router.estimates import fleet_mean
+from chunkwise.router.llmd import LlmD
 from chunkwise.router.prompt import RoutedRequest
 from chunkwise.router.replica import Replica
 
@@ -224,11 +225,14 @@ class PredictedCompletion:
 POLICIES: dict[str, Callable[[CostModel], Policy]] = {
     p.name: p for p in (PredictedCompletion, RoundRobin, LeastLoaded, PrefixAffinity)
 }
+# Other routers' policies, reproduced as baselines (router/llmd.py). The router runs them like any other;
+# `chunkwise router --policy` offers POLICIES (router/args.py), and the benchmark starts the router with
+# these as well (router/bench_router.py).
+BASELINES: dict[str, Callable[[CostModel], Policy]] = {LlmD.name: LlmD}
 
 
 def make_policy(name: str, cost: CostModel) -> Policy:
-    try:
-        factory = POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}") from None
+    factory = POLICIES.get(name) or BASELINES.get(name)
+    if factory is None:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join([*POLICIES, *BASELINES])}")
     return factory(cost)
