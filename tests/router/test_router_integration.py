@@ -242,3 +242,75 @@ def test_client_disconnect_aborts_upstream_and_releases_accounting(
             time.sleep(0.1)
     assert inflight == 0
     assert running and running[0].endswith(" 0.0"), running
+
+
+def test_the_router_as_an_endpoint_picker_names_a_real_replica_that_then_serves(
+    replicas: list[str], start_router: object
+) -> None:
+    """A gRPC client plays the gateway: ask the picker, send the request where it says, report the answer."""
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+    from google.protobuf import struct_pb2
+
+    epp_port = free_port()
+    router = start_router(replicas, "--epp-port", str(epp_port))  # type: ignore[operator]
+    raw = b'{"model": "tiny", "prompt": "Hello there", "max_tokens": 5, "stream": true}'
+
+    def hdrs(values: dict[str, str], eos: bool = False) -> pb.HttpHeaders:
+        return pb.HttpHeaders(
+            headers=base_pb2.HeaderMap(
+                headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()]
+            ),
+            end_of_stream=eos,
+        )
+
+    async def gateway() -> tuple[str, list[bytes]]:
+        import grpc
+
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{epp_port}") as channel:
+            call = pb_grpc.ExternalProcessorStub(channel).Process()
+            await call.write(
+                pb.ProcessingRequest(request_headers=hdrs({":method": "POST", ":path": "/v1/completions"}))
+            )
+            await call.write(pb.ProcessingRequest(request_body=pb.HttpBody(body=raw, end_of_stream=True)))
+            head = await call.read()
+            endpoint = (
+                head.dynamic_metadata.fields["envoy.lb"]
+                .struct_value.fields["x-gateway-destination-endpoint"]
+                .string_value.split(",")[0]
+            )
+            body = await call.read()
+            assert body.request_body.response.body_mutation.streamed_response.body == raw
+            chunks: list[bytes] = []
+            async with (
+                httpx.AsyncClient(trust_env=False) as http,
+                http.stream("POST", f"http://{endpoint}/v1/completions", content=raw) as resp,
+            ):
+                served = struct_pb2.Struct()
+                served.update({"x-gateway-destination-endpoint-served": endpoint})
+                await call.write(
+                    pb.ProcessingRequest(
+                        response_headers=hdrs(
+                            {":status": str(resp.status_code), "content-type": resp.headers["content-type"]}
+                        ),
+                        metadata_context=base_pb2.Metadata(filter_metadata={"envoy.lb": served}),
+                    )
+                )
+                await call.read()
+                async for chunk in resp.aiter_raw():
+                    await call.write(pb.ProcessingRequest(response_body=pb.HttpBody(body=chunk)))
+                    out = await call.read()
+                    chunks.append(out.response_body.response.body_mutation.streamed_response.body)
+            await call.write(pb.ProcessingRequest(response_body=pb.HttpBody(body=b"", end_of_stream=True)))
+            await call.read()
+            await call.done_writing()
+            return endpoint, chunks
+
+    endpoint, chunks = asyncio.run(gateway())
+    assert f"http://{endpoint}" in replicas
+    text = b"".join(chunks)
+    assert text.count(b"data: ") >= 5 and text.rstrip().endswith(b"data: [DONE]")
+    assert router.metric('chunkwise:router_epp_streams_total{outcome="routed"}') == 1
+    # The answer ended: nothing stays in flight at the picked replica.
+    assert 'chunkwise:router_replica_inflight{replica="http://' + endpoint + '"} 0.0' in router.metrics()

@@ -135,4 +135,12 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_KEEPALIVE_S,
         help=f"SSE comment interval for a held streaming request (default {DEFAULT_KEEPALIVE_S:g})",
     )
+    g.add_argument(
+        "--epp-port",
+        type=port,
+        default=None,
+        metavar="PORT",
+        help="also serve as a Gateway API Inference Extension endpoint picker: Envoy ext_proc v3 and gRPC "
+        "health, plaintext h2c, on --host:PORT (GAIE's convention is 9002; default off)",
+    )
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default info)")

@@ -19,6 +19,7 @@ from chunkwise.router.estimates import parse_metrics
 from chunkwise.router.policies import CostModel, Policy, Prediction, make_policy
 from chunkwise.router.prompt import RoutedRequest
 from chunkwise.router.replica import InFlight, Replica
+from chunkwise.router.slo import Shed, Slo, retry_after
 from chunkwise.router.telemetry import RouterMetrics
 
 logger = logging.getLogger("chunkwise.router")
@@ -97,13 +98,20 @@ class Router:
         return cands[next(self._any) % len(cands)] if cands else None
 
     # -- picks ---------------------------------------------------------------------------------------------
-    def pick(self, request: RoutedRequest, exclude: Iterable[str] = ()) -> Pick | None:
+    def pick(
+        self, request: RoutedRequest, exclude: Iterable[str] = (), slo: Slo | None = None
+    ) -> Pick | None:
+        """The policy's replica for this request, its accounting begun; None when no replica can take it.
+        With targets (`slo`), a replica predicted to meet them instead when the policy's does not; raises
+        Shed when none does and the request is sheddable."""
         now = self.clock()
         cands = self.candidates(now, exclude)
         if not cands:
             return None
         replica = self.policy.choose(request, cands, now)
         prediction = self.cost.predict(replica, request, now)
+        if slo is not None:
+            replica, prediction = self._within(slo, request, cands, replica, prediction, now)
         entry = InFlight(
             prompt_tokens=request.prompt_tokens,
             uncached_tokens=request.prompt_tokens - prediction.cached_tokens,
@@ -122,12 +130,49 @@ class Router:
         m.predicted_ttft.observe(prediction.ttft)
         return Pick(replica, entry, prediction)
 
+    def _within(
+        self,
+        slo: Slo,
+        request: RoutedRequest,
+        cands: list[Replica],
+        chosen: Replica,
+        prediction: Prediction,
+        now: float,
+    ) -> tuple[Replica, Prediction]:
+        def meets(p: Prediction) -> bool:
+            return slo.met_by(p.ttft, p.decode_s / max(1, request.output_tokens))
+
+        if meets(prediction):
+            return chosen, prediction
+        predictions = {r.url: self.cost.predict(r, request, now) for r in cands}
+        fits = [r for r in cands if meets(predictions[r.url])]
+        if fits:
+            best = min(fits, key=lambda r: predictions[r.url].completion)
+            self.metrics.slo_redirects.inc()
+            return best, predictions[best.url]
+        if slo.sheddable:
+            self.metrics.shed.inc()
+            soonest = min(predictions.values(), key=lambda p: p.ttft)
+            raise Shed(
+                retry_after([p.queue_s for p in predictions.values()]),
+                f"no replica is predicted to meet this request's targets (best predicted TTFT "
+                f"{soonest.ttft * 1000:.0f} ms, TPOT {soonest.decode_s / max(1, request.output_tokens) * 1000:.0f} ms)",
+            )
+        self.metrics.slo_best_effort.inc()
+        return chosen, prediction
+
     def first_token(self, pick: Pick) -> None:
         now = self.clock()
         pick.replica.first_token(pick.request, now)
         observed = now - pick.request.started_at
         self.metrics.observed_ttft.observe(observed)
         self.metrics.ttft_error.observe(abs(observed - pick.prediction.ttft))
+
+    def move(self, pick: Pick, replica: Replica) -> Pick:
+        """The request went to `replica` after all (a gateway's fallback): its accounting moves there."""
+        self.finish(pick)
+        replica.begin(pick.request, pick.request.block_hashes)
+        return Pick(replica, pick.request, pick.prediction)
 
     def finish(self, pick: Pick) -> None:
         pick.replica.end(pick.request)

@@ -28,6 +28,8 @@ from starlette.types import Receive, Scope, Send
 
 from chunkwise.router.core import Pick, Router
 from chunkwise.router.prompt import CHAT, COMPLETIONS, PromptReader, RoutedRequest
+from chunkwise.router.slo import Shed, Slo, SloHeaderError, parse_slo
+from chunkwise.router.sse import FirstTokenWatch
 from chunkwise.router.wake import Waker
 
 logger = logging.getLogger("chunkwise.router")
@@ -65,27 +67,14 @@ def _response_headers(headers: httpx.Headers, replica: str) -> dict[str, str]:
 
 
 def openai_error(status: int, message: str, code: str, headers: Mapping[str, str] | None = None) -> Response:
-    kind = {503: "service_unavailable", 502: "bad_gateway"}.get(status, "server_error")
+    kind = {
+        400: "invalid_request_error",
+        429: "rate_limit_exceeded",
+        503: "service_unavailable",
+        502: "bad_gateway",
+    }.get(status, "server_error")
     body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
     return JSONResponse(body, status_code=status, headers=dict(headers or {}))
-
-
-class _FirstToken:
-    """Finds the first generated token in a stream of SSE events (chunks may split or join events).
-
-    Chat streams open with an empty assistant-role event, so their first token is the second event.
-    """
-
-    def __init__(self, path: str) -> None:
-        self.events_before_token = 1 if path == CHAT else 0
-        self.seen = 0
-        self._tail = b""
-
-    def feed(self, chunk: bytes) -> bool:
-        data = self._tail + chunk
-        self.seen += data.count(b"\n\n")
-        self._tail = data[-1:]
-        return self.seen > self.events_before_token
 
 
 class _Relay(StreamingResponse):
@@ -121,6 +110,11 @@ class Proxy:
 
     async def generate(self, request: Request) -> Response:
         body = await request.body()
+        try:
+            slo = parse_slo(request.headers)
+        except SloHeaderError as e:
+            self.router.metrics.responses.labels("400").inc()
+            return openai_error(400, str(e), "invalid_slo_header")
         routed = self.reader.read(request.url.path, body)
         waker = self.waker
         if waker is not None and not self.router.candidates(self.router.clock()):
@@ -131,16 +125,16 @@ class Proxy:
                 )
             if routed.stream:
                 return StreamingResponse(
-                    self._held_stream(waker, request, body, routed), media_type="text/event-stream"
+                    self._held_stream(waker, request, body, routed, slo), media_type="text/event-stream"
                 )
             if not await waker.wait():
                 return self._no_replica(
                     f"no replica became ready within {waker.config.wait_s:g} s", waker.config.retry_after_s
                 )
-        return await self._forward(request, body, routed)
+        return await self._forward(request, body, routed, slo)
 
     async def _held_stream(
-        self, waker: Waker, request: Request, body: bytes, routed: RoutedRequest
+        self, waker: Waker, request: Request, body: bytes, routed: RoutedRequest, slo: Slo | None
     ) -> AsyncIterator[bytes]:
         """A streaming request held for a replica: comments while it waits, then the replica's own stream."""
         waiting = asyncio.ensure_future(waker.wait())
@@ -155,7 +149,7 @@ class Proxy:
         if not waiting.result():
             yield _error_event(f"no replica became ready within {waker.config.wait_s:g} s", "no_replica")
             return
-        resp = await self._forward(request, body, routed)
+        resp = await self._forward(request, body, routed, slo)
         if not isinstance(resp, _Relay):
             # The status line is sent already: a refusal (429, 503) travels as an error event.
             yield _error_event(bytes(resp.body).decode(errors="replace"), f"upstream_{resp.status_code}")
@@ -200,13 +194,19 @@ class Proxy:
         self.router.metrics.responses.labels("503").inc()
         return openai_error(503, message, "no_replica", {"Retry-After": str(retry_after_s)})
 
-    async def _forward(self, request: Request, body: bytes, routed: RoutedRequest) -> Response:
+    async def _forward(
+        self, request: Request, body: bytes, routed: RoutedRequest, slo: Slo | None = None
+    ) -> Response:
         router = self.router
         headers = _request_headers(request.headers)
         tried: list[str] = []
         unavailable: tuple[int, dict[str, str], bytes] | None = None
         for attempt in range(MAX_ATTEMPTS):
-            pick = router.pick(routed, exclude=tried)
+            try:
+                pick = router.pick(routed, exclude=tried, slo=slo)
+            except Shed as e:
+                router.metrics.responses.labels("429").inc()
+                return openai_error(429, e.message, "slo_unattainable", {"Retry-After": str(e.retry_after_s)})
             if pick is None:
                 break
             url = pick.replica.url
@@ -256,7 +256,7 @@ class Proxy:
                 router.finish(pick)
             return Response(content, resp.status_code, headers=_decoded(headers))
 
-        watch = _FirstToken(request.url.path) if resp.status_code == 200 else None
+        watch = FirstTokenWatch(request.url.path) if resp.status_code == 200 else None
 
         async def relay() -> AsyncIterator[bytes]:
             nonlocal watch

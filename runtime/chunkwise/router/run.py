@@ -91,9 +91,16 @@ def build(args: argparse.Namespace) -> tuple[Router, Starlette]:
         await router.probe_all()
         tasks.append(asyncio.ensure_future(router.poll_forever()))
         logger.info("routing with policy %s over %d replica(s)", router.policy.name, len(router.replicas))
+        epp = None
+        if args.epp_port is not None:
+            from chunkwise.router.epp import start_epp  # grpc only where the picker is asked for
+
+            epp = await start_epp(router, reader, args.host, args.epp_port, waker)
         try:
             yield
         finally:
+            if epp is not None:
+                await epp.stop()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -112,6 +112,27 @@ class RouterMetrics:
             buckets=ERROR_BUCKETS,
             registry=r,
         )
+        self.slo_redirects = Counter(
+            "chunkwise:router_slo_redirects",
+            "Requests with latency targets sent elsewhere than the policy chose, to meet them.",
+            registry=r,
+        )
+        self.slo_best_effort = Counter(
+            "chunkwise:router_slo_best_effort",
+            "Requests no replica was predicted to serve within their targets, sent anyway (not sheddable).",
+            registry=r,
+        )
+        self.shed = Counter(
+            "chunkwise:router_shed",
+            "Sheddable requests refused (429): no replica was predicted to meet their targets.",
+            registry=r,
+        )
+        self.epp_streams = Counter(
+            "chunkwise:router_epp_streams",
+            "ext_proc streams from the gateway, by outcome (routed, shed, unavailable, bad_request, ...).",
+            ["outcome"],
+            registry=r,
+        )
         r.register(_ReplicaCollector(replicas, clock))
 
     def exposition(self) -> bytes:

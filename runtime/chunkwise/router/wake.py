@@ -80,6 +80,10 @@ class Waker:
         finally:
             self.held -= 1
 
+    async def nudge(self) -> None:
+        """Ask for a replica without holding a request (the EPP answers the gateway 503 meanwhile)."""
+        await self._ask(self._clock())
+
     async def _ask(self, now: float) -> None:
         if self._asked_at is not None and now - self._asked_at < ASK_INTERVAL_S:
             return
