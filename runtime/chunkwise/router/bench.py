@@ -1,117 +1,80 @@
-"""Routing policies side by side on a shared-prefix, multi-tenant workload across local replicas.
+"""Routing policies side by side across local replicas, on shared-prefix workloads.
 
-    python -m chunkwise.router.bench [--replicas 4] [--policies round-robin,least-loaded,predicted-completion]
+    python -m chunkwise.router.bench [--workload tenants|agent|mixed|all] [--replicas 4[,8]]
+        [--policies round-robin,least-loaded,predicted-completion]
 
-For each policy: fresh replicas (`chunkwise serve`, one per 127.0.0.x address, port 8000, a KV cache too
-small to hold every tenant's prefix), a fresh `chunkwise router` in front of them, and the same open-loop
-schedule of requests (Poisson arrivals, fixed seed). Each tenant has a long system prompt shared by all its
-requests; each request adds a short question of its own. Requests stream, so the client measures its own
-time to first token; the final chunk's usage says how many prompt tokens the replica found cached.
+For each workload, replica count and policy: fresh replicas (`chunkwise serve`, one per 127.0.0.x address,
+port 8000, a KV cache too small to hold every prefix of the workload), a fresh router in front of them, and
+the same open-loop schedule of requests (fixed seed; router/bench_workloads.py). Requests stream, so the
+client measures its own time to first token; the final chunk's usage says how many prompt tokens the
+replica found cached.
 
-The report gives mean, p50 and p99 TTFT per policy, the replicas' prefix-cache hit ratio, how evenly the
-requests were spread, and the ratios the goal is stated in (mean TTFT against round-robin, p99 against
-least-loaded). Loopback only; every process the benchmark starts, it stops.
+A policy is a router policy, optionally with the prefix index it routes on: `NAME+estimate` (the router's
+own estimate, `--no-kv-events`) or `NAME+kv-events` (the exact index from the replicas' KV events,
+`--kv-events`, the router's default). `llm-d` is the llm-d-style baseline (router/llmd.py), whose prefix
+index is fed by its own decisions: it reads no KV events.
+
+The report gives mean, p50 and p99 TTFT per policy, errors, the replicas' prefix-cache hit ratio, how the
+requests were spread, and the ratios the goals are stated in (router/bench_report.py). Loopback only; every
+process the benchmark starts, it stops.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
-import math
 import os
-import random
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from chunkwise.router.bench_report import (
+    Outcome,
+    PolicyResult,
+    Run,
+    format_report,
+    format_results,
+    percentile,
+    ratios,
+    summarize,
+)
+from chunkwise.router.bench_workloads import (
+    ALL,
+    WORKLOADS,
+    AgentWorkload,
+    Arrival,
+    BenchWorkload,
+    MixedWorkload,
+    Workload,
+    schedule,
+)
+
+__all__ = ["PolicyResult", "Workload", "format_results", "main", "percentile", "schedule", "variant"]
+
 REPLICA_PORT = 8000
 REPLICA_HEADER = "x-chunkwise-replica"
+# The prefix index a policy variant routes on: the router's flag for it.
+INDEX_FLAGS = {"estimate": "--no-kv-events", "kv-events": "--kv-events"}
+# llm-d's default prefix scorer indexes its own decisions (router/llmd.py): KV events would only cost probes.
+POLICY_FLAGS = {"llm-d": ["--no-kv-events"]}
 
 
-@dataclass(frozen=True)
-class Workload:
-    # Eight tenants' 3k-token prefixes need about 1,550 blocks; one replica holds 640 (--num-blocks), so a
-    # replica sent every tenant keeps evicting, and one sent two tenants keeps both.
-    tenants: int = 8
-    prefix_tokens: int = 3072
-    suffix_tokens: int = 32
-    max_tokens: int = 8
-    requests: int = 240
-    rate: float = 6.0  # requests per second, Poisson
-    zipf: float = 0.0  # tenant popularity skew; 0 = uniform
-    seed: int = 0
-
-
-@dataclass
-class Outcome:
-    tenant: int
-    start: float
-    ttft: float | None = None
-    latency: float = 0.0
-    status: int = 0
-    replica: str = ""
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    error: str = ""
-
-
-@dataclass
-class PolicyResult:
-    policy: str
-    requests: int
-    errors: int
-    mean_ttft: float
-    p50_ttft: float
-    p99_ttft: float
-    mean_latency: float
-    hit_ratio: float
-    spread: dict[str, int] = field(default_factory=dict)
-    wall_s: float = 0.0
-    error_samples: list[str] = field(default_factory=list)
-
-
-# -- the workload ------------------------------------------------------------------------------------------
-def _text(rng: random.Random, n: int) -> str:
-    # The byte tokenizer makes one token per ASCII byte (plus BOS): n characters are n tokens.
-    words = ("fleet", "queue", "block", "cache", "prefill", "decode", "replica", "router", "token", "batch")
-    out: list[str] = []
-    size = 0
-    while size < n:
-        w = rng.choice(words)
-        out.append(w)
-        size += len(w) + 1
-    return " ".join(out)[:n]
-
-
-def schedule(w: Workload) -> list[tuple[float, int, str]]:
-    """(arrival offset in seconds, tenant, prompt) for every request, the same for every policy."""
-    rng = random.Random(w.seed)
-    prefixes = [f"[tenant {t}] " + _text(rng, w.prefix_tokens) for t in range(w.tenants)]
-    weights = [1.0 / (t + 1) ** w.zipf for t in range(w.tenants)]
-    out = []
-    t = 0.0
-    for i in range(w.requests):
-        t += rng.expovariate(w.rate)
-        tenant = rng.choices(range(w.tenants), weights)[0]
-        out.append((t, tenant, prefixes[tenant] + f"\nQuestion {i}: " + _text(rng, w.suffix_tokens)))
-    return out
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+def variant(name: str) -> tuple[str, list[str]]:
+    """`POLICY[+estimate|+kv-events]` -> (the router's --policy, its other flags)."""
+    policy, _, index = name.partition("+")
+    if index and index not in INDEX_FLAGS:
+        raise ValueError(f"{name}: the index after '+' is one of {', '.join(INDEX_FLAGS)}")
+    return policy, [INDEX_FLAGS[index]] if index else list(POLICY_FLAGS.get(policy, []))
 
 
 # -- processes ---------------------------------------------------------------------------------------------
@@ -177,11 +140,11 @@ def _wait(url: str, proc: _Process, timeout: float, healthy: int | None = None) 
 
 
 # -- one policy --------------------------------------------------------------------------------------------
-async def _send(client: httpx.AsyncClient, url: str, prompt: str, w: Workload, out: Outcome) -> None:
+async def _send(client: httpx.AsyncClient, url: str, arrival: Arrival, out: Outcome) -> None:
     body = {
         "model": "bench",
-        "prompt": prompt,
-        "max_tokens": w.max_tokens,
+        "prompt": arrival.prompt,
+        "max_tokens": arrival.max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
         "stream": True,
@@ -212,24 +175,30 @@ async def _send(client: httpx.AsyncClient, url: str, prompt: str, w: Workload, o
     out.latency = time.monotonic() - t0
 
 
-async def _drive(url: str, w: Workload) -> list[Outcome]:
-    plan = schedule(w)
-    outcomes = [Outcome(tenant, at) for at, tenant, _ in plan]
+async def _drive(url: str, plan: list[Arrival]) -> list[Outcome]:
+    outcomes = [Outcome(a.group, a.at) for a in plan]
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(300.0), limits=limits) as client:
         start = time.monotonic()
         tasks = []
-        for (at, _, prompt), out in zip(plan, outcomes):
-            delay = start + at - time.monotonic()
+        for arrival, out in zip(plan, outcomes):
+            delay = start + arrival.at - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.ensure_future(_send(client, url, prompt, w, out)))
+            tasks.append(asyncio.ensure_future(_send(client, url, arrival, out)))
         await asyncio.gather(*tasks)
     return outcomes
 
 
-def run_policy(policy: str, args: argparse.Namespace, w: Workload, logdir: Path) -> PolicyResult:
-    hosts = _hosts(args.replicas, args.first_host)
+def run_policy(
+    name: str, args: argparse.Namespace, w: BenchWorkload, replicas: int, logdir: Path
+) -> PolicyResult:
+    """One policy variant on one workload: fresh replicas and router, the schedule, then everything stopped."""
+    began = time.monotonic()
+    policy, flags = variant(name)
+    num_blocks = args.num_blocks or w.num_blocks
+    tag = f"{w.name}-{replicas}-{name}"
+    hosts = _hosts(replicas, args.first_host)
     replica_urls = [f"http://{h}:{REPLICA_PORT}" for h in hosts]
     serve = [
         sys.executable,
@@ -241,28 +210,32 @@ def run_policy(policy: str, args: argparse.Namespace, w: Workload, logdir: Path)
         "--served-model-name",
         "bench",
     ]
-    replicas = [
+    procs = [
         _Process(
-            [*serve, "--host", h, "--port", str(REPLICA_PORT), "--num-blocks", str(args.num_blocks),
-             "--block-size", str(args.block_size), "--log-level", "warning"],
-            logdir / f"{policy}-replica-{h}.log",
+            [*serve, "--host", h, "--port", str(REPLICA_PORT), "--num-blocks", str(num_blocks),
+             "--block-size", str(args.block_size), "--max-model-len", str(args.max_model_len),
+             "--log-level", "warning"],
+            logdir / f"{tag}-replica-{h}.log",
         )
         for h in hosts
     ]  # fmt: skip
     port = _free_port()
     router_url = f"http://127.0.0.1:{port}"
     router: _Process | None = None
+    plan = w.arrivals()
     try:
-        for url, p in zip(replica_urls, replicas):
-            _wait(url, p, args.startup_timeout)
+        for url, proc in zip(replica_urls, procs):
+            _wait(url, proc, args.startup_timeout)
+        # bench_router: `chunkwise router` with the baselines among its policies.
         router = _Process(
-            [sys.executable, "-m", "chunkwise.cli", "router", "--host", "127.0.0.1", "--port", str(port),
-             "--replicas", ",".join(replica_urls), "--policy", policy, "--block-size", str(args.block_size),
-             "--prefix-cache-blocks", str(args.num_blocks), "--log-level", "warning"],
-            logdir / f"{policy}-router.log",
+            [sys.executable, "-m", "chunkwise.router.bench_router", "--host", "127.0.0.1", "--port", str(port),
+             "--replicas", ",".join(replica_urls), "--policy", policy, *flags,
+             "--poll-interval-seconds", str(args.poll_interval_seconds), "--block-size", str(args.block_size),
+             "--prefix-cache-blocks", str(num_blocks), "--log-level", "warning"],
+            logdir / f"{tag}-router.log",
         )  # fmt: skip
         _wait(router_url, router, 30, healthy=len(replica_urls))
-        # Warm every engine (first forward passes are slow) with prompts no tenant shares.
+        # Warm every engine (first forward passes are slow) with prompts no request shares.
         with httpx.Client(trust_env=False, timeout=60) as c:
             for url in replica_urls:
                 for i in range(2):
@@ -271,92 +244,144 @@ def run_policy(policy: str, args: argparse.Namespace, w: Workload, logdir: Path)
                         json={"model": "bench", "prompt": f"warm {i} " * 40, "max_tokens": 4},
                     )
         t0 = time.monotonic()
-        outcomes = asyncio.run(_drive(router_url, w))
+        outcomes = asyncio.run(_drive(router_url, plan))
         wall = time.monotonic() - t0
     finally:
         if router is not None:
             router.stop()
-        for p in replicas:
-            p.stop()
-    ok = [o for o in outcomes if o.status == 200 and o.ttft is not None]
-    ttfts = [o.ttft for o in ok if o.ttft is not None]
-    prompt_tokens = sum(o.prompt_tokens for o in ok)
-    return PolicyResult(
-        policy=policy,
-        requests=len(outcomes),
-        errors=len(outcomes) - len(ok),
-        mean_ttft=sum(ttfts) / len(ttfts) if ttfts else float("nan"),
-        p50_ttft=percentile(ttfts, 0.5),
-        p99_ttft=percentile(ttfts, 0.99),
-        mean_latency=sum(o.latency for o in ok) / len(ok) if ok else float("nan"),
-        hit_ratio=sum(o.cached_tokens for o in ok) / prompt_tokens if prompt_tokens else 0.0,
-        spread=dict(sorted(Counter(o.replica.rsplit("/", 1)[-1] for o in ok).items())),
-        wall_s=wall,
-        error_samples=[f"{o.status} {o.error}".strip() for o in outcomes if o not in ok][:5],
-    )
+        for proc in procs:
+            proc.stop()
+    result = summarize(name, outcomes, wall, w.name, replicas)
+    result.run_s = time.monotonic() - began
+    return result
 
 
-# -- report ------------------------------------------------------------------------------------------------
-def format_results(results: list[PolicyResult]) -> str:
-    lines = [
-        f"{'policy':<22}{'mean TTFT':>11}{'p50':>9}{'p99':>9}{'mean e2e':>10}{'hit ratio':>11}{'errors':>8}  spread"
-    ]
-    for r in results:
-        lines.append(
-            f"{r.policy:<22}{r.mean_ttft * 1000:>9.1f}ms{r.p50_ttft * 1000:>7.1f}ms{r.p99_ttft * 1000:>7.1f}ms"
-            f"{r.mean_latency * 1000:>8.1f}ms{r.hit_ratio:>11.2f}{r.errors:>8}  {r.spread}"
-        )
-        lines.extend(f"    failed: {e}" for e in r.error_samples)
-    by = {r.policy: r for r in results}
-    pc, rr, ll = by.get("predicted-completion"), by.get("round-robin"), by.get("least-loaded")
-    if pc and rr:
-        lines.append(f"mean TTFT, round-robin / predicted-completion: {rr.mean_ttft / pc.mean_ttft:.2f}x")
-    if pc and ll:
-        lines.append(f"p99 TTFT, least-loaded / predicted-completion: {ll.p99_ttft / pc.p99_ttft:.2f}x")
-    return "\n".join(lines)
+# -- the command -------------------------------------------------------------------------------------------
+def _replica_counts(text: str) -> list[int]:
+    try:
+        counts = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of counts: {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"replica counts must be positive: {text!r}")
+    return counts
+
+
+def workloads(args: argparse.Namespace) -> list[BenchWorkload]:
+    """The workloads the flags ask for; --load-scale and --duration-s shape agent and mixed."""
+    names = list(ALL) if args.workload == "all" else [args.workload]
+    out: list[BenchWorkload] = []
+    for name in names:
+        if name == "tenants":
+            out.append(
+                Workload(
+                    tenants=args.tenants,
+                    prefix_tokens=args.prefix_tokens,
+                    suffix_tokens=args.suffix_tokens,
+                    max_tokens=args.max_tokens,
+                    requests=args.requests,
+                    rate=args.rate,
+                    zipf=args.zipf,
+                    seed=args.seed,
+                )
+            )
+            continue
+        w: AgentWorkload | MixedWorkload
+        if name == "agent":
+            w = AgentWorkload(seed=args.seed)
+            w = dataclasses.replace(w, session_rate=w.session_rate * args.load_scale)
+        else:
+            w = MixedWorkload(seed=args.seed)
+            w = dataclasses.replace(w, rate=w.rate * args.load_scale)
+        if args.duration_s is not None:
+            w = dataclasses.replace(w, duration_s=args.duration_s)
+        out.append(w)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m chunkwise.router.bench", description=__doc__.split("\n")[0])
     d = Workload()
-    p.add_argument("--policies", default="round-robin,least-loaded,predicted-completion")
-    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument(
+        "--workload", choices=[*WORKLOADS, "all"], default="tenants", help=f"all: {', '.join(ALL)}"
+    )
+    p.add_argument(
+        "--policies",
+        default="round-robin,least-loaded,predicted-completion",
+        help="comma-separated: a router policy or the llm-d baseline, optionally +estimate or +kv-events",
+    )
+    p.add_argument(
+        "--replicas", type=_replica_counts, default=[4], help="replica counts, run in turn (e.g. 4,8)"
+    )
     p.add_argument("--model", default="tiny")
-    p.add_argument("--num-blocks", type=int, default=640, help="KV blocks per replica (default 640)")
+    p.add_argument(
+        "--num-blocks", type=int, default=None, help="KV blocks per replica (default: the workload's)"
+    )
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--tenants", type=int, default=d.tenants)
-    p.add_argument("--prefix-tokens", type=int, default=d.prefix_tokens)
-    p.add_argument("--suffix-tokens", type=int, default=d.suffix_tokens)
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
-    p.add_argument("--requests", type=int, default=d.requests)
-    p.add_argument("--rate", type=float, default=d.rate, help="requests per second (Poisson)")
-    p.add_argument("--zipf", type=float, default=d.zipf, help="tenant popularity skew (0: uniform)")
+    # Every workload's longest prompt and output fit; a replica's KV cache must hold one such request.
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--poll-interval-seconds", type=float, default=0.5, help="the router's, every policy's")
     p.add_argument("--seed", type=int, default=d.seed)
+    g = p.add_argument_group("tenants workload")
+    g.add_argument("--tenants", type=int, default=d.tenants)
+    g.add_argument("--prefix-tokens", type=int, default=d.prefix_tokens)
+    g.add_argument("--suffix-tokens", type=int, default=d.suffix_tokens)
+    g.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    g.add_argument("--requests", type=int, default=d.requests)
+    g.add_argument("--rate", type=float, default=d.rate, help="requests per second (Poisson)")
+    g.add_argument("--zipf", type=float, default=d.zipf, help="tenant popularity skew (0: uniform)")
+    g = p.add_argument_group("agent and mixed workloads")
+    g.add_argument("--load-scale", type=float, default=1.0, help="multiplies the arrival rate (default 1)")
+    g.add_argument("--duration-s", type=float, default=None, help="seconds of arrivals (default 45)")
     p.add_argument("--first-host", type=int, default=2, help="replicas on 127.0.0.<first-host>.. (default 2)")
     p.add_argument("--startup-timeout", type=float, default=180.0)
     p.add_argument("--logdir", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
-    w = Workload(
-        tenants=args.tenants,
-        prefix_tokens=args.prefix_tokens,
-        suffix_tokens=args.suffix_tokens,
-        max_tokens=args.max_tokens,
-        requests=args.requests,
-        rate=args.rate,
-        zipf=args.zipf,
-        seed=args.seed,
-    )
+    names = [s.strip() for s in args.policies.split(",") if s.strip()]
+    from chunkwise.router.policies import BASELINES, POLICIES
+
+    for name in names:
+        try:
+            policy, _ = variant(name)
+        except ValueError as e:
+            p.error(str(e))
+        if policy not in POLICIES and policy not in BASELINES:
+            p.error(f"{name}: unknown policy; choose from {', '.join([*POLICIES, *BASELINES])}")
     logdir = args.logdir or Path(tempfile.mkdtemp(prefix="chunkwise-router-bench-"))
     logdir.mkdir(parents=True, exist_ok=True)
-    results = []
-    for policy in [s.strip() for s in args.policies.split(",") if s.strip()]:
-        print(f"running {policy} ...", file=sys.stderr, flush=True)
-        results.append(run_policy(policy, args, w, logdir))
-    print(format_results(results))
+    chosen = workloads(args)
+    runs: list[Run] = []
+    began = time.monotonic()
+    for w in chosen:
+        for count in args.replicas:
+            run = Run(w.name, count, [])
+            runs.append(run)
+            for name in names:
+                print(f"running {w.name}, {count} replicas, {name} ...", file=sys.stderr, flush=True)
+                run.results.append(run_policy(name, args, w, count, logdir))
+                r = run.results[-1]
+                print(
+                    f"  {r.requests} requests in {r.wall_s:.0f} s ({r.run_s:.0f} s with start and stop; "
+                    f"{time.monotonic() - began:.0f} s so far)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    print(format_report(runs))
     if args.json:
-        payload: dict[str, Any] = {"workload": asdict(w), "args": {k: str(v) for k, v in vars(args).items()}}
-        payload["results"] = [asdict(r) for r in results]
+        payload: dict[str, Any] = {
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "workloads": {w.name: asdict(w) for w in chosen},  # type: ignore[call-overload]
+            "runs": [
+                {
+                    "workload": run.workload,
+                    "replicas": run.replicas,
+                    "results": [asdict(r) for r in run.results],
+                    "ratios": [asdict(q) for q in ratios(run.results)],
+                }
+                for run in runs
+            ],
+        }
         args.json.write_text(json.dumps(payload, indent=2))
     print(f"logs: {logdir}", file=sys.stderr)
     return 0
