@@ -185,6 +185,13 @@ class RouterSpec:
 
 
 @dataclass(frozen=True)
+class GatewaySpec:
+    """The Gateway API Inference Extension: an InferencePool whose endpoint picker is the router."""
+
+    inference_pool: bool = False
+
+
+@dataclass(frozen=True)
 class Toleration:
     key: str | None = None
     operator: str = "Equal"
@@ -228,6 +235,7 @@ class ServiceSpec:
     engine: EngineSpec = field(default_factory=EngineSpec)
     autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
     router: RouterSpec = field(default_factory=RouterSpec)
+    gateway: GatewaySpec = field(default_factory=GatewaySpec)
     pod: PodOverrides = field(default_factory=PodOverrides)
 
 
@@ -679,6 +687,20 @@ def _router(spec: Mapping[str, Any], default_image: str) -> RouterSpec:
     )
 
 
+def _gateway(spec: Mapping[str, Any], router: RouterSpec) -> GatewaySpec:
+    reason = "InvalidGateway"
+    p = "spec.gateway."
+    data = _section(spec, "gateway", "spec.", reason)
+    result = GatewaySpec(inference_pool=_bool(data, "inferencePool", p, reason, GatewaySpec().inference_pool))
+    if result.inference_pool and not router.enabled:
+        # The pool names the router's Service as its endpoint picker: without a router, nothing answers.
+        raise SpecError(
+            reason,
+            f"{p}inferencePool needs spec.router.enabled: the router is the pool's endpoint picker (EPP)",
+        )
+    return result
+
+
 def _pod(spec: Mapping[str, Any]) -> PodOverrides:
     reason = "InvalidPodOverrides"
     p = "spec.pod."
@@ -810,15 +832,21 @@ def parse(spec: Mapping[str, Any] | None) -> ServiceSpec:
     image = _str(spec, "image", "spec.", "InvalidImage", default_image, pattern=IMAGE_PATTERN)
     assert image is not None
     _check_memory(resources, engine)
+    # In the order of the fields, so that of several errors the first field's is the one reported.
+    pull_policy = _str(spec, "imagePullPolicy", "spec.", "InvalidImage", None, choices=PULL_POLICIES)
+    replicas = _req_int(spec, "replicas", "spec.", "InvalidReplicas", 1, 0, 1000)
+    autoscaling = _autoscaling(spec)
+    router = _router(spec, image if spec.get("image") is not None else DEFAULT_IMAGE)
     return ServiceSpec(
         model=model,
         image=image,
-        image_pull_policy=_str(spec, "imagePullPolicy", "spec.", "InvalidImage", None, choices=PULL_POLICIES),
-        replicas=_req_int(spec, "replicas", "spec.", "InvalidReplicas", 1, 0, 1000),
+        image_pull_policy=pull_policy,
+        replicas=replicas,
         resources=resources,
         engine=engine,
-        autoscaling=_autoscaling(spec),
-        router=_router(spec, image if spec.get("image") is not None else DEFAULT_IMAGE),
+        autoscaling=autoscaling,
+        router=router,
+        gateway=_gateway(spec, router),
         pod=_pod(spec),
     )
 

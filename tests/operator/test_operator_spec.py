@@ -14,6 +14,7 @@ from chunkwise_operator.spec import (
     AutoscalingTolerances,
     EngineSpec,
     EnvVar,
+    GatewaySpec,
     ModelCache,
     ModelSpec,
     PodOverrides,
@@ -77,6 +78,7 @@ def test_minimal_spec_gets_every_default() -> None:
             image="chunkwise:dev",
             resources=RouterResources(cpu="250m", memory="256Mi"),
         ),
+        gateway=GatewaySpec(inference_pool=False),
         pod=PodOverrides(node_selector=(), tolerations=(), env=(), annotations=(), shm_size="1Gi"),
     )
 
@@ -87,8 +89,9 @@ def test_defaults_equal_the_crd_defaults() -> None:
     defaulted = apply_defaults(spec_schema, dict(MINIMAL))
     # The defaulting really filled every section, so the comparison below covers them.
     assert sorted(defaulted) == sorted(
-        ["model", "image", "replicas", "resources", "engine", "autoscaling", "router", "pod"]
+        ["model", "image", "replicas", "resources", "engine", "autoscaling", "router", "gateway", "pod"]
     )
+    assert defaulted["gateway"] == {"inferencePool": False}
     assert defaulted["engine"]["speculation"] == {"method": "none", "numTokens": 4}
     assert defaulted["autoscaling"]["targets"]["kvUsageFraction"] == 0.9
     assert defaulted["autoscaling"]["tolerance"]["kvUsageFraction"] == 0.1
@@ -135,6 +138,7 @@ def test_full_spec_is_read_field_by_field() -> None:
             "image": "registry.example/router:1.0",
             "resources": {"cpu": "1", "memory": "1Gi"},
         },
+        "gateway": {"inferencePool": True},
         "pod": {
             "nodeSelector": {"pool": "gpu", "a": "b"},
             "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoExecute"}],
@@ -180,6 +184,7 @@ def test_full_spec_is_read_field_by_field() -> None:
         image="registry.example/router:1.0",
         resources=RouterResources(cpu="1", memory="1Gi"),
     )
+    assert parsed.gateway == GatewaySpec(inference_pool=True)
     assert parsed.pod.node_selector == (("a", "b"), ("pool", "gpu"))
     assert parsed.pod.tolerations == (
         Toleration(key="dedicated", operator="Equal", value="llm", effect="NoExecute"),
@@ -518,6 +523,25 @@ INVALID = [
         "InvalidRouter",
         "spec.router.policy must be one of predicted-completion, round-robin, least-loaded, prefix-affinity; "
         "got 'random'",
+        True,
+    ),
+    (
+        # The router is the pool's endpoint picker: the schema's CEL rule and the operator both say so.
+        with_(MINIMAL, gateway={"inferencePool": True}),
+        "InvalidGateway",
+        "spec.gateway.inferencePool needs spec.router.enabled: the router is the pool's endpoint picker (EPP)",
+        True,
+    ),
+    (
+        with_(MINIMAL, gateway={"inferencePool": True}, router={"enabled": False}),
+        "InvalidGateway",
+        "spec.gateway.inferencePool needs spec.router.enabled: the router is the pool's endpoint picker (EPP)",
+        True,
+    ),
+    (
+        with_(MINIMAL, gateway={"inferencePool": "yes"}),
+        "InvalidGateway",
+        "spec.gateway.inferencePool must be true or false, got 'yes'",
         True,
     ),
     (
