@@ -18,6 +18,8 @@ from typing import Any, TypeVar
 import kmock as km
 
 VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
+# Declared by default; a test of a cluster without GAIE's CRDs deletes it from `emulator.resources`.
+INFERENCE_POOLS = "inference.networking.k8s.io/v1/inferencepools"
 T = TypeVar("T")
 
 
@@ -100,6 +102,8 @@ def declare(emulator: km.KubernetesEmulator) -> None:
         ("discovery.k8s.io/v1/endpointslices", "EndpointSlice", set()),
         ("autoscaling/v2/horizontalpodautoscalers", "HorizontalPodAutoscaler", set()),
         ("keda.sh/v1alpha1/scaledobjects", "ScaledObject", set()),
+        # The Gateway API Inference Extension's CRD, as a cluster with GAIE installed serves it.
+        (INFERENCE_POOLS, "InferencePool", {"status"}),
     ):
         r[key] = km.ResourceInfo(kind=kind, namespaced=True, verbs=VERBS, subresources=sub)
     # Kopf's peering (several operator replicas): cluster-wide and per namespace.

@@ -16,6 +16,7 @@ from typing import Any
 
 import kubernetes
 
+from chunkwise_operator import gateway
 from chunkwise_operator.spec import GROUP, PLURAL, VERSION
 
 FIELD_MANAGER = "chunkwise-operator"
@@ -25,14 +26,17 @@ MERGE = "application/merge-patch+json"
 
 @dataclass(frozen=True)
 class ChildKind:
-    """A kind of child object: where the API serves it, and the typed client that reads and writes it."""
+    """A kind of child object: where the API serves it, and the typed client that reads and writes it.
+
+    A kind without a typed client (`api` None) is a custom resource, written through CustomObjectsApi.
+    """
 
     group: str  # "" for the core group
     version: str
     plural: str
     kind: str
-    api: Callable[[kubernetes.client.ApiClient], Any]
-    suffix: str  # of the client's *_namespaced_<suffix> methods
+    api: Callable[[kubernetes.client.ApiClient], Any] | None = None
+    suffix: str = ""  # of the client's *_namespaced_<suffix> methods
 
     @property
     def api_version(self) -> str:
@@ -60,8 +64,11 @@ CHILD_KINDS = (
         kubernetes.client.RbacAuthorizationV1Api,
         "role_binding",
     ),
+    # Served only where GAIE's CRDs are installed: Kopf watches it once it is, and `serves` tells.
+    ChildKind(gateway.GROUP, gateway.VERSION, gateway.PLURAL, gateway.KIND),
 )
 _APIS = {(c.api_version, c.kind): c for c in CHILD_KINDS}
+INFERENCE_POOL = _APIS[(gateway.API_VERSION, gateway.KIND)]
 
 # (group, version, plural, kind) of the scalers that may target an InferenceService's /scale: HPA and KEDA.
 SCALER_KINDS = (
@@ -143,11 +150,48 @@ class Kube:
             child_kind = _APIS[(api_version, kind)]
         except KeyError:
             raise ValueError(f"the operator does not manage {api_version} {kind}") from None
-        method = getattr(child_kind.api(self._client), f"{verb}_namespaced_{child_kind.suffix}")
-        # Raw JSON, not the client's models: the builders and the status code speak plain dicts.
-        response = method(**kwargs, _preload_content=False)
+        if child_kind.api is None:
+            response = self._custom_call(child_kind, verb, **kwargs)
+        else:
+            method = getattr(child_kind.api(self._client), f"{verb}_namespaced_{child_kind.suffix}")
+            # Raw JSON, not the client's models: the builders and the status code speak plain dicts.
+            response = method(**kwargs, _preload_content=False)
         data = response.data
         return json.loads(data) if data else None
+
+    def _custom_call(self, c: ChildKind, verb: str, namespace: str, name: str = "", **kwargs: Any) -> Any:
+        """The typed clients' verbs for a custom resource: CustomObjectsApi spells each one differently."""
+        api = kubernetes.client.CustomObjectsApi(self._client)
+        where = (c.group, c.version, namespace, c.plural)
+        if verb == "read":
+            return api.get_namespaced_custom_object(*where, name, **kwargs, _preload_content=False)
+        if verb == "patch":
+            body = kwargs.pop("body")
+            return api.patch_namespaced_custom_object(*where, name, body, **kwargs, _preload_content=False)
+        if verb == "create":
+            body = kwargs.pop("body")
+            return api.create_namespaced_custom_object(*where, body, **kwargs, _preload_content=False)
+        if verb == "delete":
+            return api.delete_namespaced_custom_object(*where, name, **kwargs, _preload_content=False)
+        raise ValueError(f"no verb {verb!r} for {c.api_version} {c.kind}")
+
+    def serves(self, child_kind: ChildKind) -> bool:
+        """Whether the API server serves `child_kind` (discovery of its group/version: 404 when absent).
+
+        Discovery, not a failed write: on a real API server a write to an unserved resource and a read of an
+        absent object both answer 404, and discovery is open to every authenticated client (no RBAC rule).
+        """
+        api = kubernetes.client.CustomObjectsApi(self._client)
+        try:
+            response: Any = api.get_api_resources(
+                child_kind.group, child_kind.version, _preload_content=False
+            )
+        except ApiException as e:
+            if e.status == 404:
+                return False
+            raise
+        resources = json.loads(response.data or b"{}").get("resources") or []
+        return any(isinstance(r, Mapping) and r.get("name") == child_kind.plural for r in resources)
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         try:

@@ -168,7 +168,7 @@ async def status_refresh(
         if stopped:
             break
         try:
-            await asyncio.to_thread(reconciler.refresh_status, namespace, name)
+            await asyncio.to_thread(reconciler.refresh_status, namespace, name, logger)
         except ServiceGone:
             return  # no finalizer, so Kopf never stops this daemon itself: it ends with its object
         except (ApiException, OSError) as e:

@@ -11,6 +11,7 @@ import math
 import re
 from typing import Any
 
+from chunkwise_operator import gateway
 from chunkwise_operator.spec import GROUP, ServiceSpec
 
 RUNTIME_PORT = 8000
@@ -193,6 +194,8 @@ def router_command(name: str, namespace: str, spec: ServiceSpec) -> list[str]:
         str(spec.engine.block_size),
         # minReplicas 0: at zero replicas the router holds requests and raises /scale to 1.
         *(["--wake-inference-service", name] if scales_from_zero(spec) else []),
+        # The gateway's endpoint picker: Envoy ext_proc (gRPC, plaintext) for the InferencePool.
+        *(["--epp-port", str(gateway.EPP_PORT)] if spec.gateway.inference_pool else []),
     ]
 
 
@@ -478,12 +481,15 @@ def router_role_binding(name: str, namespace: str) -> Manifest:
 def router_deployment(name: str, namespace: str, spec: ServiceSpec) -> Manifest:
     argv = router_command(name, namespace, spec)
     r = spec.router.resources
+    ports: list[Manifest] = [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}]
+    if spec.gateway.inference_pool:
+        ports.append({"name": gateway.EPP_PORT_NAME, "containerPort": gateway.EPP_PORT, "protocol": "TCP"})
     container: Manifest = {
         "name": "router",
         "image": spec.router.image,
         "command": argv[:1],
         "args": argv[1:],
-        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "ports": ports,
         "resources": {"requests": {"cpu": r.cpu, "memory": r.memory}, "limits": {"memory": r.memory}},
         "readinessProbe": _http_probe("http", 5, 2, 2),
         "livenessProbe": _http_probe("http", LIVENESS_PERIOD_SECONDS, 5, 3),
@@ -529,17 +535,38 @@ def router_deployment(name: str, namespace: str, spec: ServiceSpec) -> Manifest:
     }
 
 
-def router_service(name: str, namespace: str) -> Manifest:
+def router_service(name: str, namespace: str, epp: bool = False) -> Manifest:
+    """The router's Service; `epp`: also the endpoint picker's port, which an InferencePool names."""
+    ports: list[Manifest] = [{"name": "http", "port": ROUTER_PORT, "targetPort": "http", "protocol": "TCP"}]
+    if epp:
+        ports.append(
+            {
+                "name": gateway.EPP_PORT_NAME,
+                "port": gateway.EPP_PORT,
+                "targetPort": gateway.EPP_PORT_NAME,
+                "protocol": "TCP",
+                # A gateway must speak gRPC over plaintext HTTP/2 to it, not HTTP/1.1.
+                "appProtocol": gateway.EPP_APP_PROTOCOL,
+            }
+        )
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _metadata(name, namespace, ROUTER),
-        "spec": {
-            "type": "ClusterIP",
-            "selector": match_labels(name, ROUTER),
-            "ports": [{"name": "http", "port": ROUTER_PORT, "targetPort": "http", "protocol": "TCP"}],
-        },
+        "spec": {"type": "ClusterIP", "selector": match_labels(name, ROUTER), "ports": ports},
     }
+
+
+def inference_pool(name: str, namespace: str) -> Manifest:
+    """The GAIE InferencePool: exactly the runtime Service's pods, picked by the router (see gateway.py)."""
+    return gateway.inference_pool(
+        name=runtime_name(name),
+        namespace=namespace,
+        labels=labels(name, RUNTIME),
+        selector=match_labels(name, RUNTIME),
+        target_port=RUNTIME_PORT,
+        picker_service=router_name(name),
+    )
 
 
 def children(name: str, namespace: str, spec: ServiceSpec) -> list[Manifest]:
@@ -554,8 +581,11 @@ def children(name: str, namespace: str, spec: ServiceSpec) -> list[Manifest]:
             router_service_account(name, namespace),
             router_role_binding(name, namespace),
             router_deployment(name, namespace, spec),
-            router_service(name, namespace),
+            router_service(name, namespace, epp=spec.gateway.inference_pool),
         ]
+    if spec.gateway.inference_pool:
+        # Last: it names the router's Service, which should exist by the time a gateway reads it.
+        result.append(inference_pool(name, namespace))
     return result
 
 
@@ -570,5 +600,11 @@ def router_children_refs(name: str) -> list[tuple[str, str, str]]:
     ]
 
 
+def inference_pool_ref(name: str) -> tuple[str, str, str]:
+    return (gateway.API_VERSION, gateway.KIND, runtime_name(name))
+
+
 def stale_children(name: str, spec: ServiceSpec) -> list[tuple[str, str, str]]:
-    return [] if spec.router.enabled else router_children_refs(name)
+    """What must not exist for `spec`: the pool first, since it names the router's Service."""
+    result = [] if spec.gateway.inference_pool else [inference_pool_ref(name)]
+    return result + ([] if spec.router.enabled else router_children_refs(name))

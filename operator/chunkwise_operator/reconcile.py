@@ -19,8 +19,16 @@ from typing import Any, cast
 import httpx
 import kopf
 
-from chunkwise_operator import autoscale, manifests, prometheus, scrape, status
-from chunkwise_operator.kube import ApiException, ChildConflict, Kube, Outcome, controller_owner, owned_by
+from chunkwise_operator import autoscale, gateway, manifests, prometheus, scrape, status
+from chunkwise_operator.kube import (
+    INFERENCE_POOL,
+    ApiException,
+    ChildConflict,
+    Kube,
+    Outcome,
+    controller_owner,
+    owned_by,
+)
 from chunkwise_operator.spec import ServiceSpec, SpecError, parse, validate_name
 
 NORMAL = "Normal"
@@ -94,7 +102,7 @@ class Reconciler:
                 self._refresh(namespace, name, parsed=parsed, generation=generation, failure=None)
                 return
             try:
-                self._apply_children(body, name, namespace, uid, parsed, logger)
+                pool = self._apply_children(body, name, namespace, uid, parsed, logger)
             except ChildConflict as e:
                 self._fail(body, namespace, name, parsed, generation, status.CHILD_CONFLICT, str(e), logger)
                 raise kopf.TemporaryError(str(e), delay=60) from e
@@ -110,17 +118,50 @@ class Reconciler:
                     raise kopf.PermanentError(message) from e
                 self._fail(body, namespace, name, parsed, generation, status.API_ERROR, message, logger)
                 raise kopf.TemporaryError(message, delay=15) from e
-            self._refresh(namespace, name, parsed=parsed, generation=generation, failure=None)
+            self._refresh(namespace, name, parsed=parsed, generation=generation, failure=None, pool=pool)
 
     def _apply_children(
         self, body: Mapping[str, Any], name: str, namespace: str, uid: str, parsed: ServiceSpec, logger: Any
-    ) -> None:
+    ) -> status.PoolState | status.Keep:
+        """Apply every child and delete the stale ones; what became of the InferencePool, if one is wanted."""
+        pool: status.PoolState | status.Keep = status.KEEP
         for child in manifests.children(name, namespace, parsed):
-            self._apply_one(body, child, uid, logger)
+            if child["kind"] == gateway.KIND:
+                pool = self._apply_pool(body, child, uid, logger)
+            else:
+                self._apply_one(body, child, uid, logger)
         for api_version, kind, child_name in manifests.stale_children(name, parsed):
+            pool_kind = (api_version, kind) == (gateway.API_VERSION, gateway.KIND)
+            # Where GAIE is not installed there is no pool to delete, and no read of one to send.
+            if pool_kind and not self.kube.serves(INFERENCE_POOL):
+                continue
             if self.kube.delete_owned(api_version, kind, namespace, child_name, uid):
-                logger.info(f"Deleted {kind} {child_name}: the router is disabled")
+                why = "spec.gateway.inferencePool is off" if pool_kind else "the router is disabled"
+                logger.info(f"Deleted {kind} {child_name}: {why}")
                 _event(body, NORMAL, "Deleted", f"Deleted {kind} {child_name}")
+        return pool
+
+    def _apply_pool(
+        self, owner: Mapping[str, Any], pool: dict[str, Any], uid: str, logger: Any, warn: bool = True
+    ) -> status.PoolState:
+        """Apply the InferencePool if the cluster serves its API; else say so (the other children stand).
+
+        A missing CRD is the cluster's state, not an error of this spec: no retry loop, no Degraded, only the
+        InferencePoolReady condition (and, with `warn`, a log line and a Warning event); the status refresh
+        checks again and creates the pool once GAIE's CRDs are installed.
+        """
+        if not self.kube.serves(INFERENCE_POOL):
+            message = gateway.not_installed_message()
+            if warn:
+                logger.warning(f"InferencePool {pool['metadata']['name']} not created: {message}")
+                _event(owner, WARNING, gateway.CRD_NOT_INSTALLED, message)
+            return status.PoolState(False, gateway.CRD_NOT_INSTALLED, message)
+        self._apply_one(owner, pool, uid, logger)
+        ref = pool["spec"]["endpointPickerRef"]
+        port = pool["spec"]["targetPorts"][0]["number"]
+        return status.PoolState(
+            True, gateway.APPLIED, gateway.applied_message(pool["metadata"]["name"], ref["name"], port)
+        )
 
     def _apply_one(
         self, owner: Mapping[str, Any], child: dict[str, Any], uid: str, logger: Any, drift: bool = False
@@ -194,14 +235,34 @@ class Reconciler:
                 return  # the status reads only Deployments and pods
             self._refresh(namespace, owner_name, parsed=parsed, generation=status.KEEP, failure=status.KEEP)
 
-    def refresh_status(self, namespace: str, name: str) -> None:
-        """Status from fresh reads alone: pods that fail to start change no Deployment, so a timer calls this."""
+    def refresh_status(self, namespace: str, name: str, logger: Any) -> None:
+        """Status from fresh reads alone: pods that fail to start change no Deployment, so a timer calls this.
+
+        One write besides: an InferencePool the reconcile could not create for want of GAIE's CRDs is created
+        here once the cluster serves them, since installing a CRD changes nothing the operator watches.
+        """
         with self._lock(namespace, name):
             current = self.kube.get_inference_service(namespace, name)
             if current is None or _deleting(current):
                 raise ServiceGone(f"{namespace}/{name}")
             parsed = parse_service(name, current.get("spec"))
-            self._refresh(namespace, name, parsed=parsed, generation=status.KEEP, failure=status.KEEP)
+            pool: status.PoolState | status.Keep = status.KEEP
+            if isinstance(parsed, ServiceSpec) and parsed.gateway.inference_pool and _awaits_crd(current):
+                pool = self._retry_pool(current, namespace, name, logger)
+            self._refresh(
+                namespace, name, parsed=parsed, generation=status.KEEP, failure=status.KEEP, pool=pool
+            )
+
+    def _retry_pool(
+        self, owner: Mapping[str, Any], namespace: str, name: str, logger: Any
+    ) -> status.PoolState | status.Keep:
+        pool = manifests.inference_pool(name, namespace)
+        try:
+            return self._apply_pool(owner, pool, owner["metadata"]["uid"], logger, warn=False)
+        except (ApiException, ChildConflict) as e:
+            # Best effort: the next reconcile (a spec change, a restart) reports such a failure in Degraded.
+            logger.warning(f"Could not create InferencePool {pool['metadata']['name']}: {e}")
+            return status.KEEP
 
     def _refresh(
         self,
@@ -211,6 +272,7 @@ class Reconciler:
         parsed: ServiceSpec | SpecError,
         generation: int | status.Keep | None,
         failure: status.Failure | status.Keep | None,
+        pool: status.PoolState | status.Keep = status.KEEP,
     ) -> None:
         current = self.kube.get_inference_service(namespace, name)
         if current is None:
@@ -234,6 +296,7 @@ class Reconciler:
             generation=generation,
             failure=failure,
             pods=pods,
+            pool=pool,
         )
         patch = status.status_patch(previous, new)
         if patch is not None:
@@ -383,6 +446,17 @@ class Reconciler:
             version = fresh["metadata"].get("resourceVersion")
         logger.warning(f"Autoscaler: spec.replicas kept changing; {desired} not written this evaluation")
         return False
+
+
+def _awaits_crd(body: Mapping[str, Any]) -> bool:
+    """The last attempt found the InferencePool's CRD missing (its condition says CRDNotInstalled)."""
+    conditions = (body.get("status") or {}).get("conditions") or []
+    return any(
+        isinstance(c, Mapping)
+        and c.get("type") == gateway.CONDITION
+        and c.get("reason") == gateway.CRD_NOT_INSTALLED
+        for c in conditions
+    )
 
 
 def _event(obj: Mapping[str, Any], type_: str, reason: str, message: str) -> None:

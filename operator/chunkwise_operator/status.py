@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from chunkwise_operator import manifests
+from chunkwise_operator import gateway, manifests
 from chunkwise_operator.autoscale import (
     NO_METRICS,
     SCALED_TO_ZERO,
@@ -34,7 +34,9 @@ DEGRADED = "Degraded"
 # targets the same InferenceService and the built-in one stands down; METRICS_AVAILABLE is False while no
 # ready replica's /metrics could be read, with why.
 METRICS_AVAILABLE = "MetricsAvailable"
-CONDITION_TYPES = (READY, PROGRESSING, DEGRADED, SCALER_CONFLICT, METRICS_AVAILABLE)
+# Present while spec.gateway.inferencePool is on: whether the InferencePool could be applied.
+INFERENCE_POOL_READY = gateway.CONDITION
+CONDITION_TYPES = (READY, PROGRESSING, DEGRADED, SCALER_CONFLICT, METRICS_AVAILABLE, INFERENCE_POOL_READY)
 
 # Everything else under .status (for instance fields a later autoscaler adds) is left alone.
 MANAGED_KEYS = (
@@ -69,6 +71,18 @@ _MESSAGE_LIMIT = 512
 class Failure:
     """A reconcile that could not apply the children; shown as Degraded until a reconcile succeeds."""
 
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class PoolState:
+    """What the last attempt to apply the InferencePool found: applied, or why not (CRDNotInstalled).
+
+    `ready` None is Unknown: no attempt yet.
+    """
+
+    ready: bool | None
     reason: str
     message: str
 
@@ -189,10 +203,12 @@ def compute_status(
     generation: int | Keep | None = KEEP,
     failure: Failure | Keep | None = KEEP,
     pods: Sequence[Mapping[str, Any]] = (),
+    pool: PoolState | Keep = KEEP,
 ) -> dict[str, Any]:
     """The managed part of .status. `generation` is the generation just reconciled, or KEEP.
 
     `pods` are the runtime pods: one whose container exits with an error names the reason in Degraded.
+    `pool` is what the reconcile found applying the InferencePool; KEEP: as the previous status says.
     """
     observed = previous.get("observedGeneration") if generation is KEEP else generation
     run = deployment_state(runtime)
@@ -262,10 +278,16 @@ def compute_status(
             block = status["autoscaler"]
             message = str(block.get("message", ""))
             conditions += [_condition(*state, message, gen) for state in autoscaler_conditions(block)]
+        if parsed.gateway.inference_pool:
+            state = _previous_pool(previous) if pool is KEEP else pool
+            conditions.append(_condition(INFERENCE_POOL_READY, state.ready, state.reason, state.message, gen))
     else:
         for key in ("url", "model", "autoscaler"):
             if previous.get(key) is not None:
                 status[key] = previous[key]
+        # The pool, like every child, stays as it was while the spec is invalid: so does its condition.
+        kept = [c for c in previous.get("conditions") or [] if _is_pool_condition(c)]
+        conditions += [{k: v for k, v in c.items() if k != "lastTransitionTime"} for c in kept[:1]]
     status["conditions"] = _with_times(conditions, list(previous.get("conditions") or []), now)
     return status
 
@@ -289,6 +311,22 @@ def autoscaler_conditions(block: Any) -> tuple[tuple[str, bool | None, str], ...
     else:
         metrics = (METRICS_AVAILABLE, True, "MetricsReported")
     return conflict, metrics
+
+
+def _is_pool_condition(cond: Any) -> bool:
+    return isinstance(cond, Mapping) and cond.get("type") == INFERENCE_POOL_READY
+
+
+PENDING_POOL = PoolState(None, gateway.PENDING, "the InferencePool has not been applied yet")
+
+
+def _previous_pool(previous: Mapping[str, Any]) -> PoolState:
+    """The pool's condition as the last reconcile left it; Pending before any reconcile has tried."""
+    for cond in previous.get("conditions") or []:
+        if _is_pool_condition(cond):
+            ready = {"True": True, "False": False}.get(str(cond.get("status")))
+            return PoolState(ready, str(cond.get("reason", "")), str(cond.get("message", "")))
+    return PENDING_POOL
 
 
 def _previous_failure(previous: Mapping[str, Any]) -> Failure | None:

@@ -11,10 +11,19 @@ import kmock as km
 import kopf
 import kubernetes
 import pytest
+from e2e.local.kube import INFERENCE_POOLS
 from operator_harness import NAMESPACE, Cluster
 
 from chunkwise_operator import manifests
-from chunkwise_operator.kube import ChildConflict, Kube, Outcome, controller_owner, drifted, owned_by
+from chunkwise_operator.kube import (
+    INFERENCE_POOL,
+    ChildConflict,
+    Kube,
+    Outcome,
+    controller_owner,
+    drifted,
+    owned_by,
+)
 from chunkwise_operator.spec import parse
 
 OWNER = kopf.Body(
@@ -106,3 +115,35 @@ async def test_delete_owned(cluster: Cluster, kube: Kube) -> None:
         kube.delete_owned, "apps/v1", "Deployment", NAMESPACE, "tiny", "uid-tiny"
     )
     assert await asyncio.to_thread(kube.get, "apps/v1", "Deployment", NAMESPACE, "tiny") is None
+
+
+async def test_a_custom_resource_child_is_applied_and_deleted_like_the_others(
+    cluster: Cluster, kube: Kube
+) -> None:
+    """The InferencePool goes through CustomObjectsApi; the same verbs, the same server-side apply."""
+    pool = manifests.inference_pool("tiny", NAMESPACE)
+    kopf.append_owner_reference(pool, owner=OWNER)
+    assert await asyncio.to_thread(kube.serves, INFERENCE_POOL)
+    assert await asyncio.to_thread(kube.apply, copy.deepcopy(pool), "uid-tiny") is Outcome.CREATED
+    live = cluster.pool("tiny")
+    assert live is not None and live["spec"] == pool["spec"]
+    assert await asyncio.to_thread(kube.apply, copy.deepcopy(pool), "uid-tiny") is Outcome.UNCHANGED
+    await cluster.patch(Cluster.POOLS, "tiny", {"spec": {"targetPorts": [{"number": 1}]}})
+    assert await asyncio.to_thread(kube.apply, copy.deepcopy(pool), "uid-tiny") is Outcome.PATCHED
+    patch = list(cluster.k[km.action.UPDATE, Cluster.POOLS])[-1]
+    assert patch.headers["Content-Type"] == "application/apply-patch+yaml"
+    assert patch.params == {"fieldManager": "chunkwise-operator", "force": "true"}
+    assert (cluster.pool("tiny") or {})["spec"]["targetPorts"] == [{"number": 8000}]
+    api_version, kind, name = manifests.inference_pool_ref("tiny")
+    assert await asyncio.to_thread(kube.delete_owned, api_version, kind, NAMESPACE, name, "uid-tiny")
+    assert cluster.pool("tiny") is None
+
+
+async def test_serves_reads_discovery(cluster: Cluster, kube: Kube) -> None:
+    del cluster.k.resources[INFERENCE_POOLS]
+    assert not await asyncio.to_thread(kube.serves, INFERENCE_POOL)
+    # The group served, but not this resource of it.
+    cluster.k.resources["inference.networking.k8s.io/v1/inferenceobjectives"] = {"kind": "InferenceObjective"}
+    assert not await asyncio.to_thread(kube.serves, INFERENCE_POOL)
+    cluster.k.resources[INFERENCE_POOLS] = {"kind": "InferencePool", "namespaced": True}
+    assert await asyncio.to_thread(kube.serves, INFERENCE_POOL)

@@ -344,7 +344,10 @@ def test_children_and_stale_children_follow_router_enabled() -> None:
         ("Deployment", "llama-router"),
         ("Service", "llama-router"),
     ]
-    assert manifests.stale_children("llama", spec(GPU_ROUTER)) == []
+    # No spec.gateway.inferencePool: a pool of this name would be stale (the operator deletes it if it owns it).
+    assert manifests.stale_children("llama", spec(GPU_ROUTER)) == [
+        ("inference.networking.k8s.io/v1", "InferencePool", "llama")
+    ]
     without = manifests.children("tiny", "default", spec(MINIMAL))
     assert [(c["kind"], c["metadata"]["name"]) for c in without] == [
         ("Deployment", "tiny"),
@@ -352,6 +355,7 @@ def test_children_and_stale_children_follow_router_enabled() -> None:
         ("PodDisruptionBudget", "tiny"),
     ]
     assert manifests.stale_children("tiny", spec(MINIMAL)) == [
+        ("inference.networking.k8s.io/v1", "InferencePool", "tiny"),
         ("v1", "Service", "tiny-router"),
         ("apps/v1", "Deployment", "tiny-router"),
         ("rbac.authorization.k8s.io/v1", "RoleBinding", "tiny-router"),

@@ -27,6 +27,7 @@ SPEC = {
     "image": "chunkwise:dev",
     "router": {"enabled": True},
     "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 2},
+    "gateway": {"inferencePool": True},
 }
 VERBS = {
     km.action.LIST: "list",
@@ -86,9 +87,11 @@ def granted(rule_list: Iterable[Mapping[str, Any]]) -> set[tuple[str, str, str]]
 
 
 async def exercise(cluster: Cluster) -> None:
-    """Create (router, autoscaler), correct a deleted child, then remove the router's children."""
+    """Create (router, autoscaler, InferencePool), correct a deleted child, then remove the router's children
+    and the pool."""
     await cluster.create_isvc("chat", SPEC)
     await eventually(lambda: len(cluster.children()) == 7, what="7 children")
+    await eventually(lambda: cluster.pool("chat"), what="the InferencePool")
     await eventually(
         lambda: (
             ((cluster.isvc("chat") or {}).get("status") or {}).get("autoscaler", {}).get("reason")
@@ -98,8 +101,11 @@ async def exercise(cluster: Cluster) -> None:
     )
     await cluster.delete(Cluster.SERVICES, "chat")
     await eventually(lambda: cluster.get(Cluster.SERVICES, "chat"), what="service back")
-    await cluster.patch_isvc("chat", {"spec": {"router": {"enabled": False}}})
+    await cluster.patch_isvc(
+        "chat", {"spec": {"router": {"enabled": False}, "gateway": {"inferencePool": False}}}
+    )
     await eventually(lambda: len(cluster.children()) == 3, what="router children removed")
+    await eventually(lambda: cluster.pool("chat") is None, what="the InferencePool removed")
 
 
 def check(calls: set[Call], rule_list: list[Mapping[str, Any]], cluster: Cluster) -> None:

@@ -18,7 +18,7 @@ from chunkwise.fetch.args import add_fetch_args
 from chunkwise.router import wake
 from chunkwise.router.args import add_router_args
 from chunkwise.server.args import add_serve_args
-from chunkwise_operator import manifests
+from chunkwise_operator import gateway, manifests
 from chunkwise_operator import spec as operator_spec
 from chunkwise_operator.spec import GROUP, PLURAL, VERSION, EngineSpec, Speculation, parse
 
@@ -68,6 +68,7 @@ def test_an_empty_spec_runs_the_engine_as_shipped() -> None:
             },
             "router": {"enabled": True},
             "autoscaling": {"enabled": True, "minReplicas": 0},
+            "gateway": {"inferencePool": True},
         },
     ],
     ids=["defaults", "every-field"],
@@ -87,6 +88,8 @@ def test_every_command_the_operator_writes_parses_with_the_runtime(spec: dict[st
     assert rns.block_size == e.block_size
     # Scale from zero: the router raises this service's /scale, on the API the CRD serves.
     assert rns.wake_inference_service == ("svc" if parsed.autoscaling.min_replicas == 0 else None)
+    # The InferencePool's endpoint picker: the port its endpointPickerRef names (off without a pool).
+    assert (rns.epp_port == gateway.EPP_PORT) is parsed.gateway.inference_pool
     assert (wake.GROUP, wake.VERSION, wake.PLURAL) == (GROUP, VERSION, PLURAL)
     if parsed.model.uri is not None:
         for tokenizer_only in (False, True):
