@@ -15,6 +15,7 @@ from chunkwise_operator import manifests
 from chunkwise_operator.spec import parse
 
 GPU_EXAMPLE = ROOT / "manifests" / "examples" / "gpu-service.yaml"
+GATEWAY_EXAMPLE = ROOT / "manifests" / "examples" / "gateway-service.yaml"
 CLI = [sys.executable, "-c", "import sys; from chunkwise.cli import main; sys.exit(main())"]
 
 
@@ -45,6 +46,21 @@ def test_the_gpu_example_renders_what_reconcile_applies() -> None:
     assert fetch["args"] == ["fetch-model", "hf://meta-llama/Llama-3.1-8B-Instruct", model_dir]
     mounted = {m["name"]: m["mountPath"] for m in engine["volumeMounts"]}
     assert model_dir.startswith(mounted[fetch["volumeMounts"][0]["name"]] + "/")
+
+
+def test_the_gateway_example_renders_its_inference_pool() -> None:
+    result = render("-f", str(GATEWAY_EXAMPLE))
+    assert result.returncode == 0, result.stderr
+    objects = list(yaml.safe_load_all(result.stdout))
+    (doc,) = yaml.safe_load_all(GATEWAY_EXAMPLE.read_text())
+    assert objects == manifests.children("chat", "default", parse(doc["spec"]))
+    assert [(o["kind"], o["metadata"]["name"]) for o in objects][-2:] == [
+        ("Service", "chat-router"),
+        ("InferencePool", "chat"),
+    ]
+    assert objects[-1] == manifests.inference_pool("chat", "default")
+    for obj in objects[:-1]:  # kubernetes-validate knows no custom resource; test_operator_gateway checks it
+        kubernetes_validate.validate(obj, "1.30.0", strict=True)
 
 
 def test_namespace_override_and_other_kinds_skipped(tmp_path: Path) -> None:

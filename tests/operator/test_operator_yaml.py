@@ -24,6 +24,7 @@ CUSTOM = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
     ("monitoring.coreos.com/v1", "PrometheusRule"),
     ("keda.sh/v1alpha1", "ScaledObject"),
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"),
 }
 
 
@@ -50,6 +51,8 @@ def test_the_expected_files_exist() -> None:
         "crds/kopf-peering.yaml",
         "crds/kustomization.yaml",
         "crds/router-clusterrole.yaml",
+        "manifests/examples/gateway-httproute.yaml",
+        "manifests/examples/gateway-service.yaml",
         "manifests/examples/gpu-service.yaml",
         "manifests/examples/hpa.yaml",
         "manifests/examples/keda-scaledobject.yaml",
@@ -138,7 +141,14 @@ def test_crd_contract() -> None:
 
 def test_status_written_by_the_operator_fits_the_crd() -> None:
     """The API server prunes status fields its schema lacks; everything the operator writes must be declared."""
-    parsed = parse({"model": {"preset": "tiny"}, "image": "i", "autoscaling": {"enabled": True}})
+    spec = {
+        "model": {"preset": "tiny"},
+        "image": "i",
+        "autoscaling": {"enabled": True},
+        "router": {"enabled": True},
+        "gateway": {"inferencePool": True},
+    }
+    parsed = parse(spec)
     status = compute_status(
         name="tiny",
         namespace="default",
@@ -153,9 +163,10 @@ def test_status_written_by_the_operator_fits_the_crd() -> None:
         "apiVersion": API_VERSION,
         "kind": KIND,
         "metadata": {"name": "tiny"},
-        "spec": {"model": {"preset": "tiny"}, "image": "i"},
+        "spec": spec,
         "status": status,
     }
+    assert "InferencePoolReady" in [c["type"] for c in status["conditions"]]
     assert schema_errors(obj) == []
     declared = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
     assert set(status) <= set(declared)
@@ -164,7 +175,7 @@ def test_status_written_by_the_operator_fits_the_crd() -> None:
         assert set(cond) <= set(declared["conditions"]["items"]["properties"])
 
 
-@pytest.mark.parametrize("name", ["service.yaml", "gpu-service.yaml"])
+@pytest.mark.parametrize("name", ["service.yaml", "gpu-service.yaml", "gateway-service.yaml"])
 def test_inference_service_examples_match_the_crd_schema(name: str) -> None:
     (doc,) = documents(ROOT / "manifests" / "examples" / name)
     assert (doc["apiVersion"], doc["kind"]) == (API_VERSION, KIND)
@@ -360,6 +371,23 @@ def test_scalers_target_the_scale_subresource() -> None:
     assert "vllm:num_requests_waiting" in trigger["metadata"]["query"]
     assert isinstance(trigger["metadata"]["threshold"], str)
     assert {"minReplicaCount", "maxReplicaCount"} <= set(keda["spec"])
+
+
+def test_the_gateway_example_routes_to_the_pool_its_service_gets() -> None:
+    (service,) = documents(ROOT / "manifests" / "examples" / "gateway-service.yaml")
+    route = find("HTTPRoute", "chat")
+    name, namespace = service["metadata"]["name"], service["metadata"]["namespace"]
+    parsed = parse(service["spec"])
+    assert parsed.router.enabled and parsed.gateway.inference_pool
+    (pool,) = [c for c in manifests.children(name, namespace, parsed) if c["kind"] == "InferencePool"]
+    assert route["metadata"]["namespace"] == pool["metadata"]["namespace"]
+    (rule,) = route["spec"]["rules"]
+    assert rule["backendRefs"] == [
+        {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": pool["metadata"]["name"]}
+    ]
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    (parent,) = route["spec"]["parentRefs"]
+    assert (parent["group"], parent["kind"]) == ("gateway.networking.k8s.io", "Gateway")
 
 
 def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
