@@ -7,9 +7,20 @@ the start-up log agree on one answer.
 from __future__ import annotations
 
 import functools
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger("chunkwise.platform")
+
+# oneDNN makes one primitive per (weight shape, row count) and keeps ONEDNN_PRIMITIVE_CACHE_CAPACITY of them
+# (1024 by default). A server meets hundreds of row counts (every decode batch size, every mixed prefill
+# step) times five weight shapes, so at the default the cache thrashes and each miss costs about 1.3 ms a
+# shape (bench/cpu/matmul_vs_vllm.py); a cached primitive is a few KiB.
+ONEDNN_PRIMITIVE_CACHE_CAPACITY = 16384
+_ONEDNN_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_CHOICES = ("auto", *DTYPES)
@@ -19,6 +30,17 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 def cpu_capabilities() -> dict[str, object]:
     caps = getattr(torch._C._cpu, "_get_cpu_capability", None)
     return dict(caps()) if caps is not None else {}
+
+
+@functools.cache
+def configure_onednn() -> str:
+    """Size oneDNN's primitive cache for serving, unless the environment already says; oneDNN reads it when
+    it makes its first primitive, so this runs before the first weight is laid out. Returns the capacity."""
+    if _ONEDNN_CACHE_ENV in os.environ:
+        logger.info("oneDNN primitive cache: %s entries (from the environment)", os.environ[_ONEDNN_CACHE_ENV])
+    else:
+        os.environ[_ONEDNN_CACHE_ENV] = str(ONEDNN_PRIMITIVE_CACHE_CAPACITY)
+    return os.environ[_ONEDNN_CACHE_ENV]
 
 
 @functools.cache

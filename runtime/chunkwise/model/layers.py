@@ -18,6 +18,7 @@ from torch import nn
 
 from chunkwise.config import RopeScaling
 from chunkwise.model.rope import rope_frequencies
+from chunkwise.platform import configure_onednn
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class Linear(nn.Module):
     def prepare(self, widen_half_on_cpu: bool) -> None:
         if not self.repacks(widen_half_on_cpu):
             return
+        configure_onednn()
         w = self.weight
         out_dtype = w.dtype
         w32 = w.detach().float()
