@@ -22,6 +22,7 @@ from chunkwise.sched.shedding import SheddingPolicy
 from chunkwise.server.endpoints import CHAT, COMPLETIONS
 from chunkwise.server.errors import APIError, bad_request, install_error_handlers, validation_message
 from chunkwise.server.kv_events import add_kv_event_routes
+from chunkwise.server.openapi import install_openapi, request_body
 from chunkwise.server.protocol import ChatCompletionRequest, CompletionRequest
 from chunkwise.server.serving import UNAVAILABLE_RETRY_AFTER_S, ServerState, serve
 
@@ -137,16 +138,19 @@ def build_app(
     metrics = metrics or EngineMetrics(served_model_name)
     state = ServerState(engine, served_model_name, shedding, metrics)
 
-    app = FastAPI(title="chunkwise", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="chunkwise", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    install_openapi(
+        app, lambda: state.engine.model_info if state.engine is not None else None, served_model_name
+    )
     app.state.chunkwise = state
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_request_bytes)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await serve(state, COMPLETIONS, await parse_body(request, CompletionRequest), request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await serve(state, CHAT, await parse_body(request, ChatCompletionRequest), request)
 
