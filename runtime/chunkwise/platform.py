@@ -37,7 +37,9 @@ def configure_onednn() -> str:
     """Size oneDNN's primitive cache for serving, unless the environment already says; oneDNN reads it when
     it makes its first primitive, so this runs before the first weight is laid out. Returns the capacity."""
     if _ONEDNN_CACHE_ENV in os.environ:
-        logger.info("oneDNN primitive cache: %s entries (from the environment)", os.environ[_ONEDNN_CACHE_ENV])
+        logger.info(
+            "oneDNN primitive cache: %s entries (from the environment)", os.environ[_ONEDNN_CACHE_ENV]
+        )
     else:
         os.environ[_ONEDNN_CACHE_ENV] = str(ONEDNN_PRIMITIVE_CACHE_CAPACITY)
     return os.environ[_ONEDNN_CACHE_ENV]

@@ -73,7 +73,12 @@ def _onednn_capacity_after_load(env: dict[str, str]) -> str:
     )
     base = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
     out = subprocess.run(
-        [sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, check=True, timeout=120
+        [sys.executable, "-c", code],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
     )
     return out.stdout.strip().splitlines()[-1]
 
