@@ -251,7 +251,10 @@ class SpecConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = option("tiny", help="built-in preset (tiny, small) or a local Hugging Face directory")
+    model: str = option(
+        "tiny",
+        help="built-in model (tiny, small: random weights; pylm: trained) or a local Hugging Face directory",
+    )
     # "auto" is resolved by chunkwise.platform.resolve_dtype.
     dtype: Dtype = option(
         "auto",

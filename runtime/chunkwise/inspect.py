@@ -10,7 +10,6 @@ import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 GIB = 1 << 30
@@ -86,6 +85,7 @@ def inspect_model(
         read_checkpoint,
     )
     from chunkwise.model.presets import PRESETS
+    from chunkwise.models import resolve_model_path
     from chunkwise.platform import cpu_has_bf16_matmul, resolve_dtype
     from chunkwise.tokenizer import NoTokenizer
     from chunkwise.worker.model_runner import kv_bytes_per_token
@@ -97,7 +97,7 @@ def inspect_model(
         chat_template = True
         eos = config.eos_token_ids
     else:
-        path = Path(name_or_path)
+        path = resolve_model_path(name_or_path)
         config, tok = read_checkpoint(path)
         raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
         family = next(

@@ -56,9 +56,11 @@ def load_hf_model(model: str, dtype: str = "float32") -> Any:
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    from chunkwise.models import resolve_model_path
+
     hf: Any
-    if Path(model).is_dir():
-        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
+    if resolve_model_path(model).is_dir():
+        hf = AutoModelForCausalLM.from_pretrained(str(resolve_model_path(model)), dtype=torch_dtype)
     else:
         from chunkwise.model.presets import PRESETS, preset_state_dict
 

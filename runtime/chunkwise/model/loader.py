@@ -32,6 +32,7 @@ from chunkwise.model.presets import (
     preset_state_dict,
     random_tensors,
 )
+from chunkwise.models import BUNDLED, resolve_model_path
 from chunkwise.platform import cpu_has_bf16_matmul
 from chunkwise.tokenizer import ByteTokenizer, HFTokenizer, NoTokenizer, Tokenizer
 
@@ -72,11 +73,12 @@ def load_model(
     if name_or_path in PRESETS:
         loaded = _load_preset(name_or_path, dtype=dtype, device=device, backend=backend)
     else:
-        path = Path(name_or_path)
+        path = resolve_model_path(name_or_path)
         if not path.is_dir():
             raise ValueError(
-                f"model {name_or_path!r} is neither a built-in preset ({', '.join(sorted(PRESETS))}) nor an "
-                "existing directory (chunkwise never downloads; give the path of a Hugging Face model directory)"
+                f"model {name_or_path!r} is neither a built-in model ({', '.join(sorted(builtin_names()))}) "
+                "nor an existing directory (chunkwise never downloads; give the path of a Hugging Face model "
+                "directory)"
             )
         loaded = _load_hf_dir(path, name=name_or_path, dtype=dtype, device=device, backend=backend)
     if prepare:
@@ -84,10 +86,15 @@ def load_model(
     return loaded
 
 
+def builtin_names() -> list[str]:
+    """Every name `load_model` takes without a path: the random presets and the bundled checkpoints."""
+    return [*PRESETS, *BUNDLED]
+
+
 def checkpoint_dtype(name_or_path: str) -> str | None:
     """The dtype a checkpoint stores its weights in (config.json's torch_dtype, or dtype as transformers 5
     writes it); None for a preset or when the config does not say."""
-    config_path = Path(name_or_path) / "config.json"
+    config_path = resolve_model_path(name_or_path) / "config.json"
     if name_or_path in PRESETS or not config_path.is_file():
         return None
     raw = _read_json(config_path)

@@ -15,6 +15,7 @@ from chunkwise.bench.peer.base import PeerError, PeerReport, PeerSettings, check
 from chunkwise.bench.peer.convoy import compare_convoy, http_serve, process_servers
 from chunkwise.bench.peer.offline import compare_throughput, process_workers
 from chunkwise.bench.workloads import WorkItem
+from chunkwise.models import resolve_model_path
 
 if TYPE_CHECKING:
     import argparse
@@ -124,7 +125,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     _log(f"vLLM {version} under {args.vllm_python}")
 
     if args.model:
-        model = Path(args.model)
+        model = resolve_model_path(args.model)
         if not (model / "config.json").is_file():
             raise SystemExit(f"--model {args.model}: not a Hugging Face model directory (no config.json)")
         made = False
