@@ -138,3 +138,100 @@ def test_a_checkpoint_without_tokenizer_serves_token_ids(ids_only_server) -> Non
         json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
     )
     assert r.status_code == 400 and "no tokenizer" in json.dumps(r.json())
+
+
+# ---------------------------------------------------------------- the bundled trained model (pylm)
+
+
+@pytest.fixture(scope="module")
+def pylm_server() -> Iterator[tuple[LiveServer, HFTokenizer]]:
+    """`make serve`'s default: the bundled checkpoint, by name, through the HF-directory loader."""
+    from chunkwise.models import bundled_path
+
+    path = bundled_path("pylm")
+    assert path is not None, "the bundled pylm checkpoint is missing from the package"
+    from chunkwise.model.loader import read_checkpoint
+
+    _, tok = read_checkpoint(path)  # with config.json's EOS ids, as the engine reads it
+    assert isinstance(tok, HFTokenizer)
+    server = start_server(model="pylm")
+    yield server, tok
+    server.stop()
+
+
+def test_pylm_chat_renders_its_template_streams_the_decode_and_ends_by_eos(pylm_server) -> None:
+    server, tok = pylm_server
+    messages = [{"role": "user", "content": "Hello!"}]
+    chunks = list(
+        _client(server).chat.completions.create(
+            model="pylm",
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=200,
+            temperature=0.0,
+            stream=True,
+            extra_body={"return_token_ids": True},
+        )
+    )
+    prompt_ids = chunks[0].model_dump()["prompt_token_ids"]
+    # The template's role and end-of-turn markers are single special ids, after one BOS.
+    user, end, assistant = (
+        tok.encode(t, add_special_tokens=False) for t in ("<|user|>", "<|end|>", "<|assistant|>")
+    )
+    assert len(user) == len(end) == len(assistant) == 1
+    assert prompt_ids[0] == tok.bos_token_id and prompt_ids.count(tok.bos_token_id) == 1
+    assert (
+        prompt_ids[1] == user[0]
+        and end[0] in prompt_ids
+        and prompt_ids[-2:] == [assistant[0], tok.encode("\n", add_special_tokens=False)[0]]
+    )
+    ids = [t for c in chunks[1:] for t in (c.model_dump()["choices"][0].get("token_ids") or [])]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == tok.decode(ids)
+    # The model learned to answer with a function and to end its turn: generation stops by EOS.
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["stop"] and ids[-1] in tok.eos_token_ids and len(ids) < 200
+    assert text.startswith("def ") and "(" in text
+
+
+def test_pylm_completion_streams_code_a_chunk_per_token(pylm_server) -> None:
+    server, tok = pylm_server
+    prompt = "class Queue:\n    def __init__(self"
+    chunks = [
+        c.model_dump()
+        for c in _client(server).completions.create(
+            model="pylm",
+            prompt=prompt,
+            max_tokens=48,
+            temperature=0.0,
+            stream=True,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )
+    ]
+    assert [len(c["choices"][0]["token_ids"]) for c in chunks] == [1] * 48
+    ids = [c["choices"][0]["token_ids"][0] for c in chunks]
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert text == tok.decode(ids)
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == tok.encode(prompt)
+    # Readable Python, not noise: the signature closes, then an indented body.
+    assert "):\n        " in text and "self." in text and "\ufffd" not in text
+
+
+def test_pylm_streams_unicode_and_sampled_text_as_the_full_decode(pylm_server) -> None:
+    """Byte-level BPE splits what the stdlib rarely holds (CJK, emoji) into byte pieces: streamed at
+    temperature 1, every chunk is whole characters and all of them joined is the full decode."""
+    server, tok = pylm_server
+    for seed in range(3):
+        chunks = [
+            c.model_dump()
+            for c in _client(server).completions.create(
+                model="pylm",
+                prompt="# naïve café 👩‍👩‍👧 中文\ns = '",
+                max_tokens=40,
+                temperature=1.0,
+                seed=seed,
+                stream=True,
+                extra_body={"return_token_ids": True, "ignore_eos": True},
+            )
+        ]
+        ids = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == tok.decode(ids)
