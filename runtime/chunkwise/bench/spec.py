@@ -10,6 +10,10 @@ Two measurements, each run interleaved (A, B, A, B, ...) in one process, reporti
    context, so n-gram acceptance here says little about a trained model; the oracle row says what verification
    costs and gains.
 2. Saturation. Many concurrent decodes; no speculation vs adaptive k vs fixed k, n-gram proposer.
+
+`--workload repetitive` (the default) prompts with repeated English phrases; `--workload stdlib` with excerpts
+of the Python standard-library files that the bundled `pylm` checkpoint held out of its training (the model's
+own kind of text: `python -m chunkwise.bench.spec --model pylm --workload stdlib`).
 """
 
 from __future__ import annotations
@@ -64,19 +68,54 @@ def _engine(model: str, **kw: object) -> EngineCore:
     return EngineCore(engine_config_from_kwargs(model, max_model_len=2048, **kw))
 
 
-def batch_one(model: str, max_tokens: int, repeats: int, k: int) -> dict[str, object]:
+def stdlib_excerpts(n: int, chars: int = 900) -> list[str]:
+    """`n` excerpts of about `chars` characters, whole lines, from the files pylm's training held out (the
+    same selection rule as chunkwise.models.train), taken in turn from each file at growing offsets."""
+    from chunkwise.models.train import split_corpus, stdlib_dir
+
+    _, held = split_corpus(stdlib_dir())
+    files = [held[k].splitlines(keepends=True) for k in sorted(held)]
+    out = []
+    for i in range(n):
+        lines = files[i % len(files)]
+        start = (i // len(files)) * 60 % max(len(lines) - 1, 1)
+        text = ""
+        for line in lines[start:]:
+            text += line
+            if len(text) >= chars:
+                break
+        out.append(text)
+    return out
+
+
+def workload_prompts(workload: str, n: int) -> list[str]:
+    if workload == "stdlib":
+        return stdlib_excerpts(n)
+    return [f"request {i}: " + "lorem ipsum dolor sit amet " * 4 for i in range(n)]
+
+
+def batch_one(
+    model: str, max_tokens: int, repeats: int, k: int, workload: str = "repetitive", num_prompts: int = 4
+) -> dict[str, object]:
     base = _engine(model)
     ngram = _engine(model, speculative_method="ngram", num_speculative_tokens=k, adaptive_speculation=False)
     oracle = _engine(model, speculative_method="ngram", num_speculative_tokens=k, adaptive_speculation=False)
-    prompt = base.tokenizer.encode("the cat sat on the mat. " * 12)
-    _, _, (truth,) = _run(base, [prompt], max_tokens)  # warm-up and the oracle's script
-    oracle.runner.proposer = OracleProposer(len(prompt), truth)
+    texts = ["the cat sat on the mat. " * 12] if workload == "repetitive" else stdlib_excerpts(num_prompts)
+    prompts = [base.tokenizer.encode(t) for t in texts]
+    truths = [_run(base, [p], max_tokens)[2][0] for p in prompts]  # warm-up and the oracle's script
     rates: dict[str, list[float]] = {"none": [], "ngram": [], "oracle": []}
     for _ in range(repeats):
         for name, eng in (("none", base), ("ngram", ngram), ("oracle", oracle)):
-            seconds, n, (toks,) = _run(eng, [prompt], max_tokens)
-            assert toks == truth, f"{name}: speculation changed greedy output"
-            rates[name].append(n / seconds)
+            total_s, total_n = 0.0, 0
+            # One request at a time: batch 1, the prompts in turn.
+            for prompt, truth in zip(prompts, truths):
+                if name == "oracle":
+                    oracle.runner.proposer = OracleProposer(len(prompt), truth)
+                seconds, n, (toks,) = _run(eng, [prompt], max_tokens)
+                assert toks == truth, f"{name}: speculation changed greedy output"
+                total_s += seconds
+                total_n += n
+            rates[name].append(total_n / total_s)
     none = statistics.median(rates["none"])
     st = ngram.stats
     return {
@@ -87,7 +126,9 @@ def batch_one(model: str, max_tokens: int, repeats: int, k: int) -> dict[str, ob
     }
 
 
-def saturation(model: str, num_requests: int, max_tokens: int, repeats: int, k: int) -> dict[str, object]:
+def saturation(
+    model: str, num_requests: int, max_tokens: int, repeats: int, k: int, workload: str = "repetitive"
+) -> dict[str, object]:
     engines = {
         "none": _engine(model, max_num_seqs=num_requests),
         "adaptive": _engine(
@@ -102,7 +143,7 @@ def saturation(model: str, num_requests: int, max_tokens: int, repeats: int, k: 
         ),
     }
     tok = engines["none"].tokenizer
-    prompts = [tok.encode(f"request {i}: " + "lorem ipsum dolor sit amet " * 4) for i in range(num_requests)]
+    prompts = [tok.encode(t) for t in workload_prompts(workload, num_requests)]
     _run(engines["none"], prompts[:2], 4)
     rates: dict[str, list[float]] = {name: [] for name in engines}
     k_seen: dict[str, list[int]] = {name: [] for name in engines}
@@ -131,17 +172,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default 4)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats per configuration (default 3)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument(
+        "--workload",
+        choices=("repetitive", "stdlib"),
+        default="repetitive",
+        help="prompts: repeated English phrases, or excerpts of the stdlib files pylm held out (default repetitive)",
+    )
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        default=4,
+        help="batch-1 prompts, run in turn, for --workload stdlib (default 4)",
+    )
     p.add_argument("--json", dest="json_out", default=None, help="also write results to this JSON file")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch threads: {torch.get_num_threads()}", file=sys.stderr)
-    one = batch_one(args.model, args.max_tokens, args.repeats, args.k)
+    one = batch_one(args.model, args.max_tokens, args.repeats, args.k, args.workload, args.num_prompts)
     print(
         f"batch 1: speedup n-gram {one['speedup_ngram']:.2f}x (acceptance {one['ngram_acceptance']:.2f}), "
         f"oracle drafts {one['speedup_oracle']:.2f}x"
     )
-    sat = saturation(args.model, args.num_requests, args.max_tokens, args.repeats, args.k)
+    sat = saturation(args.model, args.num_requests, args.max_tokens, args.repeats, args.k, args.workload)
     print(
         f"saturation ({args.num_requests} requests): adaptive/none {sat['adaptive_vs_none']:.3f}, "
         f"fixed k={args.k}/none {sat['fixed_vs_none']:.3f}, last k {sat['last_k']}"
