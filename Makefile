@@ -9,7 +9,8 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 # The CPU wheel of torch 2.13.0 lies on disk here; an unpinned torch would pull a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-MODEL ?= tiny
+# The bundled trained checkpoint (runtime/chunkwise/models/pylm, docs/models.md); `MODEL=tiny` for the random preset.
+MODEL ?= pylm
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
