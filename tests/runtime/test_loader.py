@@ -237,7 +237,7 @@ def test_sharded_checkpoint_and_ignored_keys(tmp_path, llama_dir):
 def test_unknown_name_lists_presets():
     with pytest.raises(ValueError, match="neither a built-in preset") as e:
         load("no-such-model-anywhere")
-    for name in PRESETS:
+    for name in [*PRESETS, "pylm"]:
         assert name in str(e.value)
 
 

@@ -76,19 +76,14 @@ def load_model(
         path = resolve_model_path(name_or_path)
         if not path.is_dir():
             raise ValueError(
-                f"model {name_or_path!r} is neither a built-in model ({', '.join(sorted(builtin_names()))}) "
-                "nor an existing directory (chunkwise never downloads; give the path of a Hugging Face model "
-                "directory)"
+                f"model {name_or_path!r} is neither a built-in preset ({', '.join(sorted(PRESETS))}), a bundled "
+                f"model ({', '.join(BUNDLED)}) nor an existing directory (chunkwise never downloads; give the "
+                "path of a Hugging Face model directory)"
             )
         loaded = _load_hf_dir(path, name=name_or_path, dtype=dtype, device=device, backend=backend)
     if prepare:
         loaded.model.prepare(widen_half_on_cpu=not cpu_has_bf16_matmul())
     return loaded
-
-
-def builtin_names() -> list[str]:
-    """Every name `load_model` takes without a path: the random presets and the bundled checkpoints."""
-    return [*PRESETS, *BUNDLED]
 
 
 def checkpoint_dtype(name_or_path: str) -> str | None:
