@@ -302,3 +302,15 @@ async def test_grpc_health_reports_the_services_the_protocol_names(
             resp = await health.Check(health_pb2.HealthCheckRequest(service=name))
             assert resp.status == health_pb2.HealthCheckResponse.SERVING, name
         await server.stop(0)
+
+
+async def test_streamed_body_mode_is_refused_with_a_message_naming_the_modes_that_work(
+    stub: pb_grpc.ExternalProcessorStub,
+) -> None:
+    gw = Gateway(stub)
+    config = pb.ProtocolConfiguration(request_body_mode=Mode.STREAMED)
+    await gw.send(pb.ProcessingRequest(request_headers=headers(), protocol_config=config))
+    status, _, err = error_of(await gw.recv())
+    assert status == 500
+    assert err["error"]["type"] == "server_error"  # type: ignore[index]
+    assert "FULL_DUPLEX_STREAMED" in err["error"]["message"]  # type: ignore[index]

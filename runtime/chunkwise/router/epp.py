@@ -93,7 +93,9 @@ def _struct_get(metadata: base_pb2.Metadata, namespace: str, key: str) -> Any:
 
 def immediate(status: int, message: str, headers: dict[str, str] | None = None) -> pb.ProcessingResponse:
     """The gateway answers the client itself: OpenAI's error body, as the router's HTTP face gives it."""
-    kind = {400: "invalid_request_error", 429: "rate_limit_exceeded"}.get(status, "service_unavailable")
+    kind = {400: "invalid_request_error", 429: "rate_limit_exceeded", 503: "service_unavailable"}.get(
+        status, "server_error"
+    )
     body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
     mutation = pb.HeaderMutation(
         set_headers=[
@@ -192,9 +194,10 @@ class _Exchange:
         picker = self.picker
         path = self.headers.get(":path", "").split("?", 1)[0]
         generation = path in (COMPLETIONS, CHAT)
+        data: Any = None
         if generation and body_follows:
             try:
-                json.loads(body)
+                data = json.loads(body)
             except (ValueError, UnicodeDecodeError):
                 return [picker.refuse(400, "the request body is not JSON", "bad_request")]
         try:
@@ -203,7 +206,7 @@ class _Exchange:
             return [picker.refuse(400, str(e), "bad_request")]
         subset = _struct_get(self.metadata, SUBSET_NAMESPACE, SUBSET)
         exclude = picker.outside(subset) if subset is not None else []
-        routed = picker.reader.read(path, body) if generation else RoutedRequest(path=path)
+        routed = picker.reader.read_parsed(path, data) if generation else RoutedRequest(path=path)
         try:
             endpoints = await picker.choose(routed, exclude, slo, accounted=generation)
         except Shed as e:

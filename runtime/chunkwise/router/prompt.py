@@ -57,6 +57,10 @@ class PromptReader:
             data = json.loads(body) if body else None
         except (ValueError, UnicodeDecodeError):
             data = None
+        return self.read_parsed(path, data)
+
+    def read_parsed(self, path: str, data: Any) -> RoutedRequest:
+        """`read` for a body already decoded from JSON (the endpoint picker checks it is JSON first)."""
         if not isinstance(data, dict):
             return RoutedRequest(path=path, output_tokens=self.default_output_tokens)
         stream = data.get("stream") is True
