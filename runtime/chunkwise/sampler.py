@@ -8,6 +8,10 @@ Seeded rows draw their q from their own generator, one full-vocabulary row per s
 tokens depend only on its own logits and its own generator: not on its companions or its row index. Every
 other row operation here is row-local (row-wise reductions, a row-wise sort), for the same reason.
 
+Structured outputs: the rows with a grammar get its token mask (a GrammarMask, filled on the host by
+llguidance and copied once) before anything else, so a disallowed token is -inf for greedy and sampled rows
+alike; the other rows are not touched (one index_copy of the masked rows, out of place).
+
 Nothing here reads a tensor back to the host; the caller's `.tolist()` of the token ids is the one sync.
 """
 
@@ -148,6 +152,46 @@ class SamplingBatch:
         )
 
 
+@dataclass(frozen=True)
+class GrammarMask:
+    """The step's token masks for the rows that have a grammar, in one int32 tensor on the logits' device:
+    `num_rows` bitmasks of `words` int32 each (bit t of word t // 32 set = token t allowed, llguidance's
+    layout), then the `num_rows` row indices they apply to."""
+
+    packed: Tensor  # [num_rows * words + num_rows] int32
+    num_rows: int
+    words: int
+
+    @property
+    def bits(self) -> Tensor:
+        return self.packed[: self.num_rows * self.words].view(self.num_rows, self.words)
+
+    @property
+    def rows(self) -> Tensor:
+        return self.packed[self.num_rows * self.words :].long()
+
+
+def unpack_bitmask(bits: Tensor, vocab_size: int) -> Tensor:
+    """[m, words] int32 bitmasks -> [m, vocab_size] bool (True = allowed); tokens past the mask's width are
+    not allowed."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool().view(bits.shape[0], -1)
+    width = allowed.shape[1]
+    if width >= vocab_size:
+        return allowed[:, :vocab_size]
+    pad = torch.zeros(bits.shape[0], vocab_size - width, dtype=torch.bool, device=bits.device)
+    return torch.cat([allowed, pad], dim=1)
+
+
+def apply_grammar_mask(logits: Tensor, mask: GrammarMask) -> Tensor:
+    """`logits` with every token its row's grammar disallows set to -inf, in a new tensor; the rows
+    without a grammar come back bit-exact."""
+    rows = mask.rows
+    allowed = unpack_bitmask(mask.bits, logits.shape[-1])
+    masked = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))
+    return logits.index_copy(0, rows, masked)
+
+
 @dataclass
 class SamplerOutput:
     token_ids: Tensor  # [n] int64
@@ -204,11 +248,16 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
 
 
 class Sampler:
-    def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
+    def __call__(
+        self, logits: Tensor, batch: SamplingBatch, grammar: GrammarMask | None = None
+    ) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != batch.num_rows:
             raise ValueError(f"logits must be [{batch.num_rows}, vocab], got {tuple(logits.shape)}")
         raw = logits.float()
         penalised = apply_penalties(raw, batch)
+        if grammar is not None and grammar.num_rows:
+            # Log-probs stay those of the raw distribution (`raw` is left as it is).
+            penalised = apply_grammar_mask(penalised, grammar)
 
         if batch.all_greedy:
             token_ids = penalised.argmax(dim=-1)

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from chunkwise.structured.spec import StructuredOutput
+
 # OpenAI's bounds; the number of top log-probs is capped like OpenAI's legacy completions API.
 MAX_PENALTY = 2.0
 MAX_LOGPROBS = 20
@@ -68,6 +70,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Per-request opt-out of speculative decoding (when the engine runs with a speculative method).
     speculative: bool = True
+    # Structured outputs: the generated text is constrained to this JSON schema, regex, choice or grammar,
+    # and ends (finish_reason "stop", at an EOS) where the grammar is complete.
+    structured: StructuredOutput | None = None
 
     if TYPE_CHECKING:
         # The generated __init__ would type `stop` as the normalised tuple; callers may pass what vLLM
@@ -89,6 +94,7 @@ class SamplingParams:
             include_stop_str_in_output: bool = False,
             skip_special_tokens: bool = True,
             speculative: bool = True,
+            structured: StructuredOutput | None = None,
         ) -> None: ...
 
     def __post_init__(self) -> None:
@@ -138,6 +144,9 @@ class SamplingParams:
 
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculative"):
             _check_bool(name, getattr(self, name))
+
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be a StructuredOutput or None, got {self.structured!r}")
 
     # Cached: the step loop reads these for every row of every step (a frozen dataclass's fields never change).
     @functools.cached_property

@@ -22,6 +22,7 @@ from chunkwise.request import Request
 from chunkwise.sampling_params import SamplingParams
 from chunkwise.sched.output import SchedulerStats
 from chunkwise.sched.shedding import LoadSnapshot, Overloaded, ServiceRate, SheddingPolicy, decide
+from chunkwise.structured.compiler import GrammarCompiler
 from chunkwise.tokenizer import Tokenizer
 
 # Steps in a row that may fail (each failing its requests) before the engine thread gives up.
@@ -102,6 +103,11 @@ class AsyncEngine:
     @property
     def tokenizer(self) -> Tokenizer:
         return self.core.tokenizer
+
+    @property
+    def structured(self) -> GrammarCompiler:
+        """The engine's structured-output compiler (to check a spec before queueing)."""
+        return self.core.structured
 
     @property
     def model_info(self) -> ModelInfo:

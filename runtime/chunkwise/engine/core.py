@@ -35,6 +35,7 @@ from chunkwise.sched.scheduler import Scheduler
 from chunkwise.speculative.adaptive import AdaptiveDraftLength, StepCostModel
 from chunkwise.speculative.draft import DraftModelProposer
 from chunkwise.speculative.ngram import NgramProposer
+from chunkwise.structured.compiler import GrammarCompiler
 from chunkwise.tokenizer import Tokenizer
 from chunkwise.worker.cuda_graphs import bucket_sizes
 from chunkwise.worker.model_runner import ModelRunner, Proposer, kv_bytes_per_token
@@ -106,6 +107,8 @@ class EngineCore:
                 f"({min_blocks * block_bytes} bytes) or lower max_model_len"
             )
         num_host_blocks = cache.swap_space_bytes // block_bytes
+        # Structured outputs: the engine's one llguidance tokenizer (built on first use) and grammar cache.
+        self.structured = GrammarCompiler(self.tokenizer, mcfg.vocab_size, self.eos_token_ids)
         proposer = self._make_proposer(config, num_blocks, dtype, device, backend)
         # What enters and leaves the prefix cache, for the router's exact index (GET /v1/kv_events).
         self.kv_events = (
@@ -129,6 +132,7 @@ class EngineCore:
             max_num_reqs=sched_cfg.max_num_seqs,
             max_model_len=self.max_model_len,
             proposer=proposer,
+            grammars=self.structured,
         )
         probe = StartupProbe(self.runner, self.kv, self.max_model_len)
         fixed_transfer_s, host_copy_bytes_per_s = probe.swap_cost(num_blocks, num_host_blocks, block_bytes)
@@ -257,6 +261,9 @@ class EngineCore:
             if bad:
                 raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
         max_tokens = resolve_max_tokens(len(ids), params.max_tokens, self.max_model_len)
+        if params.structured is not None:
+            # Compiled here (and cached), so a bad schema is the caller's error, never the step loop's.
+            self.structured.check(params.structured)
         req = Request(
             request_id=request_id,
             prompt_token_ids=ids,

@@ -115,7 +115,8 @@ class ApplyStepResult:
 
     def _check_stop(self, req: Request, token: int) -> tuple[RequestStatus | None, int | None]:
         params = req.sampling_params
-        if not params.ignore_eos and token in req.eos_token_ids:
+        # A grammar allows EOS only where it is complete, and only EOS once it is: that EOS always ends it.
+        if (not params.ignore_eos or params.structured is not None) and token in req.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED, None
         if token in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED, token

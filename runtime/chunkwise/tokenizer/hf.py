@@ -103,6 +103,10 @@ class HFTokenizer:
         """The <0xXX> pieces a byte-fallback BPE decodes run by run (empty for other tokenizers)."""
         return self._byte_pieces
 
+    def to_json(self) -> str:
+        """The tokenizer.json text (what llguidance builds its token trie from)."""
+        return str(self._tok.to_str())
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 

@@ -13,10 +13,20 @@ import torch
 from chunkwise.attention.backend import AttentionBackend, kv_cache_shape
 from chunkwise.config import ModelConfig
 from chunkwise.model.llama import LlamaForCausalLM
-from chunkwise.sampler import Sampler, SamplerOutput, SamplingBatch, apply_top_k_top_p, make_generator
+from chunkwise.sampler import (
+    GrammarMask,
+    Sampler,
+    SamplerOutput,
+    SamplingBatch,
+    apply_grammar_mask,
+    apply_top_k_top_p,
+    make_generator,
+)
 from chunkwise.sampling_params import SamplingParams
 from chunkwise.sched.output import ScheduledRequest, SchedulerOutput
 from chunkwise.speculative.verify import verify_greedy, verify_sampled
+from chunkwise.structured.compiler import GrammarCompiler
+from chunkwise.structured.state import GrammarRow, GrammarState
 from chunkwise.worker.cuda_graphs import DecodeGraphRunner
 from chunkwise.worker.inputs import InputBatch, Row, RowLike
 
@@ -76,6 +86,7 @@ class ModelRunner:
         max_num_reqs: int,
         max_model_len: int,
         proposer: Proposer | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.model = model
         self.proposer = proposer
@@ -111,8 +122,10 @@ class ModelRunner:
         )
         # Per-request sampling state that must persist across steps: a seeded request's generator.
         self._generators: dict[str, torch.Generator] = {}
-        # The last decode-only step's rows and their sampling batch (see _decode_sampling_batch).
-        self._decode_batch: tuple[list[ScheduledRequest], SamplingBatch] | None = None
+        # The last decode-only step's rows, their sampling batch and grammar rows (see _decode_sampling_batch).
+        self._decode_batch: tuple[list[ScheduledRequest], SamplingBatch, list[GrammarRow]] | None = None
+        # Structured outputs: each constrained request's matcher (None: this runner refuses such rows).
+        self.grammar = GrammarState(grammars, device) if grammars is not None else None
 
     def use_decode_graphs(self, sizes: Sequence[int], capture: bool) -> None:
         """Run decode-only steps of up to max(sizes) rows through padded static buffers, replayed from CUDA
@@ -167,6 +180,8 @@ class ModelRunner:
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for rid in so.finished_req_ids:
             self._generators.pop(rid, None)
+        if self.grammar is not None and so.finished_req_ids:
+            self.grammar.forget(so.finished_req_ids)
         if so.finished_req_ids:
             self.inputs.forget(so.finished_req_ids)
             if self.proposer is not None:
@@ -187,6 +202,8 @@ class ModelRunner:
             ]
             if wanted:
                 drafts = {rid: d for rid, d in self.proposer.propose(wanted).items() if d}
+            if drafts:
+                self._check_drafts(so.scheduled, drafts)
         rows: list[RowLike] = so.scheduled  # type: ignore[assignment]
         if drafts:
             # A speculating row computes its drafts' KV too: its tokens, then the drafts to verify.
@@ -213,10 +230,11 @@ class ModelRunner:
             sample_rows = [i for i, sr in enumerate(scheduled) if sr.samples]
             plain = [i for i in sample_rows if scheduled[i].req_id not in drafts]
         batch = None
+        grammar_rows: list[GrammarRow] = []
         if decode_only:
-            batch = self._decode_sampling_batch(scheduled)
+            batch, grammar_rows = self._decode_sampling_batch(scheduled)
         elif plain:
-            batch = self._sampling_batch(scheduled, plain)
+            batch, grammar_rows = self._sampling_batch(scheduled, plain)
         if plain and not decode_only:
             last = meta.query_start_loc[1:][torch.tensor(plain, dtype=torch.long, device=self.device)] - 1
             if num_pad:
@@ -241,11 +259,15 @@ class ModelRunner:
         result = None
         if plain:
             assert batch is not None
+            # Filled on the host while a GPU runs the forward queued above.
+            grammar_mask = self._grammar_mask(grammar_rows) if grammar_rows else None
             # A decode-only step's hidden rows are its last tokens, in row order (the padding rows last).
             logits = self.model.compute_logits(hidden if decode_only else hidden[last])
             # Padding rows' logits are computed and discarded: only the real rows sample.
-            result = self.sampler(logits[: len(plain)] if num_pad else logits, batch)
+            result = self.sampler(logits[: len(plain)] if num_pad else logits, batch, grammar_mask)
             tokens = result.token_ids.tolist()  # the step's one host sync
+            if grammar_rows:
+                self._advance_grammars(grammar_rows, tokens)
         elif num_pad:
             # No real row samples this step (prefill chunks mid-prompt); the padding rows' decode still
             # computes its logits, as a held slot's would.
@@ -272,7 +294,9 @@ class ModelRunner:
             gen = self._generators[sr.req_id] = make_generator(seed, self.device)
         return gen
 
-    def _decode_sampling_batch(self, scheduled: list[ScheduledRequest]) -> SamplingBatch:
+    def _decode_sampling_batch(
+        self, scheduled: list[ScheduledRequest]
+    ) -> tuple[SamplingBatch, list[GrammarRow]]:
         """A decode-only step's batch: the last one's again when the rows are the same requests in the same
         order (the scheduler's steady state keeps each request's row object) and nothing reads the outputs."""
         cached = self._decode_batch
@@ -281,23 +305,55 @@ class ModelRunner:
             and len(cached[0]) == len(scheduled)
             and all(map(operator.is_, cached[0], scheduled))
         ):
-            return cached[1]
-        batch = self._sampling_batch(scheduled, range(len(scheduled)))
-        # Penalties read each step's outputs; every other field is fixed for a request's life.
-        self._decode_batch = None if batch.any_penalty else (scheduled, batch)
-        return batch
+            return cached[1], cached[2]
+        batch, grammar_rows = self._sampling_batch(scheduled, range(len(scheduled)))
+        # Penalties read each step's outputs; every other field is fixed for a request's life (a grammar's
+        # rows too: their masks are made each step from the matchers, not kept here).
+        self._decode_batch = None if batch.any_penalty else (scheduled, batch, grammar_rows)
+        return batch, grammar_rows
 
-    def _sampling_batch(self, scheduled: list[ScheduledRequest], rows: Sequence[int]) -> SamplingBatch:
+    def _sampling_batch(
+        self, scheduled: list[ScheduledRequest], rows: Sequence[int]
+    ) -> tuple[SamplingBatch, list[GrammarRow]]:
         params = []
         outputs = []
         generators = []
-        for i in rows:
+        grammar_rows = []
+        for j, i in enumerate(rows):
             sr = scheduled[i]
             p = sr.sampling_params
             params.append(p)
             outputs.append(sr.output_token_ids or ())
             generators.append(None if p.seed is None or p.greedy else self._generator(sr))
-        return SamplingBatch.build(params, outputs, generators, self.device)
+            if p.structured is not None:
+                grammar_rows.append(GrammarRow(j, sr.req_id, p.structured))
+        return SamplingBatch.build(params, outputs, generators, self.device), grammar_rows
+
+    # -- structured outputs -----------------------------------------------------------------------------
+    def _grammars(self) -> GrammarState:
+        if self.grammar is None:
+            raise RuntimeError("a request has structured outputs, but this runner has no grammar compiler")
+        return self.grammar
+
+    def _grammar_mask(self, rows: list[GrammarRow]) -> GrammarMask:
+        return self._grammars().mask(rows)
+
+    def _advance_grammars(self, rows: list[GrammarRow], tokens: list[int]) -> None:
+        grammar = self._grammars()
+        for r in rows:
+            grammar.accept(r.req_id, r.spec, (tokens[r.row],))
+
+    def _check_drafts(self, scheduled: list[ScheduledRequest], drafts: dict[str, list[int]]) -> None:
+        """Cut each constrained request's draft at the first token its grammar rejects (none left: no draft)."""
+        for sr in scheduled:
+            spec = sr.sampling_params.structured
+            if spec is None or sr.req_id not in drafts:
+                continue
+            kept = self._grammars().valid_prefix(sr.req_id, spec, drafts[sr.req_id])
+            if kept:
+                drafts[sr.req_id] = kept
+            else:
+                del drafts[sr.req_id]
 
     def _emit_plain(
         self,
@@ -338,10 +394,16 @@ class ModelRunner:
         # Row j predicts the token after position start_pos + j: rows 0..k-1 judge the drafts, row k is the bonus.
         logits = self.model.compute_logits(hidden[start : start + 1 + len(drafts)])
         params = sr.sampling_params
+        spec = params.structured
+        if spec is not None:
+            # Position j is masked with the grammar's state after drafts[:j] (all of which it accepts).
+            logits = apply_grammar_mask(logits.float(), self._grammars().draft_masks(sr.req_id, spec, drafts))
         if params.greedy:
             tokens = verify_greedy(logits.argmax(dim=-1).tolist(), drafts)
         else:
             tokens = verify_sampled(_target_probs(logits, params), drafts, None, self._generator(sr))
+        if spec is not None:
+            self._grammars().accept(sr.req_id, spec, tokens)
         out.sampled[sr.req_id] = tokens
         out.drafted[sr.req_id] = len(drafts)
 
