@@ -38,6 +38,19 @@ class ChatTemplateError(ValueError):
 class ChatMessage:
     role: str
     content: str
+    # An assistant turn's tool calls (OpenAI's shape) and a tool turn's answer to one, for templates that
+    # render them; None when absent.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"role": self.role, "content": self.content}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            value = getattr(self, key)
+            if value is not None:
+                d[key] = value
+        return d
 
 
 def default_format(messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
@@ -90,8 +103,11 @@ def render_chat(
     add_generation_prompt: bool = True,
     bos_token: str = "",
     eos_token: str = "",
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """Render `messages` with `template`, or with the default format when there is none (or no Jinja2)."""
+    """Render `messages` with `template`, or with the default format when there is none (or no Jinja2).
+    `tools` (OpenAI's tool definitions) reach the template as `tools`, as transformers passes them; a
+    template that does not use them renders as without."""
     if not messages:
         raise ChatTemplateError("messages must contain at least one message")
     for m in messages:
@@ -110,10 +126,11 @@ def render_chat(
     try:
         return str(
             compiled.render(
-                messages=[{"role": m.role, "content": m.content} for m in messages],
+                messages=[m.as_dict() for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=bos_token,
                 eos_token=eos_token,
+                tools=tools,
             )
         )
     except ChatTemplateError:

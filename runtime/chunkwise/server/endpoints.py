@@ -4,15 +4,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from chunkwise.sampling_params import MAX_LOGPROBS, SamplingParams
 from chunkwise.server.chat import ChatMessage, ChatTemplateError, message_text, render_chat
 from chunkwise.server.errors import bad_request, from_value_error
 from chunkwise.server.formatters import ChatFormatter, CompletionFormatter, Formatter, ResponseOptions
 from chunkwise.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from chunkwise.server.tools import ChatOptions, ToolParsing, required_spec
+from chunkwise.structured.spec import StructuredOutput
 
 if TYPE_CHECKING:
     from chunkwise.engine import AsyncEngine
@@ -82,6 +85,55 @@ def _options(body: _Sampling, logprobs: bool, top_logprobs: int = 0) -> Response
     )
 
 
+# -- structured outputs ------------------------------------------------------------------------------------
+def _structured_outputs(body: _Sampling) -> StructuredOutput | None:
+    """vLLM's `structured_outputs` field: exactly one of json, regex, choice, grammar (or json_object)."""
+    so = body.structured_outputs
+    if so is None:
+        return None
+    given = [
+        k
+        for k, v in (
+            ("json", so.json_),
+            ("regex", so.regex),
+            ("choice", so.choice),
+            ("grammar", so.grammar),
+            ("json_object", so.json_object or None),
+        )
+        if v is not None
+    ]
+    if len(given) != 1:
+        raise bad_request(
+            "structured_outputs must set exactly one of json, regex, choice, grammar, json_object"
+            + (f" (got {', '.join(given)})" if given else ""),
+            param="structured_outputs",
+        )
+    try:
+        if so.json_ is not None:
+            return StructuredOutput.json_schema(so.json_)
+        if so.regex is not None:
+            return StructuredOutput.regex(so.regex)
+        if so.choice is not None:
+            return StructuredOutput.choice(so.choice)
+        if so.grammar is not None:
+            return StructuredOutput.grammar(so.grammar)
+        return StructuredOutput.json_object()
+    except ValueError as e:
+        raise bad_request(str(e), param="structured_outputs") from e
+
+
+def _check_structured(engine: AsyncEngine, spec: StructuredOutput, param: str) -> None:
+    """Compile `spec` now (the engine caches it) so that a bad one is a 400 naming `param`."""
+    try:
+        engine.structured.check(spec)
+    except ValueError as e:
+        raise bad_request(str(e), param=param) from e
+
+
+def _constrained(params: SamplingParams, spec: StructuredOutput | None) -> SamplingParams:
+    return params if spec is None else dataclasses.replace(params, structured=spec)
+
+
 # -- completions -------------------------------------------------------------------------------------------
 def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
     if isinstance(prompt, str):
@@ -111,14 +163,31 @@ def _completion(body: CompletionRequest, engine: AsyncEngine) -> Generation:
         raise bad_request("best_of must be 1 (one completion per request)", param="best_of")
     prompt = _single_prompt(body.prompt)
     params = _sampling_params(body, body.max_tokens, body.logprobs, engine.model_info.vocab_size)
+    spec = _structured_outputs(body)
+    if spec is not None:
+        _check_structured(engine, spec, "structured_outputs")
+    params = _constrained(params, spec)
     return Generation(prompt, params, _options(body, logprobs=body.logprobs is not None))
 
 
 # -- chat --------------------------------------------------------------------------------------------------
+def _chat_message(m: Any) -> ChatMessage:
+    extra = m.model_extra or {}
+    tool_calls = extra.get("tool_calls")
+    call_id = extra.get("tool_call_id")
+    return ChatMessage(
+        m.role,
+        message_text(m.content),
+        tool_calls=tool_calls if isinstance(tool_calls, list) else None,
+        tool_call_id=call_id if isinstance(call_id, str) else None,
+        name=m.name,
+    )
+
+
 def chat_prompt_ids(engine: AsyncEngine, body: ChatCompletionRequest) -> list[int]:
     tok = engine.tokenizer
     try:
-        messages = [ChatMessage(m.role, message_text(m.content)) for m in body.messages]
+        messages = [_chat_message(m) for m in body.messages]
         bos = "" if tok.bos_token_id is None else tok.decode([tok.bos_token_id], skip_special_tokens=False)
         eos = "" if not tok.eos_token_ids else tok.decode([tok.eos_token_ids[0]], skip_special_tokens=False)
         text = render_chat(
@@ -127,6 +196,7 @@ def chat_prompt_ids(engine: AsyncEngine, body: ChatCompletionRequest) -> list[in
             add_generation_prompt=body.add_generation_prompt,
             bos_token=bos,
             eos_token=eos,
+            tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
         )
     except ChatTemplateError as e:
         raise bad_request(str(e), param="messages") from e
@@ -134,11 +204,85 @@ def chat_prompt_ids(engine: AsyncEngine, body: ChatCompletionRequest) -> list[in
     return tok.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
 
 
+def _response_format(body: ChatCompletionRequest) -> StructuredOutput | None:
+    rf = body.response_format
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return StructuredOutput.json_object()
+    if rf.json_schema is None or rf.json_schema.schema_ is None:
+        raise bad_request(
+            "response_format of type json_schema needs json_schema.schema (a JSON schema object)",
+            param="response_format",
+        )
+    return StructuredOutput.json_schema(rf.json_schema.schema_)
+
+
+def _tool_calls(
+    body: ChatCompletionRequest, engine: AsyncEngine
+) -> tuple[ToolParsing | None, StructuredOutput | None]:
+    """What `tools` and `tool_choice` ask for: how to read the answer, and its constraint (named, required)."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice is not None and choice != "none":
+            raise bad_request("tool_choice needs tools", param="tool_choice")
+        return None, None
+    tools: list[tuple[str, dict[str, Any]]] = []
+    for t in body.tools:
+        params = t.function.parameters
+        schema: dict[str, Any] = params if params is not None else {"type": "object", "properties": {}}
+        if any(t.function.name == name for name, _ in tools):
+            raise bad_request(f"tools: the function name {t.function.name!r} is used twice", param="tools")
+        if schema.get("type", "object") != "object":
+            raise bad_request(
+                f"tools: the parameters of {t.function.name!r} must be a JSON schema of an object",
+                param="tools",
+            )
+        try:
+            engine.structured.check(StructuredOutput.json_schema(schema))
+        except ValueError as e:
+            raise bad_request(f"tools: {t.function.name!r}: {e}", param="tools") from e
+        tools.append((t.function.name, schema))
+    names = frozenset(name for name, _ in tools)
+    if choice == "none":
+        return None, None
+    if choice is None or choice == "auto":
+        return ToolParsing("auto", names), None
+    if choice == "required":
+        spec = required_spec(tools)
+        _check_structured(engine, spec, "tools")
+        return ToolParsing("required", names), spec
+    named = choice.function.name
+    named_schema = dict(tools).get(named)
+    if named_schema is None:
+        raise bad_request(f"tool_choice names {named!r}, which is not one of the tools", param="tool_choice")
+    return ToolParsing("named", names, named), StructuredOutput.json_schema(named_schema)
+
+
 def _chat(body: ChatCompletionRequest, engine: AsyncEngine) -> Generation:
-    if body.tools:
-        raise bad_request("tools are not supported", param="tools")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise bad_request("only response_format {'type': 'text'} is supported", param="response_format")
+    try:
+        formatted = _response_format(body)
+    except ValueError as e:
+        raise bad_request(str(e), param="response_format") from e
+    spec = _structured_outputs(body)
+    if formatted is not None and spec is not None:
+        raise bad_request("give response_format or structured_outputs, not both", param="structured_outputs")
+    if formatted is not None:
+        _check_structured(engine, formatted, "response_format")
+        spec = formatted
+    elif spec is not None:
+        _check_structured(engine, spec, "structured_outputs")
+    tool_parsing, tool_spec = _tool_calls(body, engine)
+    if tool_spec is not None:
+        if spec is not None:
+            raise bad_request(
+                "a named or required tool_choice constrains the output itself: it cannot be combined with "
+                "response_format or structured_outputs",
+                param="tool_choice",
+            )
+        spec = tool_spec
+    elif spec is not None:
+        tool_parsing = None  # the answer follows the requested format: it is content
     top_n = 0
     if body.top_logprobs is not None:
         if not body.logprobs:
@@ -150,9 +294,13 @@ def _chat(body: ChatCompletionRequest, engine: AsyncEngine) -> Generation:
     params = _sampling_params(
         body, max_tokens, top_n if body.logprobs else None, engine.model_info.vocab_size
     )
+    params = _constrained(params, spec)
     # Rendered after the parameters are checked, so a bad parameter is reported before a bad message.
     ids = chat_prompt_ids(engine, body)
-    return Generation(ids, params, _options(body, logprobs=body.logprobs, top_logprobs=top_n))
+    options = _options(body, logprobs=body.logprobs, top_logprobs=top_n)
+    if tool_parsing is not None:
+        options = ChatOptions(**vars(options), tools=tool_parsing)
+    return Generation(ids, params, options)
 
 
 COMPLETIONS = Endpoint(

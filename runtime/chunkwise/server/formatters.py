@@ -11,9 +11,12 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from chunkwise.outputs import CompletionOutput, RequestOutput, TokenLogprob
+
+if TYPE_CHECKING:
+    from chunkwise.server.tools import ToolCall, ToolParsing, ToolStream
 
 # JSON has no infinities: a -inf logprob (a token the sampler could never pick) is reported as this.
 MIN_LOGPROB = -9999.0
@@ -202,6 +205,12 @@ class ChatFormatter(Formatter):
     chunk_object = "chat.completion.chunk"
     answer_object = "chat.completion"
 
+    def __init__(self, head: ResponseHead, options: ResponseOptions, token_text: TokenText) -> None:
+        super().__init__(head, options, token_text)
+        # Tool calls (server/tools.py's ChatOptions): how the text is read, and the streamed answer so far.
+        self._tools: ToolParsing | None = getattr(options, "tools", None)
+        self._tool_stream: ToolStream | None = self._tools.stream() if self._tools is not None else None
+
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.token_text(token_id)
         return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
@@ -223,9 +232,20 @@ class ChatFormatter(Formatter):
         return [self._chunk(choice, **self._prompt_ids())]
 
     def chunk(self, delta: CompletionOutput, finish_reason: str | None) -> dict[str, Any]:
+        text = delta.text
+        calls: list[ToolCall] = []
+        if self._tool_stream is not None:
+            text = self._tool_stream.feed(text)
+            if finish_reason is not None:
+                rest, calls = self._tool_stream.finish(complete=finish_reason == "stop")
+                text += rest
+        message: dict[str, Any] = {"content": text} if text else {}
+        if calls:
+            message["tool_calls"] = [c.as_delta(i) for i, c in enumerate(calls)]
+            finish_reason = "tool_calls"
         choice: dict[str, Any] = {
             "index": 0,
-            "delta": {"content": delta.text} if delta.text else {},
+            "delta": message,
             "logprobs": self.logprobs(delta.logprobs),
             "finish_reason": finish_reason,
         }
@@ -234,11 +254,18 @@ class ChatFormatter(Formatter):
         return self._chunk(choice)
 
     def answer(self, result: Collected, usage: Usage) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": result.text}
+        finish_reason = result.finish_reason
+        if self._tools is not None and finish_reason == "stop":
+            content, calls = self._tools.extract(result.text)
+            if calls:
+                message = {**message, "content": content, "tool_calls": [c.as_dict() for c in calls]}
+                finish_reason = "tool_calls"
         choice: dict[str, Any] = {
             "index": 0,
-            "message": {"role": "assistant", "content": result.text},
+            "message": message,
             "logprobs": self.logprobs(result.logprobs),
-            "finish_reason": result.finish_reason,
+            "finish_reason": finish_reason,
         }
         if self.options.return_token_ids:
             choice["token_ids"] = result.token_ids

@@ -83,7 +83,6 @@ RANGES: dict[str, dict[str, Any]] = {
     "echo": {"const": False},
     "suffix": {"type": "null"},
     "logit_bias": {"type": "null"},
-    "tools": {"type": "null"},
 }
 
 

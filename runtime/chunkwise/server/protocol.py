@@ -1,8 +1,7 @@
 """OpenAI request models (pydantic, strict: a wrong type is a 400, never a silent coercion).
 
 Unknown fields are ignored, as OpenAI-compatible servers commonly do; fields we cannot honour (n > 1,
-best_of, echo, suffix, logit_bias, tools, a non-text response_format) are refused with a clear 400 rather
-than ignored.
+best_of, echo, suffix, logit_bias) are refused with a clear 400 rather than ignored.
 """
 
 from __future__ import annotations
@@ -20,6 +19,18 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class StructuredOutputsParams(_Strict):
+    """vLLM's `structured_outputs` extension: exactly one of these constrains the generated text."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _Sampling(_Strict):
@@ -43,6 +54,7 @@ class _Sampling(_Strict):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -63,8 +75,41 @@ class ChatMessageModel(_Strict):
     name: str | None = None
 
 
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
+    # With type "json_schema" (OpenAI's structured outputs).
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    # A JSON schema for the arguments (an object); none means a call takes no arguments.
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -74,6 +119,6 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     response_format: ResponseFormat | None = None
