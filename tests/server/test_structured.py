@@ -127,7 +127,10 @@ def test_json_schema_answers_parse_and_validate(server: LiveServer, name: str, t
     )
     choice = r.choices[0]
     assert choice.finish_reason == "stop", choice.message.content
-    jsonschema.validate(json.loads(choice.message.content), schema)
+    value = json.loads(choice.message.content)
+    jsonschema.validate(value, schema)
+    if name == "person":  # written in the schema's order of properties, as OpenAI's are
+        assert list(value) == list(PERSON["properties"])
 
 
 def test_json_object_is_an_object(server: LiveServer) -> None:
@@ -292,6 +295,17 @@ def test_tool_choice_none_and_auto_answer_with_content(live: LiveServer) -> None
         r = _chat(live, tools=TOOLS, tool_choice=choice, max_tokens=10, temperature=0.0)
         assert r.choices[0].message.tool_calls is None
         assert r.choices[0].finish_reason == "length"
+
+
+def test_the_published_schema_has_the_new_fields(live: LiveServer) -> None:
+    doc = httpx.get(live.url + "/openapi.json", trust_env=False).json()
+    schemas = doc["components"]["schemas"]
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    assert {"tools", "tool_choice", "response_format", "structured_outputs"} <= set(chat)
+    assert "structured_outputs" in schemas["CompletionRequest"]["properties"]
+    assert {"json", "regex", "choice", "grammar"} <= set(schemas["StructuredOutputsParams"]["properties"])
+    assert "schema" in schemas["JsonSchemaFormat"]["properties"]
+    assert schemas["Tool"]["required"] == ["type", "function"]
 
 
 def test_tools_reach_the_chat_template() -> None:

@@ -1,7 +1,8 @@
 """What a request asks its output to match: the request-side spec of structured outputs.
 
 Kept free of torch and llguidance (SamplingParams carries it, and the router imports SamplingParams). The
-spec is a canonical string per form, so that equal constraints are equal keys of the compiler's cache.
+spec is one string per form (a schema as compact JSON), so that equal constraints are equal keys of the
+compiler's cache.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ KINDS: tuple[Kind, ...] = ("json", "regex", "choice", "grammar")
 class StructuredOutput:
     """One constraint on a request's generated text.
 
-    kind "json": `spec` is a JSON schema, serialised canonically (sorted keys); "regex": a regular
+    kind "json": `spec` is a JSON schema as compact JSON text, its keys in order; "regex": a regular
     expression the whole output matches; "choice": a JSON list of the strings the output may be; "grammar":
     a Lark grammar (llguidance's dialect)."""
 
@@ -44,7 +45,8 @@ class StructuredOutput:
             raise ValueError(
                 f"structured_outputs: a JSON schema must be an object or a bool, got {type(schema).__name__}"
             )
-        return cls("json", json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False))
+        # Keys keep their order: a schema's "properties" order is the order the output writes them in.
+        return cls("json", json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
 
     @classmethod
     def json_object(cls) -> StructuredOutput:
