@@ -290,9 +290,9 @@ def test_a_reused_decode_sampling_batch_samples_as_a_fresh_one(monkeypatch: pyte
     def spy(scheduled):  # type: ignore[no-untyped-def]
         nonlocal reused
         before = runner._decode_batch
-        batch = decode(scheduled)
+        batch, grammar_rows = decode(scheduled)
         reused += before is not None and batch is before[1]
-        return batch
+        return batch, grammar_rows
 
     monkeypatch.setattr(runner, "_decode_sampling_batch", spy)
     together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
