@@ -108,7 +108,9 @@ class GrammarState:
         drafts the grammar accepts (see valid_prefix). The matcher is left where it was."""
         m = self.matcher(req_id, spec)
         n, w = len(drafts) + 1, self.words
-        buf = self._buffer(n * w + n)
+        # Its own (pageable) buffer: a verify runs per request, and the shared pinned one may still be
+        # in flight to the device for another row; a copy from pageable memory is done when .to() returns.
+        buf = torch.empty(n * w + n, dtype=torch.int32)
         bits = buf[: n * w].view(n, w)
         consumed = 0
         for j in range(n):
@@ -120,7 +122,7 @@ class GrammarState:
         if consumed:
             m.rollback(consumed)
         buf.numpy()[n * w :] = np.arange(n, dtype=np.int32)
-        return GrammarMask(self._to_device(buf), n, w)
+        return GrammarMask(buf if self.device.type == "cpu" else buf.to(self.device), n, w)
 
     def _to_device(self, buf: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":
