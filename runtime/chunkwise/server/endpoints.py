@@ -20,11 +20,17 @@ if TYPE_CHECKING:
 B = TypeVar("B", bound=_Sampling)
 
 
+# The most prompts one /v1/completions body may batch: each is an engine request of its own, and a client
+# that wants more is better served by sending several bodies (load shedding then sees them one by one).
+MAX_BATCH_PROMPTS = 256
+
+
 @dataclass(frozen=True)
 class Generation:
-    """One request as the serving path runs it."""
+    """One request as the serving path runs it: one engine request per prompt, each with `params.n`
+    choices."""
 
-    prompt: str | list[int]
+    prompts: list[str | list[int]]
     params: SamplingParams
     options: ResponseOptions
 
@@ -72,8 +78,9 @@ def _sampling_params(
         raise from_value_error(e) from e
 
 
-def _options(body: _Sampling, logprobs: bool, top_logprobs: int = 0) -> ResponseOptions:
+def _options(body: _Sampling, logprobs: bool, top_logprobs: int = 0, echo: bool = False) -> ResponseOptions:
     return ResponseOptions(
+        echo=echo,
         stream=body.stream,
         include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage),
         logprobs=logprobs,
@@ -83,35 +90,40 @@ def _options(body: _Sampling, logprobs: bool, top_logprobs: int = 0) -> Response
 
 
 # -- completions -------------------------------------------------------------------------------------------
-def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
+def _prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    """OpenAI's four prompt shapes: a string, a list of token ids, or a batch of either."""
     if isinstance(prompt, str):
-        return prompt
-    batch: list[str | list[int]] = []
-    ids: list[int] = []
-    for p in prompt:
-        if isinstance(p, str | list):
-            batch.append(p)
-        else:
-            ids.append(p)
-    if not batch:
-        return ids
-    if len(batch) > 1:
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    # The request model admits no list mixing ids with strings or lists.
+    batch: list[str | list[int]] = list(prompt)  # type: ignore[arg-type]
+    if any(not p for p in batch):
+        raise bad_request("a prompt in the batch is empty", param="prompt")
+    if len(batch) > MAX_BATCH_PROMPTS:
         raise bad_request(
-            f"a batch of {len(batch)} prompts is not supported; send one prompt per request", param="prompt"
+            f"a batch of {len(batch)} prompts is more than {MAX_BATCH_PROMPTS}; send several requests",
+            param="prompt",
         )
-    return batch[0]
+    return batch
 
 
 def _completion(body: CompletionRequest, engine: AsyncEngine) -> Generation:
-    if body.echo:
-        raise bad_request("echo is not supported", param="echo")
+    if body.echo and body.logprobs is not None:
+        raise bad_request(
+            "echo with logprobs would need the prompt's log-probs, which this server does not compute",
+            param="echo",
+        )
     if body.suffix:
         raise bad_request("suffix is not supported", param="suffix")
-    if body.best_of is not None and body.best_of != 1:
-        raise bad_request("best_of must be 1 (one completion per request)", param="best_of")
-    prompt = _single_prompt(body.prompt)
+    if body.best_of is not None and body.best_of != body.n:
+        # best_of > n would generate candidates and rank them; vLLM's engine no longer does either.
+        raise bad_request(f"best_of must equal n ({body.n}) when given", param="best_of")
+    prompts = _prompts(body.prompt)
     params = _sampling_params(body, body.max_tokens, body.logprobs, engine.model_info.vocab_size)
-    return Generation(prompt, params, _options(body, logprobs=body.logprobs is not None))
+    return Generation(prompts, params, _options(body, logprobs=body.logprobs is not None, echo=body.echo))
 
 
 # -- chat --------------------------------------------------------------------------------------------------
@@ -152,7 +164,7 @@ def _chat(body: ChatCompletionRequest, engine: AsyncEngine) -> Generation:
     )
     # Rendered after the parameters are checked, so a bad parameter is reported before a bad message.
     ids = chat_prompt_ids(engine, body)
-    return Generation(ids, params, _options(body, logprobs=body.logprobs, top_logprobs=top_n))
+    return Generation([ids], params, _options(body, logprobs=body.logprobs, top_logprobs=top_n))
 
 
 COMPLETIONS = Endpoint(

@@ -1,8 +1,7 @@
 """OpenAI request models (pydantic, strict: a wrong type is a 400, never a silent coercion).
 
-Unknown fields are ignored, as OpenAI-compatible servers commonly do; fields we cannot honour (n > 1,
-best_of, echo, suffix, logit_bias, tools, a non-text response_format) are refused with a clear 400 rather
-than ignored.
+Unknown fields are ignored, as OpenAI-compatible servers commonly do; fields we cannot honour (best_of
+other than n, echo with logprobs, suffix, logit_bias) are refused with a clear 400 rather than ignored.
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ class _Sampling(_Strict):
 
 
 class CompletionRequest(_Sampling):
-    # A string, a list of token ids, or a one-element list of either (a batch of several is refused).
+    # A string, a list of token ids, or a batch of either (one engine request per prompt).
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
