@@ -78,8 +78,36 @@ def test_echo_repeats_the_prompt_before_the_completion(client: openai.OpenAI) ->
     assert "".join(c.choices[0].text for c in streamed) == "abc" + completion
 
 
-def test_echo_with_logprobs_is_a_clear_400(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt="abc", max_tokens=2, echo=True, logprobs=1)
-    body = e.value.body
-    assert isinstance(body, dict) and body["param"] == "echo" and "log-probs" in body["message"]
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client: openai.OpenAI) -> None:
+    # lm-evaluation-harness's loglikelihood request: the prompt echoed with its tokens' log-probs.
+    r = client.completions.create(
+        model=MODEL, prompt="abcd", max_tokens=1, temperature=0, echo=True, logprobs=1
+    )
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    # BOS + 4 bytes of prompt, then the one generated token; the first token has no log-prob.
+    assert len(lp.tokens) == len(lp.token_logprobs) == 6
+    assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.text_offset is not None and lp.text_offset == sorted(lp.text_offset)
+    assert lp.top_logprobs is not None and lp.top_logprobs[0] is None and len(lp.top_logprobs[1]) >= 1
+    # vLLM's prompt_logprobs extension reports the same numbers, keyed by token id, with ranks.
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt="abcd", max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 0}
+    ).http_response.json()
+    scores = raw["choices"][0]["prompt_logprobs"]
+    assert scores[0] is None and len(scores) == 5
+    assert list(scores[1]) == [str(ord("a"))]
+    assert [next(iter(s.values()))["logprob"] for s in scores[1:]] == pytest.approx(lp.token_logprobs[1:5])
+    assert all(next(iter(s.values()))["rank"] >= 1 for s in scores[1:])
+
+
+def test_chat_prompt_logprobs_ride_on_the_response(client: openai.OpenAI) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        extra_body={"prompt_logprobs": 1, "return_token_ids": True},
+    ).http_response.json()
+    scores, ids = raw["prompt_logprobs"], raw["prompt_token_ids"]
+    assert scores[0] is None and len(scores) == len(ids)
+    assert all(str(t) in s for t, s in zip(ids[1:], scores[1:]))

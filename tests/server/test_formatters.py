@@ -155,19 +155,29 @@ def test_chat_answer_puts_prompt_ids_on_the_response() -> None:
 BATCH = ResponseHead(id="x-1", created=7, model="m", prompts=(Prompt([1], "p"), Prompt([2, 3], "q r")), n=2)
 
 
+TEXTS.update({1: "p", 2: "q", 3: " r"})
+
+
 def test_a_batch_numbers_choices_by_prompt_then_choice_and_echo_opens_each() -> None:
     opts = ResponseOptions(stream=True, logprobs=True, return_token_ids=True, echo=True)
     fmt = CompletionFormatter(BATCH, opts, TEXTS.__getitem__)
+    fmt.add_prompt_logprobs(1, [TokenLogprob(3, -2.0, [(2, -0.5)])])
     # The second prompt's choice 1 is choice 3; its first chunk echoes its own prompt, ids and text.
     first = fmt.chunk(1, _delta("c", [11], [TokenLogprob(11, -1.0)], index=1))["choices"][0]
     assert (first["index"], first["text"], first["prompt_token_ids"]) == (3, "q rc", [2, 3])
-    # The log-prob offsets count the echoed prompt; they run per choice, not across choices.
-    assert first["logprobs"]["text_offset"] == [3]
+    # The echoed prompt's tokens open the log-probs (the first without one), offsets running on.
+    assert first["logprobs"] == {
+        "tokens": ["q", " r", "c"],
+        "token_logprobs": [None, -2.0, -1.0],
+        "top_logprobs": [None, {" r": -2.0, "q": -0.5}, {"c": -1.0}],
+        "text_offset": [0, 1, 3],
+    }
+    # Offsets run per choice, not across choices.
     again = fmt.chunk(1, _delta("d", [12], [TokenLogprob(12, -1.0)], "stop", index=1))["choices"][0]
     assert (again["text"], again["logprobs"]["text_offset"], again["finish_reason"]) == ("d", [4], "stop")
     assert "prompt_token_ids" not in again
     other = fmt.chunk(0, _delta("ab", [10], [TokenLogprob(10, -1.0)], index=0))["choices"][0]
-    assert (other["index"], other["text"], other["logprobs"]["text_offset"]) == (0, "pab", [1])
+    assert (other["index"], other["text"], other["logprobs"]["text_offset"]) == (0, "pab", [0, 1])
 
 
 def test_an_answer_lists_every_choice_in_index_order() -> None:

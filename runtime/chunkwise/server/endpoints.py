@@ -52,7 +52,11 @@ class Endpoint(Generic[B]):
 
 
 def _sampling_params(
-    body: _Sampling, max_tokens: int | None, logprobs: int | None, vocab_size: int
+    body: _Sampling,
+    max_tokens: int | None,
+    logprobs: int | None,
+    vocab_size: int,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     top_k = 0 if body.top_k is None else body.top_k
     # A top_k past the vocabulary filters nothing; clamped so an absurd value never reaches the sampler.
@@ -73,6 +77,7 @@ def _sampling_params(
             logprobs=logprobs,
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
+            prompt_logprobs=body.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
         )
     except ValueError as e:
         raise from_value_error(e) from e
@@ -81,6 +86,7 @@ def _sampling_params(
 def _options(body: _Sampling, logprobs: bool, top_logprobs: int = 0, echo: bool = False) -> ResponseOptions:
     return ResponseOptions(
         echo=echo,
+        prompt_logprobs=body.prompt_logprobs is not None,
         stream=body.stream,
         include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage),
         logprobs=logprobs,
@@ -111,18 +117,18 @@ def _prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str 
 
 
 def _completion(body: CompletionRequest, engine: AsyncEngine) -> Generation:
-    if body.echo and body.logprobs is not None:
-        raise bad_request(
-            "echo with logprobs would need the prompt's log-probs, which this server does not compute",
-            param="echo",
-        )
     if body.suffix:
         raise bad_request("suffix is not supported", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
         # best_of > n would generate candidates and rank them; vLLM's engine no longer does either.
         raise bad_request(f"best_of must equal n ({body.n}) when given", param="best_of")
     prompts = _prompts(body.prompt)
-    params = _sampling_params(body, body.max_tokens, body.logprobs, engine.model_info.vocab_size)
+    # Echo with logprobs shows the prompt's tokens' log-probs too, with as many alternatives.
+    prompt_logprobs = body.prompt_logprobs
+    if body.echo and body.logprobs is not None:
+        prompt_logprobs = max(body.logprobs, prompt_logprobs or 0)
+    vocab_size = engine.model_info.vocab_size
+    params = _sampling_params(body, body.max_tokens, body.logprobs, vocab_size, prompt_logprobs)
     return Generation(prompts, params, _options(body, logprobs=body.logprobs is not None, echo=body.echo))
 
 

@@ -39,8 +39,10 @@ class ResponseOptions:
     # Chat's alternatives per token; a completion shows every alternative the engine returns.
     top_logprobs: int = 0
     return_token_ids: bool = False
-    # Completions: each choice's text starts with its prompt's.
+    # Completions: each choice's text starts with its prompt's (and, with logprobs, so do its log-probs).
     echo: bool = False
+    # vLLM's prompt_logprobs: each choice (a chat response) carries its prompt tokens' log-probs.
+    prompt_logprobs: bool = False
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,26 @@ class Formatter(ABC):
         self.head = head
         self.options = options
         self.token_text = token_text
+        # Per prompt: its tokens' log-probs once the engine has scored it (the first output carries them).
+        self.prompt_scores: list[list[TokenLogprob] | None] = [None] * len(head.prompts)
+
+    def add_prompt_logprobs(self, prompt_index: int, scores: list[TokenLogprob] | None) -> None:
+        if scores is not None:
+            self.prompt_scores[prompt_index] = scores
+
+    def _vllm_prompt_logprobs(self, prompt_index: int) -> list[dict[str, Any] | None]:
+        """vLLM's shape: None for the first prompt token, then {token id: {logprob, rank, decoded_token}}
+        with the token itself and its alternatives."""
+        shaped: list[dict[str, Any] | None] = [None]
+        for lp in self.prompt_scores[prompt_index] or []:
+            entry = {str(lp.token_id): self._vllm_entry(lp.token_id, lp.logprob, lp.rank)}
+            for rank, (tid, v) in enumerate(lp.top, start=1):
+                entry.setdefault(str(tid), self._vllm_entry(tid, v, rank))
+            shaped.append(entry)
+        return shaped
+
+    def _vllm_entry(self, token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": _finite(logprob), "rank": rank, "decoded_token": self.token_text(token_id)}
 
     def opening(self) -> list[dict[str, Any]]:
         """The chunks streamed before any output."""
@@ -184,13 +206,20 @@ class _CompletionLogprobs:
         self.token_text = token_text
         self.offset = 0  # where the next token's text starts in the completion
 
-    def add(self, lps: Sequence[TokenLogprob]) -> dict[str, Any]:
+    def add(self, lps: Sequence[TokenLogprob], prompt: Prompt | None = None) -> dict[str, Any]:
         out: dict[str, list[Any]] = {
             "tokens": [],
             "token_logprobs": [],
             "top_logprobs": [],
             "text_offset": [],
         }
+        if prompt is not None:
+            # Echo: the prompt's first token has no log-prob (nothing precedes it), as OpenAI shows it.
+            first = self.token_text(prompt.token_ids[0])
+            for key, value in (("tokens", first), ("token_logprobs", None), ("top_logprobs", None)):
+                out[key].append(value)
+            out["text_offset"].append(self.offset)
+            self.offset += len(first)
         for lp in lps:
             text = self.token_text(lp.token_id)
             top = {text: _finite(lp.logprob)}
@@ -218,6 +247,11 @@ class CompletionFormatter(Formatter):
     def _shape_logprobs(self, index: int, lps: Sequence[TokenLogprob]) -> dict[str, Any]:
         return self._logprobs[index].add(lps)
 
+    def _echoed_logprobs(self, index: int, lps: Sequence[TokenLogprob] | None) -> dict[str, Any]:
+        prompt = self.head.prompt_of(index)
+        scores = self.prompt_scores[index // self.head.n] or []
+        return self._logprobs[index].add([*scores, *(lps or [])], prompt=prompt)
+
     def _choice(
         self,
         index: int,
@@ -228,17 +262,22 @@ class CompletionFormatter(Formatter):
     ) -> dict[str, Any]:
         first = not self._started[index]
         self._started[index] = True
-        if first and self.options.echo:
-            echoed = self.head.prompt_of(index).text
-            # The log-prob offsets count from the start of the choice's text, the echoed prompt included.
-            self._logprobs[index].offset += len(echoed)
-            text = echoed + text
+        echo = first and self.options.echo
+        if echo and self.options.logprobs:
+            # The echoed prompt's own tokens open the log-probs, their offsets running into the completion's.
+            logprobs = self._echoed_logprobs(index, lps)
+        else:
+            logprobs = self.logprobs(index, lps)
+        if echo:
+            text = self.head.prompt_of(index).text + text
         choice: dict[str, Any] = {
             "index": index,
             "text": text,
-            "logprobs": self.logprobs(index, lps),
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
+        if first and self.options.prompt_logprobs:
+            choice["prompt_logprobs"] = self._vllm_prompt_logprobs(index // self.head.n)
         if self.options.return_token_ids:
             if first:
                 choice["prompt_token_ids"] = self.head.prompt_of(index).token_ids
@@ -261,6 +300,10 @@ class ChatFormatter(Formatter):
     chunk_object = "chat.completion.chunk"
     answer_object = "chat.completion"
 
+    def __init__(self, head: ResponseHead, options: ResponseOptions, token_text: TokenText) -> None:
+        super().__init__(head, options, token_text)
+        self._scores_sent = False
+
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.token_text(token_id)
         return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
@@ -274,9 +317,17 @@ class ChatFormatter(Formatter):
         return {"content": content}
 
     def _prompt_ids(self) -> dict[str, Any]:
-        if not self.options.return_token_ids:
-            return {}
-        return {"prompt_token_ids": self.head.prompts[0].token_ids}
+        return {"prompt_token_ids": self.head.prompts[0].token_ids} if self.options.return_token_ids else {}
+
+    def _prompt_logprobs(self) -> dict[str, Any]:
+        return {"prompt_logprobs": self._vllm_prompt_logprobs(0)} if self.options.prompt_logprobs else {}
+
+    def chunk(self, prompt_index: int, delta: CompletionOutput) -> dict[str, Any]:
+        # Streamed, the prompt's log-probs ride on the first chunk after the opening (they come with the
+        # first output, after the role chunks went out).
+        extra = {} if self._scores_sent else self._prompt_logprobs()
+        self._scores_sent = True
+        return self._chunk(self._delta_choice(prompt_index * self.head.n + delta.index, delta), **extra)
 
     def opening(self) -> list[dict[str, Any]]:
         chunks = []
@@ -309,4 +360,4 @@ class ChatFormatter(Formatter):
         return choice
 
     def answer(self, result: CollectedResponse, usage: Usage) -> dict[str, Any]:
-        return {**super().answer(result, usage), **self._prompt_ids()}
+        return {**super().answer(result, usage), **self._prompt_ids(), **self._prompt_logprobs()}

@@ -79,6 +79,7 @@ RANGES: dict[str, dict[str, Any]] = {
     "max_tokens": {"minimum": 1},
     "max_completion_tokens": {"minimum": 1},
     "top_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
+    "prompt_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
     "n": {"minimum": 1, "maximum": 1},
     # best_of must equal n when given: a constraint between fields, left to the 400.
     "best_of": {"minimum": 1},

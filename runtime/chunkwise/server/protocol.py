@@ -1,7 +1,7 @@
 """OpenAI request models (pydantic, strict: a wrong type is a 400, never a silent coercion).
 
 Unknown fields are ignored, as OpenAI-compatible servers commonly do; fields we cannot honour (best_of
-other than n, echo with logprobs, suffix, logit_bias) are refused with a clear 400 rather than ignored.
+other than n, suffix, logit_bias) are refused with a clear 400 rather than ignored.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ class _Sampling(_Strict):
     skip_special_tokens: bool = True
     # vLLM's: each choice (and each streamed chunk) also carries its token ids, and the prompt's.
     return_token_ids: bool = False
+    # vLLM's: the log-probs of the prompt's tokens (and this many alternatives each).
+    prompt_logprobs: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     presence_penalty: float = 0.0

@@ -168,7 +168,7 @@ async def serve(state: ServerState, endpoint: Endpoint[B], body: B, request: Req
     fmt = endpoint.formatter(head, gen.options, functools.partial(state.token_text, engine))
     if gen.options.stream:
         return EngineStreamResponse(_events(fmt, streams), streams)
-    result = await _collect(request, head, streams)
+    result = await _collect(request, fmt, streams)
     if result is None:
         return Response(status_code=499)
     if result.aborted:
@@ -226,6 +226,7 @@ async def _events(fmt: Formatter, streams: list[RequestStream]) -> AsyncIterator
             yield _sse(data)
         async for k, out in _merged(streams):
             cached[k] = out.num_cached_tokens
+            fmt.add_prompt_logprobs(k, out.prompt_logprobs)
             for c in out.outputs:
                 num_tokens += len(c.token_ids)
                 if c.finish_reason == "abort":
@@ -278,14 +279,15 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 
 async def _collect(
-    request: Request, head: ResponseHead, streams: list[RequestStream]
+    request: Request, fmt: Formatter, streams: list[RequestStream]
 ) -> CollectedResponse | None:
     """All of one response's output, or None when the client went away first (its requests are aborted)."""
-    result = CollectedResponse(head)
+    result = CollectedResponse(fmt.head)
 
     async def consume() -> None:
         async for k, out in _merged(streams):
             result.add(k, out)
+            fmt.add_prompt_logprobs(k, out.prompt_logprobs)
 
     consumer = asyncio.ensure_future(consume())
     watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
