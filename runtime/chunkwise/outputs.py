@@ -11,6 +11,8 @@ class TokenLogprob:
     logprob: float
     # The most likely alternatives at this position: (token id, logprob), best first.
     top: list[tuple[int, float]] = field(default_factory=list)
+    # 1 + how many tokens were more likely (prompt log-probs report it, as vLLM does); None if not computed.
+    rank: int | None = None
 
 
 @dataclass(slots=True)
@@ -34,3 +36,6 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
+    # With SamplingParams.prompt_logprobs: prompt tokens 1.. (the first has no predecessor), on the first
+    # output only.
+    prompt_logprobs: list[TokenLogprob] | None = None

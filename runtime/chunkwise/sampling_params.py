@@ -70,6 +70,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Per-request opt-out of speculative decoding (when the engine runs with a speculative method).
     speculative: bool = True
+    # vLLM's: the log-prob of every prompt token after the first (and this many alternatives). The prompt is
+    # then computed whole: no prefix-cache hit can skip the positions it reports.
+    prompt_logprobs: int | None = None
     # Structured outputs: the generated text is constrained to this JSON schema, regex, choice or grammar,
     # and ends (finish_reason "stop", at an EOS) where the grammar is complete.
     structured: StructuredOutput | None = None
@@ -94,6 +97,7 @@ class SamplingParams:
             include_stop_str_in_output: bool = False,
             skip_special_tokens: bool = True,
             speculative: bool = True,
+            prompt_logprobs: int | None = None,
             structured: StructuredOutput | None = None,
         ) -> None: ...
 
@@ -139,8 +143,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value!r}")
             set_(name, value)
 
-        if self.logprobs is not None and not 0 <= _check_int("logprobs", self.logprobs) <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= _check_int(name, value) <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value!r}")
 
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculative"):
             _check_bool(name, getattr(self, name))

@@ -120,45 +120,48 @@ def test_a_streamed_answer_that_is_no_call_is_all_shown() -> None:
 
 
 # -- the chat formatter's shapes --------------------------------------------------------------------------------
-def _formatter(mode: str = "auto", name: str | None = None, stream: bool = False):
-    from chunkwise.server.formatters import ChatFormatter, ResponseHead
+def _formatter(mode: str = "auto", name: str | None = None, stream: bool = False, n: int = 1):  # type: ignore[no-untyped-def]
+    from chunkwise.server.formatters import ChatFormatter, Prompt, ResponseHead
     from chunkwise.server.tools import ChatOptions
 
-    head = ResponseHead(id="x", created=1, model="m", prompt_token_ids=[1])
+    head = ResponseHead(id="x", created=1, model="m", prompts=(Prompt([1], "p"),), n=n)
     opts = ChatOptions(stream=stream, tools=ToolParsing(mode, NAMES, name))  # type: ignore[arg-type]
     return ChatFormatter(head, opts, str)
 
 
-def _delta(text: str):
+def _delta(text: str, finish_reason: str | None = None, index: int = 0):  # type: ignore[no-untyped-def]
     from chunkwise.outputs import CompletionOutput
 
-    return CompletionOutput(index=0, text=text, token_ids=[0])
+    return CompletionOutput(index=index, text=text, token_ids=[0], finish_reason=finish_reason)
+
+
+def _answer(fmt, text: str, finish_reason: str):  # type: ignore[no-untyped-def]
+    from chunkwise.server.formatters import CollectedResponse, Usage
+
+    result = CollectedResponse(fmt.head)
+    result.choices[0].text = text
+    result.choices[0].finish_reason = finish_reason
+    return fmt.answer(result, Usage(1, 1, 0))["choices"][0]
 
 
 def test_answer_with_tool_calls_has_null_content_and_finish_reason_tool_calls() -> None:
-    from chunkwise.server.formatters import Collected, Usage
-
     fmt = _formatter()
-    result = Collected(
-        text='<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>', finish_reason="stop"
-    )
-    choice = fmt.answer(result, Usage(1, 1, 0))["choices"][0]
+    choice = _answer(fmt, '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>', "stop")
     assert choice["finish_reason"] == "tool_calls"
     message = choice["message"]
     assert message["role"] == "assistant" and message["content"] is None
     (call,) = message["tool_calls"]
     assert call["type"] == "function" and call["function"] == {"name": "add", "arguments": '{"a": 1}'}
     # Cut short by max_tokens: no call is made of it.
-    result = Collected(text='<tool_call>{"name": "add"', finish_reason="length")
-    choice = fmt.answer(result, Usage(1, 1, 0))["choices"][0]
+    choice = _answer(fmt, '<tool_call>{"name": "add"', "length")
     assert choice["finish_reason"] == "length" and "tool_calls" not in choice["message"]
 
 
 def test_streamed_chunks_hold_the_call_and_deliver_it_with_an_index() -> None:
     fmt = _formatter(stream=True)
-    a = fmt.chunk(_delta("Ok. "), None)
-    b = fmt.chunk(_delta('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'), None)
-    c = fmt.chunk(_delta(""), "stop")
+    a = fmt.chunk(0, _delta("Ok. "))
+    b = fmt.chunk(0, _delta('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'))
+    c = fmt.chunk(0, _delta("", "stop"))
     assert a["choices"][0]["delta"] == {"content": "Ok. "}
     assert b["choices"][0]["delta"] == {}
     last = c["choices"][0]
@@ -169,7 +172,17 @@ def test_streamed_chunks_hold_the_call_and_deliver_it_with_an_index() -> None:
 
 def test_named_streams_no_content() -> None:
     fmt = _formatter("named", "add", stream=True)
-    assert fmt.chunk(_delta('{"a": '), None)["choices"][0]["delta"] == {}
-    last = fmt.chunk(_delta("7}"), "stop")["choices"][0]
+    assert fmt.chunk(0, _delta('{"a": '))["choices"][0]["delta"] == {}
+    last = fmt.chunk(0, _delta("7}", "stop"))["choices"][0]
     assert last["finish_reason"] == "tool_calls"
     assert last["delta"]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 7}'}
+
+
+def test_each_choice_has_its_own_tool_stream() -> None:
+    fmt = _formatter("named", "add", stream=True, n=2)
+    fmt.chunk(0, _delta('{"a": 1', index=0))
+    fmt.chunk(0, _delta('{"a": 2', index=1))
+    first = fmt.chunk(0, _delta("}", "stop", index=0))["choices"][0]
+    second = fmt.chunk(0, _delta("}", "stop", index=1))["choices"][0]
+    assert first["index"] == 0 and first["delta"]["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'
+    assert second["index"] == 1 and second["delta"]["tool_calls"][0]["function"]["arguments"] == '{"a": 2}'

@@ -65,8 +65,9 @@ class KVCacheManager:
 
     def lookup_prefix(self, req: Request) -> list[int]:
         """Blocks holding the longest cached prefix of req. At least one token is always left to compute,
-        because the step that finishes a prompt must produce its logits."""
-        if not self.enable_prefix_caching:
+        because the step that finishes a prompt must produce its logits. A request that wants its prompt's
+        log-probs gets none: every position it reports must be computed."""
+        if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
             return []
         return self.cached_blocks(self.block_hashes(req), req.num_tokens)
 

@@ -365,7 +365,7 @@ class EngineCore:
             so, result.sampled, result.drafted, result.row_tokens, forward_seconds=result.forward_seconds
         )
         self._flush_kv_events()  # the step's KV is written: its cache changes are now true
-        update = StepUpdate.of(updated, result.logprobs)
+        update = StepUpdate.of(updated, result.logprobs, result.prompt_logprobs)
         t3 = time.perf_counter()
         self.last_step = StepStats(
             step_seconds=t3 - t0,

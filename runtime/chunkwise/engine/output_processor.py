@@ -44,6 +44,8 @@ class _OutputState:
         self.text = ""
         self.sent_chars = 0
         self.sent_tokens = 0
+        # The prompt's log-probs, from the step that scored the prompt until the first output carries them.
+        self.prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class OutputProcessor:
@@ -62,6 +64,10 @@ class OutputProcessor:
         stopped: list[tuple[Request, str]] = []
         states = self.states
         logprobs = update.logprobs
+        if update.prompt_logprobs:
+            for rid, scores in update.prompt_logprobs.items():
+                if (pending := states.get(rid)) is not None:
+                    pending.prompt_logprobs = scores
         for req, num_tokens, finished in zip(update.reqs, update.num_tokens, update.finished):
             st = states.get(req.request_id)
             if st is None:
@@ -124,6 +130,7 @@ class OutputProcessor:
         logprobs: Logprobs | None,
     ) -> RequestOutput:
         st.sent_tokens += len(new_tokens)
+        prompt_logprobs, st.prompt_logprobs = st.prompt_logprobs, None
         lp = None
         if logprobs is not None:
             lp = [TokenLogprob(t, v, top) for t, (v, top) in zip(new_tokens, logprobs)]
@@ -163,6 +170,7 @@ class OutputProcessor:
             arrival_time=req.arrival_time,
             first_token_time=req.first_token_time,
             finished_time=finished_time,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def aborted(self, req: Request) -> RequestOutput:

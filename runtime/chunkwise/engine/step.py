@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from chunkwise.outputs import TokenLogprob
 from chunkwise.request import Request
 
 
@@ -49,13 +50,21 @@ class StepUpdate:
     finished: list[bool]
     # Per request id, per new token: (chosen logprob, top alternatives); None when no row asked for them.
     logprobs: dict[str, Logprobs] | None = None
+    # Per request whose prompt was scored whole this step: its prompt log-probs.
+    prompt_logprobs: dict[str, list[TokenLogprob]] | None = None
 
     @classmethod
-    def of(cls, reqs: list[Request], logprobs: dict[str, Logprobs] | None = None) -> StepUpdate:
+    def of(
+        cls,
+        reqs: list[Request],
+        logprobs: dict[str, Logprobs] | None = None,
+        prompt_logprobs: dict[str, list[TokenLogprob]] | None = None,
+    ) -> StepUpdate:
         # finish() sets finish_reason: whether it is set is whether the request is finished.
         return cls(
             reqs,
             [len(r.token_ids) for r in reqs],
             [r.finish_reason is not None for r in reqs],
             logprobs or None,
+            prompt_logprobs or None,
         )

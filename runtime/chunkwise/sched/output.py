@@ -27,6 +27,9 @@ class ScheduledRequest:
     all_token_ids: list[int] | None = None
     # The scheduler's own request, so that applying the step needs no lookup (the runner never reads it).
     req: Request | None = None
+    # The prompt (live reference), while a request that asked for its prompt's log-probs prefills it: the
+    # tokens each position's logits are scored against.
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -59,6 +62,8 @@ class SchedulerOutput:
     # of each. The runner computes each as a one-token decode row into its sink block (a block no request
     # owns) and discards its logits; they belong to no request and produce nothing.
     padding_positions: tuple[int, ...] = ()
+    # Some row carries a prompt to score (SamplingParams.prompt_logprobs): the runner looks only then.
+    score_prompts: bool = False
 
     @property
     def is_empty(self) -> bool:

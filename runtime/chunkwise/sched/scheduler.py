@@ -320,6 +320,7 @@ class Scheduler(AdmitFromQueues, ApplyStepResult):
     ) -> SchedulerOutput:
         scheduled = []
         num_tokens = num_prefill = 0
+        score_prompts = False
         for req in self.running:
             n = num_new.get(req.request_id)
             if not n:
@@ -329,6 +330,8 @@ class Scheduler(AdmitFromQueues, ApplyStepResult):
             num_spec = max(0, start + n - req.num_tokens)
             samples = start + n - num_spec == req.num_tokens
             params = req.sampling_params
+            scores = params.prompt_logprobs is not None and start < req.num_prompt_tokens
+            score_prompts |= scores
             scheduled.append(
                 ScheduledRequest(
                     req_id=req.request_id,
@@ -341,6 +344,7 @@ class Scheduler(AdmitFromQueues, ApplyStepResult):
                     num_spec_tokens=num_spec,
                     all_token_ids=req.token_ids if num_spec else None,
                     req=req,
+                    prompt_token_ids=req.prompt_token_ids if scores else None,
                 )
             )
             num_tokens += n
@@ -356,6 +360,7 @@ class Scheduler(AdmitFromQueues, ApplyStepResult):
             num_prefill_tokens=num_prefill,
             num_preempted=num_preempted,
             padding_positions=self._padding(len(scheduled)),
+            score_prompts=score_prompts,
         )
 
     def _padding(self, num_rows: int) -> tuple[int, ...]:

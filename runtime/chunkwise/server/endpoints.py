@@ -23,11 +23,17 @@ if TYPE_CHECKING:
 B = TypeVar("B", bound=_Sampling)
 
 
+# The most prompts one /v1/completions body may batch: each is an engine request of its own, and a client
+# that wants more is better served by sending several bodies (load shedding then sees them one by one).
+MAX_BATCH_PROMPTS = 256
+
+
 @dataclass(frozen=True)
 class Generation:
-    """One request as the serving path runs it."""
+    """One request as the serving path runs it: one engine request per prompt, each with `params.n`
+    choices."""
 
-    prompt: str | list[int]
+    prompts: list[str | list[int]]
     params: SamplingParams
     options: ResponseOptions
 
@@ -49,7 +55,11 @@ class Endpoint(Generic[B]):
 
 
 def _sampling_params(
-    body: _Sampling, max_tokens: int | None, logprobs: int | None, vocab_size: int
+    body: _Sampling,
+    max_tokens: int | None,
+    logprobs: int | None,
+    vocab_size: int,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     top_k = 0 if body.top_k is None else body.top_k
     # A top_k past the vocabulary filters nothing; clamped so an absurd value never reaches the sampler.
@@ -70,13 +80,16 @@ def _sampling_params(
             logprobs=logprobs,
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
+            prompt_logprobs=body.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
         )
     except ValueError as e:
         raise from_value_error(e) from e
 
 
-def _options(body: _Sampling, logprobs: bool, top_logprobs: int = 0) -> ResponseOptions:
+def _options(body: _Sampling, logprobs: bool, top_logprobs: int = 0, echo: bool = False) -> ResponseOptions:
     return ResponseOptions(
+        echo=echo,
+        prompt_logprobs=body.prompt_logprobs is not None,
         stream=body.stream,
         include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage),
         logprobs=logprobs,
@@ -135,39 +148,44 @@ def _constrained(params: SamplingParams, spec: StructuredOutput | None) -> Sampl
 
 
 # -- completions -------------------------------------------------------------------------------------------
-def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
+def _prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    """OpenAI's four prompt shapes: a string, a list of token ids, or a batch of either."""
     if isinstance(prompt, str):
-        return prompt
-    batch: list[str | list[int]] = []
-    ids: list[int] = []
-    for p in prompt:
-        if isinstance(p, str | list):
-            batch.append(p)
-        else:
-            ids.append(p)
-    if not batch:
-        return ids
-    if len(batch) > 1:
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    # The request model admits no list mixing ids with strings or lists.
+    batch: list[str | list[int]] = list(prompt)  # type: ignore[arg-type]
+    if any(not p for p in batch):
+        raise bad_request("a prompt in the batch is empty", param="prompt")
+    if len(batch) > MAX_BATCH_PROMPTS:
         raise bad_request(
-            f"a batch of {len(batch)} prompts is not supported; send one prompt per request", param="prompt"
+            f"a batch of {len(batch)} prompts is more than {MAX_BATCH_PROMPTS}; send several requests",
+            param="prompt",
         )
-    return batch[0]
+    return batch
 
 
 def _completion(body: CompletionRequest, engine: AsyncEngine) -> Generation:
-    if body.echo:
-        raise bad_request("echo is not supported", param="echo")
     if body.suffix:
         raise bad_request("suffix is not supported", param="suffix")
-    if body.best_of is not None and body.best_of != 1:
-        raise bad_request("best_of must be 1 (one completion per request)", param="best_of")
-    prompt = _single_prompt(body.prompt)
-    params = _sampling_params(body, body.max_tokens, body.logprobs, engine.model_info.vocab_size)
+    if body.best_of is not None and body.best_of != body.n:
+        # best_of > n would generate candidates and rank them; vLLM's engine no longer does either.
+        raise bad_request(f"best_of must equal n ({body.n}) when given", param="best_of")
+    prompts = _prompts(body.prompt)
+    # Echo with logprobs shows the prompt's tokens' log-probs too, with as many alternatives.
+    prompt_logprobs = body.prompt_logprobs
+    if body.echo and body.logprobs is not None:
+        prompt_logprobs = max(body.logprobs, prompt_logprobs or 0)
+    vocab_size = engine.model_info.vocab_size
+    params = _sampling_params(body, body.max_tokens, body.logprobs, vocab_size, prompt_logprobs)
     spec = _structured_outputs(body)
     if spec is not None:
         _check_structured(engine, spec, "structured_outputs")
     params = _constrained(params, spec)
-    return Generation(prompt, params, _options(body, logprobs=body.logprobs is not None))
+    return Generation(prompts, params, _options(body, logprobs=body.logprobs is not None, echo=body.echo))
 
 
 # -- chat --------------------------------------------------------------------------------------------------
@@ -300,7 +318,7 @@ def _chat(body: ChatCompletionRequest, engine: AsyncEngine) -> Generation:
     options = _options(body, logprobs=body.logprobs, top_logprobs=top_n)
     if tool_parsing is not None:
         options = ChatOptions(**vars(options), tools=tool_parsing)
-    return Generation(ids, params, options)
+    return Generation([ids], params, options)
 
 
 COMPLETIONS = Endpoint(

@@ -80,6 +80,7 @@ _KNOWN_PARAMS = {
     "presence_penalty",
     "frequency_penalty",
     "logprobs",
+    "prompt_logprobs",
     "prompt",
 }
 
@@ -95,7 +96,7 @@ def from_value_error(e: ValueError, prompt_param: str = "prompt") -> APIError:
 
 
 _UNION_HINTS = {
-    "prompt": "must be a string, a list of token ids, or a one-element list of either",
+    "prompt": "must be a string, a list of token ids, or a list of either",
     "stop": "must be a string or a list of strings",
 }
 

@@ -1,8 +1,10 @@
 """How each endpoint shapes its answers: a streamed delta chunk, the last (usage) chunk, a whole answer,
 log-probs and usage. The serving path (serving.py) is the same for both endpoints; only these shapes differ.
 
-A formatter is built per response and may keep state across its chunks (the completions log-probs'
-`text_offset` runs on from chunk to chunk; only the first chunk repeats the prompt's token ids).
+A formatter is built per response and keeps per-choice state across its chunks (the completions log-probs'
+`text_offset` runs on from chunk to chunk; only a choice's first chunk carries its prompt's token ids, or
+its echoed prompt). A response holds `n` choices per prompt; choice `prompt_index * n + i` is the engine's
+output `i` of that prompt, as OpenAI numbers a batch of prompts.
 """
 
 from __future__ import annotations
@@ -40,6 +42,16 @@ class ResponseOptions:
     # Chat's alternatives per token; a completion shows every alternative the engine returns.
     top_logprobs: int = 0
     return_token_ids: bool = False
+    # Completions: each choice's text starts with its prompt's (and, with logprobs, so do its log-probs).
+    echo: bool = False
+    # vLLM's prompt_logprobs: each choice (a chat response) carries its prompt tokens' log-probs.
+    prompt_logprobs: bool = False
+
+
+@dataclass(frozen=True)
+class Prompt:
+    token_ids: list[int]
+    text: str  # what echo repeats: the prompt as sent, or its ids decoded
 
 
 @dataclass(frozen=True)
@@ -49,7 +61,15 @@ class ResponseHead:
     id: str
     created: int
     model: str
-    prompt_token_ids: list[int]
+    prompts: tuple[Prompt, ...]
+    n: int = 1  # choices per prompt
+
+    def prompt_of(self, index: int) -> Prompt:
+        return self.prompts[index // self.n]
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
 
 
 @dataclass(frozen=True)
@@ -69,23 +89,47 @@ class Usage:
 
 @dataclass
 class Collected:
-    """One request's whole output, joined from its deltas (a non-streamed answer)."""
+    """One choice's whole output, joined from its deltas (a non-streamed answer)."""
 
+    index: int = 0
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
-    num_cached_tokens: int = 0
 
-    def add(self, out: RequestOutput) -> None:
-        c = out.outputs[0]
+    def add(self, c: CompletionOutput) -> None:
         self.text += c.text
         self.token_ids.extend(c.token_ids)
         if c.logprobs:
             self.logprobs.extend(c.logprobs)
-        self.num_cached_tokens = out.num_cached_tokens
-        if out.finished:
+        if c.finish_reason is not None:
             self.finish_reason = c.finish_reason
+
+
+class CollectedResponse:
+    """Every choice of a response, from the outputs of its prompts' engine requests."""
+
+    def __init__(self, head: ResponseHead) -> None:
+        self.n = head.n
+        self.choices = [Collected(index=i) for i in range(head.num_choices)]
+        self._cached = [0] * len(head.prompts)
+
+    def add(self, prompt_index: int, out: RequestOutput) -> None:
+        for c in out.outputs:
+            self.choices[prompt_index * self.n + c.index].add(c)
+        self._cached[prompt_index] = out.num_cached_tokens
+
+    @property
+    def aborted(self) -> bool:
+        return any(c.finish_reason == "abort" for c in self.choices)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return sum(self._cached)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
 
 
 class Formatter(ABC):
@@ -98,27 +142,54 @@ class Formatter(ABC):
         self.head = head
         self.options = options
         self.token_text = token_text
+        # Per prompt: its tokens' log-probs once the engine has scored it (the first output carries them).
+        self.prompt_scores: list[list[TokenLogprob] | None] = [None] * len(head.prompts)
+
+    def add_prompt_logprobs(self, prompt_index: int, scores: list[TokenLogprob] | None) -> None:
+        if scores is not None:
+            self.prompt_scores[prompt_index] = scores
+
+    def _vllm_prompt_logprobs(self, prompt_index: int) -> list[dict[str, Any] | None]:
+        """vLLM's shape: None for the first prompt token, then {token id: {logprob, rank, decoded_token}}
+        with the token itself and its alternatives."""
+        shaped: list[dict[str, Any] | None] = [None]
+        for lp in self.prompt_scores[prompt_index] or []:
+            entry = {str(lp.token_id): self._vllm_entry(lp.token_id, lp.logprob, lp.rank)}
+            for rank, (tid, v) in enumerate(lp.top, start=1):
+                entry.setdefault(str(tid), self._vllm_entry(tid, v, rank))
+            shaped.append(entry)
+        return shaped
+
+    def _vllm_entry(self, token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": _finite(logprob), "rank": rank, "decoded_token": self.token_text(token_id)}
 
     def opening(self) -> list[dict[str, Any]]:
         """The chunks streamed before any output."""
         return []
 
-    @abstractmethod
-    def chunk(self, delta: CompletionOutput, finish_reason: str | None) -> dict[str, Any]:
-        """A streamed chunk for one step's delta (`finish_reason` only on the last)."""
+    def chunk(self, prompt_index: int, delta: CompletionOutput) -> dict[str, Any]:
+        """A streamed chunk for one choice's delta of one step (its finish_reason only on its last)."""
+        return self._chunk(self._delta_choice(prompt_index * self.head.n + delta.index, delta))
 
-    @abstractmethod
-    def answer(self, result: Collected, usage: Usage) -> dict[str, Any]:
+    def answer(self, result: CollectedResponse, usage: Usage) -> dict[str, Any]:
         """The whole answer of a non-streamed request."""
+        choices = [self._whole_choice(c) for c in result.choices]
+        return {**self._envelope(self.answer_object, choices), "usage": usage.as_dict()}
 
     @abstractmethod
-    def _shape_logprobs(self, lps: Sequence[TokenLogprob]) -> Any: ...
+    def _delta_choice(self, index: int, delta: CompletionOutput) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def _whole_choice(self, result: Collected) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def _shape_logprobs(self, index: int, lps: Sequence[TokenLogprob]) -> Any: ...
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return {**self._envelope(self.chunk_object, []), "usage": usage.as_dict()}
 
-    def logprobs(self, lps: Sequence[TokenLogprob] | None) -> Any:
-        return self._shape_logprobs(lps or []) if self.options.logprobs else None
+    def logprobs(self, index: int, lps: Sequence[TokenLogprob] | None) -> Any:
+        return self._shape_logprobs(index, lps or []) if self.options.logprobs else None
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         h = self.head
@@ -130,24 +201,28 @@ class Formatter(ABC):
             data["usage"] = None
         return data
 
-    def _answer(self, choice: dict[str, Any], usage: Usage, **extra: Any) -> dict[str, Any]:
-        return {**self._envelope(self.answer_object, [choice]), "usage": usage.as_dict(), **extra}
-
 
 class _CompletionLogprobs:
-    """The legacy completions log-prob object, grown delta by delta."""
+    """The legacy completions log-prob object of one choice, grown delta by delta."""
 
     def __init__(self, token_text: TokenText) -> None:
         self.token_text = token_text
         self.offset = 0  # where the next token's text starts in the completion
 
-    def add(self, lps: Sequence[TokenLogprob]) -> dict[str, Any]:
+    def add(self, lps: Sequence[TokenLogprob], prompt: Prompt | None = None) -> dict[str, Any]:
         out: dict[str, list[Any]] = {
             "tokens": [],
             "token_logprobs": [],
             "top_logprobs": [],
             "text_offset": [],
         }
+        if prompt is not None:
+            # Echo: the prompt's first token has no log-prob (nothing precedes it), as OpenAI shows it.
+            first = self.token_text(prompt.token_ids[0])
+            for key, value in (("tokens", first), ("token_logprobs", None), ("top_logprobs", None)):
+                out[key].append(value)
+            out["text_offset"].append(self.offset)
+            self.offset += len(first)
         for lp in lps:
             text = self.token_text(lp.token_id)
             top = {text: _finite(lp.logprob)}
@@ -162,60 +237,84 @@ class _CompletionLogprobs:
 
 
 class CompletionFormatter(Formatter):
-    """/v1/completions: choices carry "text"; the prompt's ids ride on the first choice."""
+    """/v1/completions: choices carry "text"; a choice's first chunk carries its prompt's ids (and its
+    prompt's text, with echo)."""
 
     chunk_object = answer_object = "text_completion"
 
     def __init__(self, head: ResponseHead, options: ResponseOptions, token_text: TokenText) -> None:
         super().__init__(head, options, token_text)
-        self._logprobs = _CompletionLogprobs(token_text)
-        self._first = True
+        self._logprobs = [_CompletionLogprobs(token_text) for _ in range(head.num_choices)]
+        self._started = [False] * head.num_choices
 
-    def _shape_logprobs(self, lps: Sequence[TokenLogprob]) -> dict[str, Any]:
-        return self._logprobs.add(lps)
+    def _shape_logprobs(self, index: int, lps: Sequence[TokenLogprob]) -> dict[str, Any]:
+        return self._logprobs[index].add(lps)
+
+    def _echoed_logprobs(self, index: int, lps: Sequence[TokenLogprob] | None) -> dict[str, Any]:
+        prompt = self.head.prompt_of(index)
+        scores = self.prompt_scores[index // self.head.n] or []
+        return self._logprobs[index].add([*scores, *(lps or [])], prompt=prompt)
 
     def _choice(
-        self, text: str, lps: Sequence[TokenLogprob] | None, finish_reason: str | None, token_ids: list[int]
+        self,
+        index: int,
+        text: str,
+        lps: Sequence[TokenLogprob] | None,
+        finish_reason: str | None,
+        token_ids: list[int],
     ) -> dict[str, Any]:
+        first = not self._started[index]
+        self._started[index] = True
+        echo = first and self.options.echo
+        if echo and self.options.logprobs:
+            # The echoed prompt's own tokens open the log-probs, their offsets running into the completion's.
+            logprobs = self._echoed_logprobs(index, lps)
+        else:
+            logprobs = self.logprobs(index, lps)
+        if echo:
+            text = self.head.prompt_of(index).text + text
         choice: dict[str, Any] = {
-            "index": 0,
+            "index": index,
             "text": text,
-            "logprobs": self.logprobs(lps),
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
+        if first and self.options.prompt_logprobs:
+            choice["prompt_logprobs"] = self._vllm_prompt_logprobs(index // self.head.n)
         if self.options.return_token_ids:
-            if self._first:
-                choice["prompt_token_ids"] = self.head.prompt_token_ids
+            if first:
+                choice["prompt_token_ids"] = self.head.prompt_of(index).token_ids
             choice["token_ids"] = token_ids
-        self._first = False
         return choice
 
-    def chunk(self, delta: CompletionOutput, finish_reason: str | None) -> dict[str, Any]:
-        return self._chunk(self._choice(delta.text, delta.logprobs, finish_reason, delta.token_ids))
+    def _delta_choice(self, index: int, delta: CompletionOutput) -> dict[str, Any]:
+        return self._choice(index, delta.text, delta.logprobs, delta.finish_reason, delta.token_ids)
 
-    def answer(self, result: Collected, usage: Usage) -> dict[str, Any]:
-        choice = self._choice(result.text, result.logprobs, result.finish_reason, result.token_ids)
-        return self._answer(choice, usage)
+    def _whole_choice(self, result: Collected) -> dict[str, Any]:
+        return self._choice(
+            result.index, result.text, result.logprobs, result.finish_reason, result.token_ids
+        )
 
 
 class ChatFormatter(Formatter):
-    """/v1/chat/completions: a role chunk opens the stream; choices carry a "delta" or a "message"; the
-    prompt's ids ride on the response (the opening chunk when streaming)."""
+    """/v1/chat/completions: a role chunk opens each choice's stream; choices carry a "delta" or a
+    "message"; the prompt's ids ride on the response (the first opening chunk when streaming)."""
 
     chunk_object = "chat.completion.chunk"
     answer_object = "chat.completion"
 
     def __init__(self, head: ResponseHead, options: ResponseOptions, token_text: TokenText) -> None:
         super().__init__(head, options, token_text)
-        # Tool calls (server/tools.py's ChatOptions): how the text is read, and the streamed answer so far.
+        self._scores_sent = False
+        # Tool calls (server/tools.py's ChatOptions): how the text is read, and each choice's streamed answer.
         self._tools: ToolParsing | None = getattr(options, "tools", None)
-        self._tool_stream: ToolStream | None = self._tools.stream() if self._tools is not None else None
+        self._tool_streams: dict[int, ToolStream] = {}
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.token_text(token_id)
         return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
 
-    def _shape_logprobs(self, lps: Sequence[TokenLogprob]) -> dict[str, Any]:
+    def _shape_logprobs(self, index: int, lps: Sequence[TokenLogprob]) -> dict[str, Any]:
         content = []
         for lp in lps:
             entry = self._entry(lp.token_id, lp.logprob)
@@ -224,36 +323,52 @@ class ChatFormatter(Formatter):
         return {"content": content}
 
     def _prompt_ids(self) -> dict[str, Any]:
-        return {"prompt_token_ids": self.head.prompt_token_ids} if self.options.return_token_ids else {}
+        return {"prompt_token_ids": self.head.prompts[0].token_ids} if self.options.return_token_ids else {}
+
+    def _prompt_logprobs(self) -> dict[str, Any]:
+        return {"prompt_logprobs": self._vllm_prompt_logprobs(0)} if self.options.prompt_logprobs else {}
+
+    def chunk(self, prompt_index: int, delta: CompletionOutput) -> dict[str, Any]:
+        # Streamed, the prompt's log-probs ride on the first chunk after the opening (they come with the
+        # first output, after the role chunks went out).
+        extra = {} if self._scores_sent else self._prompt_logprobs()
+        self._scores_sent = True
+        return self._chunk(self._delta_choice(prompt_index * self.head.n + delta.index, delta), **extra)
 
     def opening(self) -> list[dict[str, Any]]:
-        delta = {"role": "assistant", "content": ""}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
-        return [self._chunk(choice, **self._prompt_ids())]
+        chunks = []
+        for index in range(self.head.num_choices):
+            delta = {"role": "assistant", "content": ""}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+            chunks.append(self._chunk(choice, **(self._prompt_ids() if index == 0 else {})))
+        return chunks
 
-    def chunk(self, delta: CompletionOutput, finish_reason: str | None) -> dict[str, Any]:
-        text = delta.text
+    def _delta_choice(self, index: int, delta: CompletionOutput) -> dict[str, Any]:
+        text, finish_reason = delta.text, delta.finish_reason
         calls: list[ToolCall] = []
-        if self._tool_stream is not None:
-            text = self._tool_stream.feed(text)
+        if self._tools is not None:
+            stream = self._tool_streams.get(index)
+            if stream is None:
+                stream = self._tool_streams[index] = self._tools.stream()
+            text = stream.feed(text)
             if finish_reason is not None:
-                rest, calls = self._tool_stream.finish(complete=finish_reason == "stop")
+                rest, calls = stream.finish(complete=finish_reason == "stop")
                 text += rest
         message: dict[str, Any] = {"content": text} if text else {}
         if calls:
             message["tool_calls"] = [c.as_delta(i) for i, c in enumerate(calls)]
             finish_reason = "tool_calls"
         choice: dict[str, Any] = {
-            "index": 0,
+            "index": index,
             "delta": message,
-            "logprobs": self.logprobs(delta.logprobs),
+            "logprobs": self.logprobs(index, delta.logprobs),
             "finish_reason": finish_reason,
         }
         if self.options.return_token_ids:
             choice["token_ids"] = delta.token_ids
-        return self._chunk(choice)
+        return choice
 
-    def answer(self, result: Collected, usage: Usage) -> dict[str, Any]:
+    def _whole_choice(self, result: Collected) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": result.text}
         finish_reason = result.finish_reason
         if self._tools is not None and finish_reason == "stop":
@@ -262,11 +377,14 @@ class ChatFormatter(Formatter):
                 message = {**message, "content": content, "tool_calls": [c.as_dict() for c in calls]}
                 finish_reason = "tool_calls"
         choice: dict[str, Any] = {
-            "index": 0,
+            "index": result.index,
             "message": message,
-            "logprobs": self.logprobs(result.logprobs),
+            "logprobs": self.logprobs(result.index, result.logprobs),
             "finish_reason": finish_reason,
         }
         if self.options.return_token_ids:
             choice["token_ids"] = result.token_ids
-        return self._answer(choice, usage, **self._prompt_ids())
+        return choice
+
+    def answer(self, result: CollectedResponse, usage: Usage) -> dict[str, Any]:
+        return {**super().answer(result, usage), **self._prompt_ids(), **self._prompt_logprobs()}

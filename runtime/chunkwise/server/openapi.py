@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from chunkwise import __version__
 from chunkwise.sampling_params import MAX_LOGPROBS, MAX_PENALTY
 from chunkwise.server.chat import ROLES
+from chunkwise.server.endpoints import MAX_BATCH_PROMPTS
 from chunkwise.server.protocol import ChatCompletionRequest, CompletionRequest
 
 if TYPE_CHECKING:
@@ -78,9 +79,10 @@ RANGES: dict[str, dict[str, Any]] = {
     "max_tokens": {"minimum": 1},
     "max_completion_tokens": {"minimum": 1},
     "top_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
+    "prompt_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
     "n": {"minimum": 1, "maximum": 1},
-    "best_of": {"minimum": 1, "maximum": 1},
-    "echo": {"const": False},
+    # best_of must equal n when given: a constraint between fields, left to the 400.
+    "best_of": {"minimum": 1},
     "suffix": {"type": "null"},
     "logit_bias": {"type": "null"},
 }
@@ -99,19 +101,15 @@ def _refine(schemas: dict[str, Any], served_model: str | None, vocab_size: int |
     ids: dict[str, Any] = {"type": "integer", "minimum": 0}
     if vocab_size is not None:
         ids["maximum"] = vocab_size - 1
-    # One prompt a request: a non-empty string or list of token ids, or a list holding one of them.
+    # A non-empty string or list of token ids, or a batch of them.
+    batch: dict[str, Any] = {"type": "array", "minItems": 1, "maxItems": MAX_BATCH_PROMPTS}
     completion["prompt"] = {
         "title": "Prompt",
         "anyOf": [
             {"type": "string", "minLength": 1},
             {"type": "array", "items": ids, "minItems": 1},
-            {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
-            {
-                "type": "array",
-                "items": {"type": "array", "items": ids, "minItems": 1},
-                "minItems": 1,
-                "maxItems": 1,
-            },
+            {**batch, "items": {"type": "string", "minLength": 1}},
+            {**batch, "items": {"type": "array", "items": ids, "minItems": 1}},
         ],
     }
     message = schemas["ChatMessageModel"]["properties"]

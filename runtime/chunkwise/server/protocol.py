@@ -1,7 +1,7 @@
 """OpenAI request models (pydantic, strict: a wrong type is a 400, never a silent coercion).
 
-Unknown fields are ignored, as OpenAI-compatible servers commonly do; fields we cannot honour (n > 1,
-best_of, echo, suffix, logit_bias) are refused with a clear 400 rather than ignored.
+Unknown fields are ignored, as OpenAI-compatible servers commonly do; fields we cannot honour (best_of
+other than n, suffix, logit_bias) are refused with a clear 400 rather than ignored.
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ class _Sampling(_Strict):
     skip_special_tokens: bool = True
     # vLLM's: each choice (and each streamed chunk) also carries its token ids, and the prompt's.
     return_token_ids: bool = False
+    # vLLM's: the log-probs of the prompt's tokens (and this many alternatives each).
+    prompt_logprobs: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     presence_penalty: float = 0.0
@@ -58,7 +60,7 @@ class _Sampling(_Strict):
 
 
 class CompletionRequest(_Sampling):
-    # A string, a list of token ids, or a one-element list of either (a batch of several is refused).
+    # A string, a list of token ids, or a batch of either (one engine request per prompt).
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None

@@ -2,8 +2,9 @@
 endpoint's `prepare`, endpoints.py) -> engine stream -> SSE chunks or one JSON answer, shaped by the
 endpoint's formatter (formatters.py).
 
-Every request gets its own `RequestStream`, and every path out of a handler closes it: a finished request is
-left alone, anything else (client disconnect, cancellation, error) is aborted so its KV blocks are freed
+Every prompt of a request gets its own engine request and `RequestStream` (a batch of prompts is several;
+n choices of one prompt are one, forked inside the engine), and every path out of a handler closes them all:
+a finished request is left alone, anything else (client disconnect, cancellation, error) is aborted so its KV blocks are freed
 within a step. Disconnects are watched for explicitly: a streaming response races its sender against the
 ASGI `http.disconnect` message; a non-streaming one races collection against it.
 """
@@ -29,10 +30,11 @@ from chunkwise.sched.shedding import Overloaded, SheddingPolicy
 from chunkwise.server.endpoints import B, Endpoint, Generation
 from chunkwise.server.endpoints import chat_prompt_ids as chat_prompt_ids
 from chunkwise.server.errors import APIError, from_value_error
-from chunkwise.server.formatters import Collected, Formatter, ResponseHead, Usage
+from chunkwise.server.formatters import CollectedResponse, Formatter, Prompt, ResponseHead, Usage
 
 if TYPE_CHECKING:
     from chunkwise.engine import AsyncEngine, RequestStream
+    from chunkwise.outputs import RequestOutput
 
 # What a refused client is told while the server loads or drains (another replica may take it sooner).
 UNAVAILABLE_RETRY_AFTER_S = 5
@@ -101,10 +103,31 @@ class ServerState:
 
     def add(
         self, engine: AsyncEngine, endpoint: Endpoint[Any], gen: Generation, request_id: str
+    ) -> list[RequestStream]:
+        """One engine request per prompt (ids `request_id`, or `request_id-k` for a batch); if one is
+        refused, the ones already queued are aborted before the error is raised."""
+        streams: list[RequestStream] = []
+        try:
+            for k, prompt in enumerate(gen.prompts):
+                rid = request_id if len(gen.prompts) == 1 else f"{request_id}-{k}"
+                streams.append(self._add_one(engine, endpoint, gen, prompt, rid))
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+        return streams
+
+    def _add_one(
+        self,
+        engine: AsyncEngine,
+        endpoint: Endpoint[Any],
+        gen: Generation,
+        prompt: str | list[int],
+        request_id: str,
     ) -> RequestStream:
         try:
             return engine.add_request(
-                gen.prompt,
+                prompt,
                 gen.params,
                 request_id=request_id,
                 route=f"{self.served_model_name}:{endpoint.route}",
@@ -136,45 +159,92 @@ async def serve(state: ServerState, endpoint: Endpoint[B], body: B, request: Req
     state.check_model(body.model)
     gen = endpoint.prepare(body, engine)
     rid = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
-    stream = state.add(engine, endpoint, gen, rid)
-    head = ResponseHead(rid, int(time.time()), state.served_model_name, stream.prompt_token_ids)
+    streams = state.add(engine, endpoint, gen, rid)
+    prompts = tuple(
+        Prompt(s.prompt_token_ids, _prompt_text(engine, p, s.prompt_token_ids) if gen.options.echo else "")
+        for p, s in zip(gen.prompts, streams)
+    )
+    head = ResponseHead(rid, int(time.time()), state.served_model_name, prompts, gen.params.n)
     fmt = endpoint.formatter(head, gen.options, functools.partial(state.token_text, engine))
     if gen.options.stream:
-        return EngineStreamResponse(_events(fmt, stream), stream)
-    result = await _collect(request, stream)
+        return EngineStreamResponse(_events(fmt, streams), streams)
+    result = await _collect(request, fmt, streams)
     if result is None:
         return Response(status_code=499)
-    if result.finish_reason == "abort":
+    if result.aborted:
         raise _aborted_error()
-    usage = Usage(stream.num_prompt_tokens, len(result.token_ids), result.num_cached_tokens)
-    return _json(fmt.answer(result, usage))
+    return _json(fmt.answer(result, _usage(streams, result.num_completion_tokens, result.num_cached_tokens)))
 
 
-async def _events(fmt: Formatter, stream: RequestStream) -> AsyncIterator[bytes]:
-    num_tokens = num_cached = 0
+def _prompt_text(engine: AsyncEngine, prompt: str | list[int], ids: list[int]) -> str:
+    # Echo repeats a text prompt as sent; a prompt of ids is shown as its tokens decode.
+    return prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _usage(streams: list[RequestStream], completion_tokens: int, cached_tokens: int) -> Usage:
+    # Each prompt counts once, however many choices it forked into.
+    return Usage(sum(s.num_prompt_tokens for s in streams), completion_tokens, cached_tokens)
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from every stream as each arrives; one stream needs no tasks."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+    async def pump(k: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                await q.put((k, out))
+            await q.put(None)
+        except Exception as e:
+            await q.put(e)
+
+    tasks = [asyncio.ensure_future(pump(k, s)) for k, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            item = await q.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _events(fmt: Formatter, streams: list[RequestStream]) -> AsyncIterator[bytes]:
+    num_tokens = 0
+    cached = [0] * len(streams)
     try:
         for data in fmt.opening():
             yield _sse(data)
-        async for out in stream:
-            c = out.outputs[0]
-            num_tokens += len(c.token_ids)
-            num_cached = out.num_cached_tokens
-            if c.finish_reason == "abort":
-                yield _sse(_aborted_error().body())
-                yield SSE_DONE
-                return
-            finish = c.finish_reason if out.finished else None
-            if not c.token_ids and not c.text and finish is None:
-                continue
-            # A chunk for every step with new tokens, text or not (held back for a stop string, an
-            # incomplete character, a model without a tokenizer): a client times every token, as with vLLM.
-            yield _sse(fmt.chunk(c, finish))
+        async for k, out in _merged(streams):
+            cached[k] = out.num_cached_tokens
+            fmt.add_prompt_logprobs(k, out.prompt_logprobs)
+            for c in out.outputs:
+                num_tokens += len(c.token_ids)
+                if c.finish_reason == "abort":
+                    yield _sse(_aborted_error().body())
+                    yield SSE_DONE
+                    return
+                if not c.token_ids and not c.text and c.finish_reason is None:
+                    continue
+                # A chunk for every step with new tokens, text or not (held back for a stop string, an
+                # incomplete character, a model without a tokenizer): a client times every token, as with
+                # vLLM.
+                yield _sse(fmt.chunk(k, c))
     except Exception as e:
         yield _sse(_stream_error(e).body())
         yield SSE_DONE
         return
     if fmt.options.include_usage:
-        yield _sse(fmt.usage_chunk(Usage(stream.num_prompt_tokens, num_tokens, num_cached)))
+        yield _sse(fmt.usage_chunk(_usage(streams, num_tokens, sum(cached))))
     yield SSE_DONE
 
 
@@ -208,13 +278,16 @@ async def _wait_disconnect(receive: Receive) -> None:
             return
 
 
-async def _collect(request: Request, stream: RequestStream) -> Collected | None:
-    """All of one request's output, or None when the client went away first (the request is aborted)."""
-    result = Collected()
+async def _collect(
+    request: Request, fmt: Formatter, streams: list[RequestStream]
+) -> CollectedResponse | None:
+    """All of one response's output, or None when the client went away first (its requests are aborted)."""
+    result = CollectedResponse(fmt.head)
 
     async def consume() -> None:
-        async for out in stream:
-            result.add(out)
+        async for k, out in _merged(streams):
+            result.add(k, out)
+            fmt.add_prompt_logprobs(k, out.prompt_logprobs)
 
     consumer = asyncio.ensure_future(consume())
     watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
@@ -227,18 +300,19 @@ async def _collect(request: Request, stream: RequestStream) -> Collected | None:
     finally:
         watcher.cancel()
         consumer.cancel()
-        stream.close()
+        for s in streams:
+            s.close()
 
 
 class EngineStreamResponse(Response):
     """Server-sent events from an engine stream. Races the sender against the client's disconnect, and
-    closes (aborts) the engine request however the response ends."""
+    closes (aborts) the engine requests however the response ends."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, body: AsyncIterator[bytes], stream: RequestStream) -> None:
+    def __init__(self, body: AsyncIterator[bytes], streams: list[RequestStream]) -> None:
         self.body_iterator = body
-        self.stream = stream
+        self.streams = streams
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -257,7 +331,8 @@ class EngineStreamResponse(Response):
         finally:
             watcher.cancel()
             sender.cancel()
-            self.stream.close()
+            for s in self.streams:
+                s.close()
             try:
                 await sender
             except (asyncio.CancelledError, OSError):

@@ -13,6 +13,7 @@ import torch
 from chunkwise.attention.backend import AttentionBackend, kv_cache_shape
 from chunkwise.config import ModelConfig
 from chunkwise.model.llama import LlamaForCausalLM
+from chunkwise.outputs import TokenLogprob
 from chunkwise.sampler import (
     GrammarMask,
     Sampler,
@@ -44,6 +45,8 @@ class ModelRunnerOutput:
     row_tokens: list[int] | None = None
     # Per sampled request, per token: (chosen logprob, [(id, logprob) of the top alternatives]).
     logprobs: dict[str, list[tuple[float, list[tuple[int, float]]]]] = field(default_factory=dict)
+    # Per request whose prompt is now all scored: its prompt tokens' log-probs (SamplingParams.prompt_logprobs).
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     # Draft tokens proposed per speculating request (the accepted ones are in `sampled`, before its last).
     drafted: dict[str, int] = field(default_factory=dict)
     # Host work before the forward: drafts, inputs, the attention plan, the sampling parameters.
@@ -122,6 +125,9 @@ class ModelRunner:
         )
         # Per-request sampling state that must persist across steps: a seeded request's generator.
         self._generators: dict[str, torch.Generator] = {}
+        # Prompt log-probs scored so far per request, and the requests already handed theirs over.
+        self._prompt_scores: dict[str, list[TokenLogprob]] = {}
+        self._prompt_scored: set[str] = set()
         # The last decode-only step's rows, their sampling batch and grammar rows (see _decode_sampling_batch).
         self._decode_batch: tuple[list[ScheduledRequest], SamplingBatch, list[GrammarRow]] | None = None
         # Structured outputs: each constrained request's matcher (None: this runner refuses such rows).
@@ -180,6 +186,8 @@ class ModelRunner:
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for rid in so.finished_req_ids:
             self._generators.pop(rid, None)
+            self._prompt_scores.pop(rid, None)
+            self._prompt_scored.discard(rid)
         if self.grammar is not None and so.finished_req_ids:
             self.grammar.forget(so.finished_req_ids)
         if so.finished_req_ids:
@@ -256,6 +264,8 @@ class ModelRunner:
             hidden = graph_hidden
         else:
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta, plan)
+        if so.score_prompts:
+            self._score_prompts(scheduled, rows, hidden, out)
         result = None
         if plain:
             assert batch is not None
@@ -284,6 +294,48 @@ class ModelRunner:
         out.forward_seconds = t2 - t1
         out.sample_seconds = t3 - t2
         return out
+
+    def _score_prompts(
+        self,
+        scheduled: list[ScheduledRequest],
+        rows: Sequence[RowLike],
+        hidden: torch.Tensor,
+        out: ModelRunnerOutput,
+    ) -> None:
+        """Prompt log-probs: each position of a prompt chunk scored against the prompt's next token, kept
+        per request until the whole prompt is scored, then handed over once. A rare, costly request (logits
+        for every prompt position, a host sync per chunk), kept out of every other row's way."""
+        offset = 0
+        for sr, row in zip(scheduled, rows):
+            start, n = offset, len(row.token_ids)
+            offset += n
+            prompt = sr.prompt_token_ids
+            if prompt is None or sr.req_id in self._prompt_scored:
+                continue
+            if sr.start_pos == 0:
+                self._prompt_scores[sr.req_id] = []  # (re)started from the first token: a recompute restarts
+            scores = self._prompt_scores.get(sr.req_id)
+            if scores is None or len(scores) != sr.start_pos:
+                continue  # resumed past positions it never scored (a forked sequence): not its to report
+            # Positions start_pos .. start_pos + m - 1 predict prompt tokens start_pos + 1 .. start_pos + m.
+            m = min(n, len(prompt) - 1 - sr.start_pos)
+            if m > 0:
+                logprobs = self.model.compute_logits(hidden[start : start + m]).float().log_softmax(dim=-1)
+                targets = prompt[sr.start_pos + 1 : sr.start_pos + 1 + m]
+                target_t = torch.tensor(targets, dtype=torch.long, device=logprobs.device).unsqueeze(1)
+                chosen = logprobs.gather(1, target_t)
+                ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+                k = sr.sampling_params.prompt_logprobs or 0
+                top_ids: list[list[int]] = [[] for _ in range(m)]
+                top_vals: list[list[float]] = [[] for _ in range(m)]
+                if k:
+                    values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+                    top_ids, top_vals = ids.tolist(), values.tolist()
+                for t, v, r, ti, tv in zip(targets, chosen.squeeze(1).tolist(), ranks, top_ids, top_vals):
+                    scores.append(TokenLogprob(t, v, list(zip(ti, tv)), rank=r))
+            if sr.start_pos + n >= len(prompt) - 1:
+                out.prompt_logprobs[sr.req_id] = self._prompt_scores.pop(sr.req_id)
+                self._prompt_scored.add(sr.req_id)
 
     def _generator(self, sr: ScheduledRequest) -> torch.Generator | None:
         seed = sr.sampling_params.seed
