@@ -401,3 +401,16 @@ def test_a_model_without_a_tokenizer_refuses_structured_outputs() -> None:
         compiler.check(StructuredOutput.json_object())
     with pytest.raises(StructuredOutputUnavailable, match="EOS"):
         GrammarCompiler(NoTokenizer(100, None, []), 100, []).check(StructuredOutput.json_object())
+
+
+def test_a_batch_of_prompts_is_constrained_prompt_by_prompt(live: LiveServer) -> None:
+    r = _client(live).completions.create(
+        model=MODEL,
+        prompt=["one", "two", "three"],
+        max_tokens=40,
+        temperature=1.0,
+        seed=2,
+        extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}},
+    )
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert all(c.text in ("red", "green", "blue") and c.finish_reason == "stop" for c in r.choices)
