@@ -1,6 +1,8 @@
 """The grammar mask's cost: output tokens/s of one batch with and without a JSON-schema constraint.
 
-    taskset -c 1 python -m chunkwise.bench.structured --model small --batch 32 --max-tokens 128
+    taskset -c 1 python -m chunkwise.bench.structured --model small,pylm --batch 32 --max-tokens 128
+
+(several models, comma-separated, are measured one after the other, each on its own engine).
 
 One engine; the same prompts, the same lengths, run alternately (plain, constrained, plain, ...; the first
 of each pair alternates too). Every request generates exactly --max-tokens tokens: the plain ones ignore EOS,
@@ -30,7 +32,7 @@ SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum":
 
 
 def _prompts(n: int) -> list[str]:
-    # The same length for every request (byte tokenizer: one token a character).
+    # The same prompts in both modes, of one length in characters (in tokens too, with the byte tokenizer).
     return [f"Numbers for record {i:04d}: " for i in range(n)]
 
 
@@ -43,7 +45,7 @@ def _run(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> tuple[fl
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="small", help="preset or HF directory (small)")
+    p.add_argument("--model", default="small", help="presets or HF directories, comma-separated (small)")
     p.add_argument("--batch", type=int, default=32, help="requests in the batch (32)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens each request generates (128)")
     p.add_argument("--repeats", type=int, default=3, help="pairs of runs (3)")
@@ -51,9 +53,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (1.0; 0 = greedy)")
     p.add_argument("--json", dest="json_out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
-
     torch.set_num_threads(args.threads)
-    llm = LLM(args.model, max_num_seqs=args.batch, max_model_len=512, seed=0)
+    results = [_measure(model, args) for model in args.model.split(",") if model]
+    if args.json_out:
+        with open(args.json_out, "w", encoding="utf-8") as f:
+            json.dump(results[0] if len(results) == 1 else results, f, indent=2)
+    return 0
+
+
+def _measure(model: str, args: argparse.Namespace) -> dict[str, object]:
+    llm = LLM(model, max_num_seqs=args.batch, max_model_len=512, seed=0)
     prompts = _prompts(args.batch)
     plain = [
         SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True, seed=i)
@@ -81,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             rates[name].append(pair[name])
             print(f"run {r} {name:12s} {pair[name]:8.1f} output tok/s ({seconds:.2f} s)", file=sys.stderr)
         ratios.append(pair["json_schema"] / pair["plain"])
-    result = {
-        "model": args.model,
+    result: dict[str, object] = {
+        "model": model,
         "batch": args.batch,
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
@@ -94,14 +103,12 @@ def main(argv: list[str] | None = None) -> int:
         "runs": rates,
     }
     print(
-        f"{args.model}, batch {args.batch} x {args.max_tokens} tokens: plain {result['plain_tok_s']:.1f} tok/s, "
+        f"{model}, batch {args.batch} x {args.max_tokens} tokens: plain {result['plain_tok_s']:.1f} tok/s, "
         f"json_schema {result['json_schema_tok_s']:.1f} tok/s, ratio {result['ratio_median']:.3f} "
-        f"(pairs: {', '.join(f'{x:.3f}' for x in ratios)})"
+        f"(pairs: {', '.join(f'{x:.3f}' for x in ratios)})",
+        flush=True,
     )
-    if args.json_out:
-        with open(args.json_out, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
-    return 0
+    return result
 
 
 if __name__ == "__main__":
