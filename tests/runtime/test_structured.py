@@ -165,6 +165,40 @@ def test_speculation_gives_the_same_constrained_greedy_output() -> None:
         jsonschema.validate(json.loads(text), PERSON)
 
 
+def test_a_draft_model_speculating_unconstrained_drafts_gives_the_same_constrained_output() -> None:
+    """The target as its own draft model proposes its unconstrained greedy tokens: the grammar cuts them
+    at the first it rejects, and what is left verifies to the same constrained output."""
+    expected = _texts(LLM("tiny", max_model_len=512), _constrained())
+    llm = LLM(
+        "tiny",
+        max_model_len=512,
+        speculative_method="draft",
+        speculative_model="tiny",
+        num_speculative_tokens=3,
+        adaptive_speculation=False,
+    )
+    assert _texts(llm, _constrained()) == expected
+    stats = llm.engine.stats
+    assert stats.spec_num_draft_tokens > 0
+
+
+def test_sampled_constrained_requests_with_speculation_stay_valid() -> None:
+    # Unseeded: a seeded sampled request never speculates (sched/scheduler.py, _may_speculate).
+    llm = LLM(
+        "tiny",
+        max_model_len=512,
+        speculative_method="ngram",
+        num_speculative_tokens=4,
+        adaptive_speculation=False,
+    )
+    spec = StructuredOutput.json_schema(PERSON)
+    params = [SamplingParams(max_tokens=150, temperature=1.0, structured=spec) for _ in range(len(PROMPTS))]
+    for out in llm.generate(PROMPTS, params):
+        assert out.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.outputs[0].text), PERSON)
+    assert llm.engine.stats.spec_num_draft_tokens > 0
+
+
 def test_a_constrained_request_survives_preemption_by_recompute() -> None:
     expected = _texts(LLM("tiny", max_model_len=160), _constrained(max_tokens=60))
     llm = LLM(
