@@ -297,6 +297,39 @@ def test_tool_choice_none_and_auto_answer_with_content(live: LiveServer) -> None
         assert r.choices[0].finish_reason == "length"
 
 
+HERMES_CALL = r'Sure\. <tool_call>\{"name": "add", "arguments": \{"a": [1-9], "b": [1-9]\}\}</tool_call>'
+LLAMA_CALL = r'\{"name": "get_weather", "parameters": \{"city": "(Paris|Rome)", "unit": "celsius"\}\}'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_choice_parses_hermes_and_llama3_calls(live: LiveServer, stream: bool) -> None:
+    """The model's text is forced (structured_outputs regex) to each style of call; tool_choice "auto" reads
+    it back as tool_calls, the Hermes call's leading text as content."""
+    for pattern, name, content in ((HERMES_CALL, "add", "Sure."), (LLAMA_CALL, "get_weather", None)):
+        kwargs: dict[str, Any] = {
+            "tools": TOOLS,
+            "tool_choice": "auto",
+            "temperature": 1.0,
+            "seed": 4,
+            "extra_body": {"structured_outputs": {"regex": pattern}},
+        }
+        if not stream:
+            choice = _chat(live, **kwargs).choices[0]
+            got_content, calls = choice.message.content, choice.message.tool_calls
+            finish = choice.finish_reason
+        else:
+            chunks = [c for c in _chat(live, stream=True, **kwargs) if c.choices]
+            got_content = "".join(c.choices[0].delta.content or "" for c in chunks) or None
+            calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+            assert all(tc.index == 0 for tc in calls)
+            finish = chunks[-1].choices[0].finish_reason
+        assert finish == "tool_calls"
+        assert (got_content or "").strip() == (content or "")
+        (call,) = calls
+        assert call.function.name == name and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), PARAMS[name])
+
+
 def test_the_published_schema_has_the_new_fields(live: LiveServer) -> None:
     doc = httpx.get(live.url + "/openapi.json", trust_env=False).json()
     schemas = doc["components"]["schemas"]

@@ -299,8 +299,10 @@ def _chat(body: ChatCompletionRequest, engine: AsyncEngine) -> Generation:
                 param="tool_choice",
             )
         spec = tool_spec
-    elif spec is not None:
-        tool_parsing = None  # the answer follows the requested format: it is content
+    elif formatted is not None:
+        tool_parsing = None  # the answer follows the requested response_format: it is content
+    # (structured_outputs with tool_choice "auto" keeps the parsing, as vLLM's tool parsers run on whatever
+    # the constraint let through.)
     top_n = 0
     if body.top_logprobs is not None:
         if not body.logprobs:
