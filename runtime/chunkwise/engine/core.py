@@ -307,7 +307,7 @@ class EngineCore:
     def abort(self, request_ids: Sequence[str]) -> list[RequestOutput]:
         """cancel(), with each request's last output ("abort"), when this core processes its outputs."""
         outputs = self._own_outputs()
-        return [outputs.aborted(r) for r in self.cancel(request_ids)]
+        return outputs.aborted_all(self.cancel(request_ids))[0]
 
     def detach_outputs(self) -> OutputProcessor:
         """Hand output processing to a caller that runs it elsewhere (AsyncEngine's output thread): from
