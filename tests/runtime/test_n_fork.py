@@ -157,6 +157,9 @@ def test_admission_reserves_the_prompt_once_and_counts_the_childrens_seats() -> 
     assert s.admission.blocks_needed(parent, 0) == 11
     other = Request("o", [1, 2], SamplingParams(n=2, max_tokens=8), 1.0, max_tokens=8)
     s.add_request(other)
+    # Load shedding sees each queued family's n outputs to come, its prompt once.
+    snap = s.snapshot()
+    assert (snap.num_queued, snap.queued_prefill_tokens, snap.queued_decode_tokens) == (2, 12, 3 * 8 + 2 * 8)
     step(s)
     # The parent holds three of the four seats; the other family needs two more.
     assert [r.request_id for r in s.running] == ["p"]
@@ -193,6 +196,7 @@ def test_greedy_choices_equal_the_n1_greedy_output(llm: LLM) -> None:
         # Chunked prefill: the 50-token prompt takes several steps before the fork.
         {"max_num_batched_tokens": 16},
         {"enable_prefix_caching": False, "max_num_batched_tokens": 16, "block_size": 4},
+        {"batching": "static", "max_num_seqs": 16},
     ],
 )
 def test_greedy_choices_under_other_engine_settings(engine_args: dict[str, object]) -> None:
@@ -203,6 +207,13 @@ def test_greedy_choices_under_other_engine_settings(engine_args: dict[str, objec
     outs = llm.generate(prompts, greedy(12, n=3))
     assert [token_ids(o) for o in outs] == [[s] * 3 for s in solo]
     assert llm.engine.all_blocks_free()
+
+
+def test_n_beyond_max_num_seqs_is_refused_up_front() -> None:
+    llm = LLM("tiny", max_model_len=64, block_size=8, max_num_seqs=4)
+    with pytest.raises(ValueError, match=r"n \(5\) exceeds max_num_seqs \(4\)"):
+        llm.generate(["x"], SamplingParams(n=5))
+    assert not llm.engine.has_unfinished()
 
 
 def test_seeded_choices_are_the_same_alone_and_in_a_batch_and_differ_from_each_other(llm: LLM) -> None:
@@ -219,6 +230,18 @@ def test_seeded_choices_are_the_same_alone_and_in_a_batch_and_differ_from_each_o
         one = SamplingParams(max_tokens=20, temperature=1.0, seed=99 + i, ignore_eos=True)
         assert llm.generate(["seeded prompt"], one)[0].outputs[0].token_ids == alone[i]
     assert llm.engine.all_blocks_free()
+
+
+def test_each_choice_carries_its_own_logprobs(llm: LLM) -> None:
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    [one] = llm.generate(["logprobs"], sp)
+    [three] = llm.generate(["logprobs"], SamplingParams(**{**_fields(sp), "n": 3, "logprobs": 2}))
+    ref = one.outputs[0].logprobs
+    assert ref is not None and len(ref) == 6
+    for c in three.outputs:
+        assert c.logprobs is not None
+        assert [(t.token_id, len(t.top)) for t in c.logprobs] == [(t.token_id, 2) for t in ref]
+        assert [t.logprob for t in c.logprobs] == pytest.approx([t.logprob for t in ref], abs=1e-5)
 
 
 def test_stop_strings_apply_per_choice(llm: LLM) -> None:

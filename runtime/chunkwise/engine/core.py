@@ -257,6 +257,10 @@ class EngineCore:
             if bad:
                 raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
         max_tokens = resolve_max_tokens(len(ids), params.max_tokens, self.max_model_len)
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        if params.n > max_num_seqs:
+            # Its n sequences run side by side once forked (sched/fork.py): they must fit in one batch.
+            raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({max_num_seqs})")
         req = Request(
             request_id=request_id,
             prompt_token_ids=ids,

@@ -14,11 +14,14 @@ from chunkwise.tokenizer import Tokenizer
 
 def _merge(acc: RequestOutput, delta: RequestOutput) -> None:
     # One delta per choice that progressed (n > 1: any of them, by index); acc holds each choice seen so far.
+    outputs = acc.outputs
     for d in delta.outputs:
-        a = next((c for c in acc.outputs if c.index == d.index), None)
+        a = outputs[0] if len(outputs) == 1 and outputs[0].index == d.index else None
         if a is None:
-            acc.outputs.append(d)
-            continue
+            a = next((c for c in outputs if c.index == d.index), None)
+            if a is None:
+                outputs.append(d)
+                continue
         a.text += d.text
         a.token_ids.extend(d.token_ids)
         if d.logprobs is not None:
