@@ -358,6 +358,26 @@ def test_speculative_ngram_children_equal_non_speculative() -> None:
     assert spec.engine.all_blocks_free()
 
 
+def test_draft_model_children_draft_on_their_own() -> None:
+    """The draft model is the target: every draft is accepted only if each child's draft KV (its own catch-up
+    over the shared prompt blocks) is right."""
+    prompts = ["draft me", "and me too, with a longer prompt"]
+    base = [o.outputs[0].token_ids for o in LLM("tiny", max_model_len=256).generate(prompts, greedy(20))]
+    llm = LLM(
+        "tiny",
+        max_model_len=256,
+        speculative_method="draft",
+        speculative_model="tiny",
+        num_speculative_tokens=3,
+        adaptive_speculation=False,
+    )
+    assert [token_ids(o) for o in llm.generate(prompts, greedy(20, n=3))] == [[b] * 3 for b in base]
+    stats = llm.engine.stats
+    assert stats.spec_num_draft_tokens > 0
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+    assert llm.engine.all_blocks_free()
+
+
 def test_async_stream_is_one_request_with_indexed_choices_and_close_aborts_all() -> None:
     engine = AsyncEngine(engine_config_from_kwargs("tiny", max_model_len=256, block_size=8))
     engine.start()
