@@ -194,6 +194,7 @@ class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
         if self.spec is not None:
             k_step = self.spec.choose(sum(1 for r in decodes if self._may_speculate(r)), budget)
             self.stats.spec_draft_length = k_step
+        parents = bool(self._parents)  # n > 1 requests not yet forked (rare): only then is fork_hold read
         for req in decodes + prefills:
             if budget <= 0:
                 break
@@ -204,9 +205,10 @@ class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
                 # Never draft past max_tokens or max_model_len: the verify step may accept every draft.
                 room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
                 want += max(0, min(k_step, room))
-            # A parent not yet forked leaves its prompt's last token to its children (fork.py); its raw want
-            # is at least 2 here (it forks at 1), so it never speculated above.
-            want -= req.fork_hold
+            if parents:
+                # A parent not yet forked leaves its prompt's last token to its children (fork.py); its raw
+                # want is at least 2 here (it forks at 1), so it never speculated above.
+                want -= req.fork_hold
             own_prefill = req.num_tokens - req.num_computed_tokens > 1
             n = self.budget.chunk(req, want, budget, queued or len(prefills) > own_prefill)
             if n == 0:
