@@ -4,6 +4,7 @@ the partial last block copied on write, one request id to the outside."""
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
@@ -339,8 +340,18 @@ def test_preempted_children_still_give_the_greedy_outputs(mode: str) -> None:
         max_num_batched_tokens=32,
     )
     # Admission trusts max_tokens; under-promise so that the running children outgrow the cache.
-    tight.engine.scheduler.admission.output_estimate = lambda req: 0  # type: ignore[method-assign]
+    sched = tight.engine.scheduler
+    sched.admission.output_estimate = lambda req: 0  # type: ignore[method-assign]
+    victims: list[Request] = []
+    real_preempt = sched._preempt
+
+    def preempt(req: Request, swap_out: list[tuple[int, int]]) -> None:
+        victims.append(req)
+        real_preempt(req, swap_out)
+
+    sched._preempt = preempt  # type: ignore[method-assign]
     outs = tight.generate(prompts, greedy(40, n=3))
+    assert any(v.parent_id is not None for v in victims)  # forked children gave way, not only parents
     assert [token_ids(o) for o in outs] == [[s] * 3 for s in solo]
     stats = tight.engine.stats
     preempted = stats.num_preemptions_swap if mode == "swap" else stats.num_preemptions_recompute
@@ -410,3 +421,66 @@ def test_async_stream_is_one_request_with_indexed_choices_and_close_aborts_all()
         asyncio.run(main())
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_random_families_arrivals_and_aborts_leave_every_block_free(mode: str) -> None:
+    """n in 1..4, prompts of 1..30 tokens, arrivals and aborts at random steps, in a cache that must preempt:
+    every block comes back, each unaborted request gives n whole choices."""
+    rng = random.Random(21)
+    core = EngineCore(
+        engine_config_from_kwargs(
+            "tiny",
+            num_blocks=40,
+            block_size=4,
+            max_model_len=80,
+            max_num_batched_tokens=24,
+            swap_space_bytes=1 << 20,
+            preemption_mode=mode,
+        )
+    )
+    core.scheduler.admission.output_estimate = lambda req: 0  # type: ignore[method-assign]  # must preempt
+    reqs = [
+        (rng.randint(1, 30), rng.randint(1, 16), rng.randint(0, 12), rng.choice([-1, -1, rng.randint(0, 20)]))
+        for _ in range(14)
+    ]
+    ns = [rng.randint(1, 4) for _ in reqs]
+
+    def prompt(i: int) -> list[int]:
+        return [3 + (i * 7 + j) % 200 for j in range(reqs[i][0])]
+
+    pending = list(range(len(reqs)))
+    produced: dict[str, list[list[int]]] = {}
+    finished: set[str] = set()
+    for step_no in range(600):
+        for i in list(pending):
+            _, mt, at, _ = reqs[i]
+            if at <= step_no:
+                pending.remove(i)
+                # Odd ones sample (seeded), even ones are greedy: checked token for token below.
+                sp = SamplingParams(
+                    n=ns[i], max_tokens=mt, ignore_eos=True, seed=i, temperature=1.0 if i % 2 else 0.0
+                )
+                core.add_request(str(i), prompt(i), sp)
+                produced[str(i)] = [[] for _ in range(ns[i])]
+        for out in core.abort([str(i) for i, r in enumerate(reqs) if r[3] == step_no]) + core.step():
+            assert out.request_id not in finished
+            for c in out.outputs:
+                produced[out.request_id][c.index].extend(c.token_ids)
+            if out.finished:
+                finished.add(out.request_id)
+        core.kv.pool.check_invariants()
+        if not pending and not core.has_unfinished():
+            break
+    assert not core.has_unfinished() and core.all_blocks_free()
+    assert core.kv.swap_space.num_free == core.kv.swap_space.num_host_blocks
+    assert finished == set(produced)
+    stats = core.stats
+    assert (stats.num_preemptions_swap if mode == "swap" else stats.num_preemptions_recompute) > 0
+    ref = LLM("tiny", block_size=4, max_model_len=80)
+    for i, (_, mt, _, ab) in enumerate(reqs):
+        if ab == -1:
+            assert [len(t) for t in produced[str(i)]] == [mt] * ns[i], i
+            if i % 2 == 0:
+                [solo] = ref.generate([prompt(i)], greedy(mt))
+                assert produced[str(i)] == [solo.outputs[0].token_ids] * ns[i], i
