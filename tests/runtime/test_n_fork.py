@@ -245,6 +245,35 @@ def test_each_choice_carries_its_own_logprobs(llm: LLM) -> None:
         assert [t.logprob for t in c.logprobs] == pytest.approx([t.logprob for t in ref], abs=1e-5)
 
 
+def test_prompt_logprobs_come_once_on_the_first_output() -> None:
+    """The parent scores the prompt before the fork (its last prompt token predicts no prompt token): the
+    request's first output carries them, as n=1's does; no later output repeats them."""
+    core = EngineCore(
+        engine_config_from_kwargs("tiny", max_num_batched_tokens=8, max_model_len=128, block_size=4)
+    )
+    prompt = list(range(3, 23))
+    core.add_request(
+        "one", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    )
+    core.add_request(
+        "three",
+        prompt,
+        SamplingParams(n=3, max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=1),
+    )
+    outs: dict[str, list[RequestOutput]] = {"one": [], "three": []}
+    while core.has_unfinished():
+        for o in core.step():
+            outs[o.request_id].append(o)
+    ref = outs["one"][0].prompt_logprobs
+    assert ref is not None and len(ref) == len(prompt) - 1
+    got = outs["three"][0].prompt_logprobs
+    assert got is not None
+    assert [(t.token_id, t.rank) for t in got] == [(t.token_id, t.rank) for t in ref]
+    assert [t.logprob for t in got] == pytest.approx([t.logprob for t in ref], abs=1e-5)
+    assert all(o.prompt_logprobs is None for o in outs["three"][1:])
+    assert core.all_blocks_free()
+
+
 def test_stop_strings_apply_per_choice(llm: LLM) -> None:
     sp = SamplingParams(n=3, max_tokens=40, temperature=1.0, seed=7, ignore_eos=True)
     free = [c.text for c in llm.generate(["stop per choice"], sp)[0].outputs]
