@@ -290,6 +290,35 @@ def test_stop_strings_apply_per_choice(llm: LLM) -> None:
     assert llm.engine.all_blocks_free()
 
 
+def test_abort_after_one_choice_stopped_aborts_only_the_others() -> None:
+    core = EngineCore(engine_config_from_kwargs("tiny", max_model_len=256, block_size=8))
+    sp = SamplingParams(n=3, max_tokens=60, temperature=1.0, seed=7, ignore_eos=True)
+    core.add_request("free", "stop per choice", sp)
+    free: dict[int, str] = {0: "", 1: "", 2: ""}
+    while core.has_unfinished():
+        for o in core.step():
+            for c in o.outputs:
+                free[c.index] += c.text
+    stop = free[1][8:10]
+
+    def first_stop(i: int) -> int:  # where choice i meets the stop string (its end if never)
+        k = free[i].find(stop)
+        return len(free[i]) if k == -1 else k
+
+    # Choice 1 meets it first in its text (and, with this seed, stops while the others run on).
+    assert stop and first_stop(1) < min(first_stop(0), first_stop(2))
+    core.add_request("r", "stop per choice", SamplingParams(**{**_fields(sp), "stop": [stop]}))
+    done: set[int] = set()
+    while not done:
+        for o in core.step():
+            assert not o.finished
+            done |= {c.index for c in o.outputs if c.finish_reason is not None}
+    assert done == {1}
+    [out] = core.abort(["r"])
+    assert out.finished and [(c.index, c.finish_reason) for c in out.outputs] == [(0, "abort"), (2, "abort")]
+    assert core.all_blocks_free() and not core.has_unfinished()
+
+
 def _fields(sp: SamplingParams) -> dict[str, object]:
     return {f: getattr(sp, f) for f in ("n", "max_tokens", "temperature", "seed", "ignore_eos")}
 

@@ -90,10 +90,6 @@ class OutputProcessor:
         else:
             self.states[req.request_id] = _OutputState(req, prompt, self.tokenizer)
 
-    def is_tracked(self, request_id: str) -> bool:
-        """Whether the request (an outside id) still has output to come."""
-        return request_id in self.states or request_id in self.groups
-
     def process(self, update: StepUpdate) -> ProcessedOutputs:
         """Detokenize each request's new tokens and look for stop strings; a match ends the request's
         output here and is reported in `stopped` for the caller to release."""
@@ -313,7 +309,9 @@ class OutputProcessor:
             out = merged.get(group.parent.request_id)
             if out is None:
                 out = merged[group.parent.request_id] = group.output()
-            out.first_token_time = req.first_token_time
+            t = req.first_token_time
+            if t is not None and (out.first_token_time is None or t < out.first_token_time):
+                out.first_token_time = t
             indices = [req.index] if req.parent_id is not None else range(group.n)
             for i in indices:
                 if i in group.done:
