@@ -7,11 +7,13 @@ import asyncio
 import random
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from chunkwise import LLM, SamplingParams
 from chunkwise.cache.kv_cache_manager import KVCacheManager
 from chunkwise.config import SchedulerConfig, engine_config_from_kwargs
 from chunkwise.engine import AsyncEngine, EngineCore
+from chunkwise.metrics import EngineMetrics
 from chunkwise.outputs import RequestOutput
 from chunkwise.request import Request, RequestStatus
 from chunkwise.sched.fork import child_request_id
@@ -475,10 +477,27 @@ def test_async_stream_is_one_request_with_indexed_choices_and_close_aborts_all()
         assert not engine.core.has_unfinished()
         assert engine.core.all_blocks_free()
 
+    metrics = EngineMetrics("m")
+    engine.add_observer(metrics.on_step)
     try:
         asyncio.run(main())
     finally:
         engine.shutdown()
+    # Usage counts the prompt once, the choices' tokens all, and one request per stream.
+    samples = {
+        (x.name, tuple(sorted(x.labels.items()))): x.value
+        for f in text_string_to_metric_families(metrics.exposition().decode())
+        for x in f.samples
+    }
+    prompt_len = len(engine.tokenizer.encode("stream n")) + len(engine.tokenizer.encode("abandon n"))
+    assert samples[("vllm:prompt_tokens_total", (("model_name", "m"),))] == prompt_len
+    generated = samples[("vllm:generation_tokens_total", (("model_name", "m"),))]
+    assert 3 * 10 < generated < 3 * 10 + 3 * 200
+    success = {k[1]: v for k, v in samples.items() if k[0] == "vllm:request_success_total" and v}
+    assert success == {
+        (("finished_reason", "length"), ("model_name", "m")): 1,
+        (("finished_reason", "abort"), ("model_name", "m")): 1,
+    }
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
