@@ -284,7 +284,9 @@ class EngineMetrics:
                 self.iteration_tokens.observe(step.num_batched_tokens)
         now = time.monotonic()
         for out in outputs:
-            n = len(out.outputs[0].token_ids)
+            choices = out.outputs
+            # n > 1: one delta per choice that progressed (the prompt still counts once, below).
+            n = len(choices[0].token_ids) if len(choices) == 1 else sum(len(c.token_ids) for c in choices)
             if n == 0:
                 continue
             self.generation_tokens.inc(n)

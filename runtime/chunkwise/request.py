@@ -61,6 +61,14 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
+    # n > 1 (sched/fork.py): a request with n completions is a parent until its prompt but the last token is
+    # computed, then forks into n children that share those blocks. fork_hold is 1 for a parent not yet
+    # forked (the one prompt token it leaves to its children: subtracted from what it may compute), else 0.
+    fork_hold: int = 0
+    # A child's parent (the request id the outside knows) and its completion's index 0..n-1; None for others.
+    parent_id: str | None = None
+    index: int = 0
+
     # Set by the scheduler when the request arrives: the length at which it ends (max_tokens generated, or
     # max_model_len), and the ids that may end it sooner (EOS, stop_token_ids). The step loop's per-token
     # check is then one compare and one set lookup; which one ended it is worked out only then.

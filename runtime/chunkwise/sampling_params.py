@@ -16,6 +16,8 @@ from chunkwise.structured.spec import StructuredOutput
 # OpenAI's bounds; the number of top log-probs is capped like OpenAI's legacy completions API.
 MAX_PENALTY = 2.0
 MAX_LOGPROBS = 20
+# Completions per request (`n`): each is a sequence of its own in the engine, sharing the prompt's KV.
+MAX_N = 64
 # torch.Generator.manual_seed's accepted range, checked here so a bad seed fails at the API edge.
 _SEED_MIN = -(1 << 63)
 _SEED_MAX = (1 << 64) - 1
@@ -105,8 +107,8 @@ class SamplingParams:
         def set_(name: str, value: object) -> None:
             object.__setattr__(self, name, value)
 
-        if _check_int("n", self.n) != 1:
-            raise ValueError(f"n must be 1 (only one completion per request is supported), got {self.n!r}")
+        if not 1 <= _check_int("n", self.n) <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n!r}")
 
         if self.max_tokens is not None and _check_int("max_tokens", self.max_tokens) < 1:
             raise ValueError(f"max_tokens must be at least 1 or None, got {self.max_tokens!r}")
@@ -163,6 +165,13 @@ class SamplingParams:
     @functools.cached_property
     def has_penalty(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def child_seed(seed: int, index: int) -> int:
+    """The seed of completion `index` of a request seeded with `seed` (n > 1): seed + index, as vLLM does,
+    wrapped into the accepted range. Completion 0 draws what the same request with n=1 would."""
+    span = _SEED_MAX - _SEED_MIN + 1
+    return (seed + index - _SEED_MIN) % span + _SEED_MIN
 
 
 def _normalise_stop(stop: object) -> tuple[str, ...]:

@@ -108,3 +108,23 @@ def test_static_and_continuous_batching_give_identical_greedy_tokens() -> None:
         out[batching] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     assert out["continuous"] == out["static"]
     assert [len(t) for t in out["static"]] == max_new
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_each_of_n_greedy_choices_matches_transformers(model_dir: Path, caching: bool) -> None:
+    """n=3 forks after the prompt but its last token: every choice is the transformers greedy output, the
+    copied partial blocks included (prompt lengths land on every offset within a block of 4)."""
+    prompts, max_new = workload(n=6, seed=3)
+    expected = hf_greedy(model_dir, prompts, max_new)
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        max_num_batched_tokens=16,
+        block_size=4,
+        max_model_len=128,
+        enable_prefix_caching=caching,
+    )
+    params = [SamplingParams(n=3, max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_new]
+    outs = llm.generate(prompts, params)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[e] * 3 for e in expected]
+    assert llm.engine.all_blocks_free()

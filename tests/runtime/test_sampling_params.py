@@ -23,8 +23,9 @@ def test_defaults_match_vllm() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("n", 2),
+        ("n", sp_module.MAX_N + 1),
         ("n", 0),
+        ("n", 2.0),
         ("max_tokens", 0),
         ("max_tokens", -3),
         ("max_tokens", 1.5),
@@ -69,14 +70,26 @@ def test_bad_field_names_field_and_value(field: str, value: object) -> None:
     assert repr(value) in message
 
 
-def test_n_error_says_only_one_is_supported() -> None:
-    with pytest.raises(ValueError, match="only one completion"):
-        SamplingParams(n=4)
+def test_n_error_names_the_range() -> None:
+    with pytest.raises(ValueError, match=rf"n must be in \[1, {sp_module.MAX_N}\], got 65"):
+        SamplingParams(n=65)
+    with pytest.raises(ValueError, match="n must be an integer"):
+        SamplingParams(n=True)  # type: ignore[arg-type]
+
+
+def test_child_seed_is_seed_plus_index_wrapped_into_range() -> None:
+    assert [sp_module.child_seed(7, i) for i in range(3)] == [7, 8, 9]
+    top = (1 << 64) - 1
+    assert sp_module.child_seed(top, 0) == top
+    assert sp_module.child_seed(top, 1) == -(1 << 63)  # wraps to the bottom of torch's accepted range
 
 
 @pytest.mark.parametrize(
     ("field", "value"),
     [
+        ("n", 1),
+        ("n", 3),
+        ("n", sp_module.MAX_N),
         ("max_tokens", 1),
         ("max_tokens", None),
         ("temperature", 0.0),

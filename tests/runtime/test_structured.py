@@ -290,3 +290,19 @@ def test_pylm_tokenizer_builds() -> None:
     m = compiler.matcher(StructuredOutput.json_schema(PERSON))
     ids = tok.encode('{"name": "x", "age": 3, "ok": false}', add_special_tokens=False)
     assert m.consume_tokens(ids) and m.is_accepting()
+
+
+def test_each_of_n_choices_follows_the_grammar_with_its_own_matcher() -> None:
+    llm = LLM("tiny", max_model_len=256)
+    spec = StructuredOutput.json_schema(PERSON)
+    (out,) = llm.generate(
+        ["Person:"], SamplingParams(n=3, max_tokens=120, temperature=1.0, seed=5, structured=spec)
+    )
+    texts = [c.text for c in out.outputs]
+    assert len(texts) == 3 and len(set(texts)) > 1  # each child samples its own answer
+    for c in out.outputs:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.text), PERSON)
+    llm.engine.step()
+    grammar = llm.engine.runner.grammar
+    assert grammar is not None and len(grammar) == 0

@@ -177,6 +177,50 @@ class KVCacheManager:
         self.free(req)
         self._hashes.pop(req.request_id, None)
 
+    # -- n > 1 ------------------------------------------------------------------------------------------
+    def fork(self, parent: Request, children: Sequence[Request]) -> list[tuple[int, int]]:
+        """Hand the parent's blocks to its children (sched/fork.py) and drop the parent.
+
+        The parent's full blocks are shared: each child holds a reference to each (the pool's ref counts, as
+        prefix-cache hits do). Its partial last block, which every child writes its next token into, is copied
+        on write: the first child takes the parent's own, each other child a fresh block, returned as
+        (source block, new block) copies for the model runner to make before the step's forward. A child the
+        pool has no block for gets the full blocks only and computes the partial block's tokens itself (at
+        most block_size - 1 tokens): its num_computed_tokens is set back to the full blocks'.
+        """
+        rid = parent.request_id
+        table = self.block_tables.pop(rid, [])
+        hashes = self._hashes.pop(rid, [])
+        registered = self._num_registered.pop(rid, 0)
+        computed = parent.num_computed_tokens
+        bs = self.block_size
+        full = computed // bs
+        used = self.num_blocks(computed)
+        if len(table) > used:  # never expected: a fork follows a completed step
+            self.pool.free(reversed(table[used:]))
+            del table[used:]
+        partial = table[full] if len(table) > full else None
+        copies: list[tuple[int, int]] = []
+        for i, child in enumerate(children):
+            cid = child.request_id
+            child.num_computed_tokens = computed
+            if i == 0:
+                own = table  # the parent's references, its partial block included
+            else:
+                own = table[:full]
+                self.pool.touch(own)
+                if partial is not None:
+                    if self.pool.num_free:
+                        (block,) = self.pool.allocate(1)
+                        own.append(block)
+                        copies.append((partial, block))
+                    else:
+                        child.num_computed_tokens = full * bs
+            self.block_tables[cid] = own
+            self._hashes[cid] = list(hashes)
+            self._num_registered[cid] = min(registered, full)
+        return copies
+
     # -- swap -------------------------------------------------------------------------------------------
     def swap_out(self, req: Request) -> list[tuple[int, int]] | None:
         """Move req's blocks to host slots. Returns (device block, host slot) copies, or None if host space

@@ -172,6 +172,7 @@ class AsyncEngine:
                 decode = req.max_tokens
             else:
                 decode = min(req.max_tokens, self._estimates.get(route, self._cold_start_output_tokens))
+            decode *= params.n  # n completions, one prompt
             if shedding is not None:
                 decision = decide(shedding, self._load_locked())
                 if not decision.admitted:
@@ -288,8 +289,9 @@ class AsyncEngine:
         core = self.core
         aborted = core.cancel_all()
         failure = RuntimeError(f"the engine step failed and this request was aborted: {error!r}")
-        for req in aborted:
-            self._streams.deliver(failure, req.request_id)
+        # A forked request's children are aborted one by one; its stream is the parent's id.
+        for rid in dict.fromkeys(r.parent_id or r.request_id for r in aborted):
+            self._streams.deliver(failure, rid)
         self._publish()
         # The output side forgets them (their streams are gone: nothing more is delivered) and observers
         # count them as aborted.
@@ -320,10 +322,9 @@ class AsyncEngine:
                     for req, stop in processed.stopped:
                         self._finish_by_stop(req, stop)
                 if event.aborted:
-                    for req in event.aborted:
-                        if req.request_id in outputs.states:
-                            outs.append(outputs.aborted(req))
-                            finished.append(req)
+                    aborted_outs, aborted_reqs = outputs.aborted_all(event.aborted)
+                    outs.extend(aborted_outs)
+                    finished.extend(aborted_reqs)
                 if outs:
                     self._streams.deliver_all(outs)
                 self._notify(event.step, outs, finished)

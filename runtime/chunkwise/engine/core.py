@@ -261,6 +261,10 @@ class EngineCore:
             if bad:
                 raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
         max_tokens = resolve_max_tokens(len(ids), params.max_tokens, self.max_model_len)
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        if params.n > max_num_seqs:
+            # Its n sequences run side by side once forked (sched/fork.py): they must fit in one batch.
+            raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({max_num_seqs})")
         if params.structured is not None:
             # Compiled here (and cached), so a bad schema is the caller's error, never the step loop's.
             self.structured.check(params.structured)
@@ -314,7 +318,7 @@ class EngineCore:
     def abort(self, request_ids: Sequence[str]) -> list[RequestOutput]:
         """cancel(), with each request's last output ("abort"), when this core processes its outputs."""
         outputs = self._own_outputs()
-        return [outputs.aborted(r) for r in self.cancel(request_ids)]
+        return outputs.aborted_all(self.cancel(request_ids))[0]
 
     def detach_outputs(self) -> OutputProcessor:
         """Hand output processing to a caller that runs it elsewhere (AsyncEngine's output thread): from

@@ -13,14 +13,23 @@ from chunkwise.tokenizer import Tokenizer
 
 
 def _merge(acc: RequestOutput, delta: RequestOutput) -> None:
-    a, d = acc.outputs[0], delta.outputs[0]
-    a.text += d.text
-    a.token_ids.extend(d.token_ids)
-    if d.logprobs is not None:
-        a.logprobs = (a.logprobs or []) + d.logprobs
-    a.finish_reason, a.stop_reason = d.finish_reason, d.stop_reason
+    # One delta per choice that progressed (n > 1: any of them, by index); acc holds each choice seen so far.
+    outputs = acc.outputs
+    for d in delta.outputs:
+        a = outputs[0] if len(outputs) == 1 and outputs[0].index == d.index else None
+        if a is None:
+            a = next((c for c in outputs if c.index == d.index), None)
+            if a is None:
+                outputs.append(d)
+                continue
+        a.text += d.text
+        a.token_ids.extend(d.token_ids)
+        if d.logprobs is not None:
+            a.logprobs = (a.logprobs or []) + d.logprobs
+        a.finish_reason, a.stop_reason = d.finish_reason, d.stop_reason
     acc.finished = delta.finished
-    acc.first_token_time = delta.first_token_time
+    if acc.first_token_time is None:  # n > 1: the first choice's first token
+        acc.first_token_time = delta.first_token_time
     acc.finished_time = delta.finished_time
 
 
@@ -64,4 +73,6 @@ class LLM:
                     _merge(results[out.request_id], out)
                 else:
                     results[out.request_id] = out
+        for out in results.values():
+            out.outputs.sort(key=lambda c: c.index)
         return [results[req.request_id] for req, _ in reqs]

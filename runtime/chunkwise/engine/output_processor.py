@@ -48,13 +48,47 @@ class _OutputState:
         self.prompt_logprobs: list[TokenLogprob] | None = None
 
 
+class _Group:
+    """A request with n > 1 completions (sched/fork.py): its children's emission states, by child id, and
+    which of its n choices have ended. The outside sees one request: the parent's id."""
+
+    def __init__(self, parent: Request, prompt: str | None) -> None:
+        self.parent = parent
+        self.prompt = prompt
+        self.n = parent.sampling_params.n
+        self.children: dict[str, _OutputState] = {}
+        self.done: set[int] = set()  # indices whose output has ended
+        # The prompt's log-probs (the parent scores the prompt before the fork), until an output carries them.
+        self.prompt_logprobs: list[TokenLogprob] | None = None
+
+    def output(self) -> RequestOutput:
+        """This step's output of the request, to which each choice that progressed adds its delta."""
+        p = self.parent
+        prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
+        return RequestOutput(
+            request_id=p.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=p.prompt_token_ids,
+            outputs=[],
+            finished=False,
+            num_cached_tokens=p.num_cached_tokens,
+            arrival_time=p.arrival_time,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, _OutputState] = {}
+        # Requests with n > 1, by the parent's id: their children's outputs are merged into one per step.
+        self.groups: dict[str, _Group] = {}
 
     def add(self, req: Request, prompt: str | None) -> None:
-        self.states[req.request_id] = _OutputState(req, prompt, self.tokenizer)
+        if req.sampling_params.n > 1:
+            self.groups[req.request_id] = _Group(req, prompt)
+        else:
+            self.states[req.request_id] = _OutputState(req, prompt, self.tokenizer)
 
     def process(self, update: StepUpdate) -> ProcessedOutputs:
         """Detokenize each request's new tokens and look for stop strings; a match ends the request's
@@ -68,10 +102,17 @@ class OutputProcessor:
             for rid, scores in update.prompt_logprobs.items():
                 if (pending := states.get(rid)) is not None:
                     pending.prompt_logprobs = scores
+                elif (group := self.groups.get(rid)) is not None:  # n > 1: the parent scored the prompt
+                    group.prompt_logprobs = scores
+        children: list[tuple[Request, int, bool]] | None = None
         for req, num_tokens, finished in zip(update.reqs, update.num_tokens, update.finished):
             st = states.get(req.request_id)
             if st is None:
-                continue  # already finished here (a stop string), the step loop not yet told
+                if req.parent_id is not None:  # a choice of an n > 1 request: merged below
+                    if children is None:
+                        children = []
+                    children.append((req, num_tokens, finished))
+                continue  # else already finished here (a stop string), the step loop not yet told
             new_tokens = req.token_ids[st.num_prompt_tokens + st.sent_tokens : num_tokens]
             step = st.detok.step
             piece = step(new_tokens[0]) if len(new_tokens) == 1 else "".join([step(t) for t in new_tokens])
@@ -89,7 +130,84 @@ class OutputProcessor:
             outs.append(self._emit(st, req, finished, stop, new_tokens, delta, lp))
             if finished:
                 finished_reqs.append(req)
+        if children is not None:
+            self._process_children(children, logprobs, outs, finished_reqs, stopped)
         return ProcessedOutputs(outs, finished_reqs, stopped)
+
+    def _process_children(
+        self,
+        children: list[tuple[Request, int, bool]],
+        logprobs: dict[str, Logprobs] | None,
+        outs: list[RequestOutput],
+        finished_reqs: list[Request],
+        stopped: list[tuple[Request, str]],
+    ) -> None:
+        """process() for the choices of n > 1 requests: each choice's delta as in process(), its index its
+        own; one RequestOutput per request per step, finished once all n choices have ended."""
+        merged: dict[str, RequestOutput] = {}
+        for req, num_tokens, finished in children:
+            pid = req.parent_id
+            assert pid is not None
+            group = self.groups.get(pid)
+            if group is None or req.index in group.done:
+                continue  # its output already ended (a stop string, an abort)
+            st = group.children.get(req.request_id)
+            if st is None:
+                st = group.children[req.request_id] = _OutputState(req, group.prompt, self.tokenizer)
+            new_tokens = req.token_ids[st.num_prompt_tokens + st.sent_tokens : num_tokens]
+            piece = "".join([st.detok.step(t) for t in new_tokens])
+            if finished:
+                piece += st.detok.flush()
+            stop = None
+            if st.stops:
+                delta, stop = self._stop_strings(st, finished, piece)
+                if stop is not None:
+                    finished = True
+                    stopped.append((req, stop))
+            else:
+                delta = piece
+            lp = logprobs.get(req.request_id) if logprobs is not None else None
+            choice = self._emit(st, req, finished, stop, new_tokens, delta, lp)
+            out = merged.get(pid)
+            if out is None:
+                out = merged[pid] = group.output()
+            completion = choice.outputs[0]
+            completion.index = req.index
+            out.outputs.append(completion)
+            if out.first_token_time is None or (
+                choice.first_token_time is not None and choice.first_token_time < out.first_token_time
+            ):
+                out.first_token_time = choice.first_token_time
+            if finished:
+                del group.children[req.request_id]
+                self._choice_ended(group, out, req.index, completion, choice.finished_time, finished_reqs)
+        for out in merged.values():
+            out.outputs.sort(key=lambda c: c.index)
+            outs.append(out)
+
+    def _choice_ended(
+        self,
+        group: _Group,
+        out: RequestOutput,
+        index: int,
+        completion: CompletionOutput,
+        finished_time: float | None,
+        finished_reqs: list[Request],
+    ) -> None:
+        group.done.add(index)
+        if len(group.done) < group.n:
+            return
+        # The request's output ends with its last choice. The parent left the scheduler when it forked: the
+        # output side is now its only writer, and records the request's end on it (metrics read it).
+        parent = group.parent
+        self.groups.pop(parent.request_id, None)
+        out.finished = True
+        out.finished_time = finished_time
+        if parent.finish_reason is None:
+            parent.finish_reason = completion.finish_reason
+            parent.stop_reason = completion.stop_reason
+            parent.finished_time = finished_time
+        finished_reqs.append(parent)
 
     @staticmethod
     def _stop_strings(st: _OutputState, finished: bool, piece: str) -> tuple[str, str | None]:
@@ -172,6 +290,41 @@ class OutputProcessor:
             finished_time=finished_time,
             prompt_logprobs=prompt_logprobs,
         )
+
+    def aborted_all(self, reqs: list[Request]) -> tuple[list[RequestOutput], list[Request]]:
+        """The last outputs of requests the scheduler aborted (whose output had not already ended), and
+        those requests, as the outside knows them. A request with n > 1 gets one output for what the abort
+        ended of it: an aborted parent all n choices, aborted children theirs."""
+        outs: list[RequestOutput] = []
+        finished: list[Request] = []
+        merged: dict[str, RequestOutput] = {}
+        for req in reqs:
+            if req.request_id in self.states:
+                outs.append(self.aborted(req))
+                finished.append(req)
+                continue
+            group = self.groups.get(req.parent_id if req.parent_id is not None else req.request_id)
+            if group is None:
+                continue
+            out = merged.get(group.parent.request_id)
+            if out is None:
+                out = merged[group.parent.request_id] = group.output()
+            t = req.first_token_time
+            if t is not None and (out.first_token_time is None or t < out.first_token_time):
+                out.first_token_time = t
+            indices = [req.index] if req.parent_id is not None else range(group.n)
+            for i in indices:
+                if i in group.done:
+                    continue
+                group.children.pop(req.request_id, None)
+                completion = CompletionOutput(index=i, text="", token_ids=[], finish_reason="abort")
+                out.outputs.append(completion)
+                self._choice_ended(group, out, i, completion, req.finished_time, finished)
+        for out in merged.values():
+            if out.outputs:
+                out.outputs.sort(key=lambda c: c.index)
+                outs.append(out)
+        return outs, finished
 
     def aborted(self, req: Request) -> RequestOutput:
         st = self.states.pop(req.request_id, None)

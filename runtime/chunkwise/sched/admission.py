@@ -77,8 +77,19 @@ class ReservationAdmission:
         For a request resumed after recompute-preemption, its tokens so far include what it generated.
         """
         remaining_output = max(0, req.output_length_estimate - req.num_output_tokens)
+        if req.fork_hold:
+            return self._family_blocks(req, remaining_output) - num_cached_blocks
         return (
             cdiv(req.num_tokens, self.block_size)
             + cdiv(remaining_output + self.spec_tokens, self.block_size)
             - num_cached_blocks
         )
+
+    def _family_blocks(self, req: Request, output: int) -> int:
+        """A parent not yet forked (n > 1, sched/fork.py): the prompt's full blocks once (its n children share
+        them), and per child its own blocks from the prompt's partial last block (the parent's, or a copy)
+        through its estimated output."""
+        bs = self.block_size
+        shared = (req.num_prompt_tokens - 1) // bs
+        per_child = cdiv(req.num_prompt_tokens + output + self.spec_tokens, bs) - shared
+        return shared + req.sampling_params.n * per_child

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 from chunkwise.cache.kv_cache_manager import KVCacheManager
 from chunkwise.config import SchedulerConfig
@@ -30,12 +31,23 @@ class AdmitFromQueues:
     batching: Batching
     admission: ReservationAdmission
     reuse: PrefixPreference
+    _parents: list[Request]
+
+    if TYPE_CHECKING:
+
+        def _parent_seats(self) -> int: ...  # ForkRequests._parent_seats
 
     def _resume_swapped(self, budget: int, num_new: dict[str, int], swap_in: list[tuple[int, int]]) -> int:
-        while self.swapped and len(self.running) < self.config.max_num_seqs:
+        # A parent not yet forked (n > 1) takes a seat for each of the children it will fork into.
+        seats = self._parent_seats()
+        while self.swapped and len(self.running) + seats < self.config.max_num_seqs:
             req = self.swapped[0]
             if not self.kv.can_swap_in(req):
                 break
+            if req.fork_hold:
+                if len(self.running) + seats + req.sampling_params.n > self.config.max_num_seqs:
+                    break
+                seats += req.sampling_params.n - 1
             self.swapped.popleft()
             swap_in.extend(self.kv.swap_in(req))
             req.status = RequestStatus.RUNNING
@@ -43,7 +55,9 @@ class AdmitFromQueues:
             contended = bool(self.swapped or len(self.waiting)) or any(
                 r.is_prefilling for r in self.running if r is not req
             )
-            n = self.budget.chunk(req, req.num_tokens - req.num_computed_tokens, budget, contended)
+            n = self.budget.chunk(
+                req, req.num_tokens - req.num_computed_tokens - req.fork_hold, budget, contended
+            )
             if n and self.kv.allocate(req, n):
                 num_new[req.request_id] = n
                 budget -= n
@@ -58,8 +72,12 @@ class AdmitFromQueues:
         num_prefilling = sum(1 for r in self.running if r.is_prefilling)
         blocked: Request | None = None  # the head that did not fit, while reuse-heavy requests pass it
         scanned = 0
+        # Seats the running parents' children will take when they fork (n > 1): counted as taken.
+        seats = self._parent_seats() if self._parents else 0
         for req in self.waiting.candidates(num_long):
-            if len(self.running) >= self.config.max_num_seqs:
+            if len(self.running) + seats >= self.config.max_num_seqs:
+                break
+            if req.fork_hold and len(self.running) + seats + req.sampling_params.n > self.config.max_num_seqs:
                 break
             if budget <= 0 and not self.batching.admits_without_budget:
                 break
@@ -85,9 +103,11 @@ class AdmitFromQueues:
                 blocked.num_bypassed += 1
             num_cached_tokens = len(cached) * self.block_size
             contended = num_prefilling > 0 or len(self.waiting) > 1
-            n = self.budget.chunk(req, req.num_tokens - num_cached_tokens, budget, contended)
+            n = self.budget.chunk(req, req.num_tokens - num_cached_tokens - req.fork_hold, budget, contended)
             if not self.kv.allocate(req, n, cached):
                 break
+            if req.fork_hold:
+                seats += req.sampling_params.n - 1
             self.waiting.remove(req)
             if req.status == RequestStatus.WAITING:
                 # First admission: count prefix-cache lookups once per request, as vLLM does.

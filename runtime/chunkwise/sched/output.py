@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from chunkwise.request import Request
@@ -50,6 +51,9 @@ class SchedulerOutput:
     # KV copies to run before the forward pass: first out (device block, host slot), then in (host slot, block).
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Copy-on-write copies (source block, new block) on device, made before the swaps and the forward: a
+    # forked request's partial last block, one copy per child but the first (sched/fork.py).
+    block_copies: Sequence[tuple[int, int]] = ()
     # Requests that left since the last step, so the runner drops their per-request state.
     finished_req_ids: set[str] = field(default_factory=set)
     num_prefill_tokens: int = 0
@@ -67,7 +71,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled and not self.swap_out and not self.swap_in
+        return not self.scheduled and not self.swap_out and not self.swap_in and not self.block_copies
 
 
 @dataclass

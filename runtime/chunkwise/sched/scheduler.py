@@ -23,6 +23,7 @@ from chunkwise.request import Request, RequestStatus
 from chunkwise.sched.admission import OutputLengthEstimator
 from chunkwise.sched.admit import AdmitFromQueues
 from chunkwise.sched.apply import ApplyStepResult
+from chunkwise.sched.fork import ForkRequests
 from chunkwise.sched.output import (
     DecodeStep,
     ScheduledRequest,
@@ -35,7 +36,7 @@ from chunkwise.sched.preemption import PreemptionCostModel
 from chunkwise.speculative.adaptive import AdaptiveDraftLength
 
 
-class Scheduler(AdmitFromQueues, ApplyStepResult):
+class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policies: SchedulerPolicies) -> None:
         if config.max_model_len is None:
             raise ValueError("SchedulerConfig.max_model_len must be resolved before building a Scheduler")
@@ -60,6 +61,9 @@ class Scheduler(AdmitFromQueues, ApplyStepResult):
         self.stats = SchedulerStats()
         self._finished_ids: set[str] = set()
         self.last_schedule_seconds = 0.0
+        # n > 1 (fork.py): parents not yet forked; forked parents' children by the parent's id.
+        self._parents: list[Request] = []
+        self._families: dict[str, list[Request]] = {}
 
     @classmethod
     def from_config(
@@ -76,8 +80,11 @@ class Scheduler(AdmitFromQueues, ApplyStepResult):
 
     # -- requests in and out ----------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
-        if req.request_id in self.requests:
+        if req.request_id in self.requests or req.request_id in self._families:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        n = req.sampling_params.n
+        if n > self.config.max_num_seqs:
+            raise ValueError(f"n ({n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
         need = self.kv.num_blocks(req.num_prompt_tokens + req.max_tokens)
         if need > self.kv.pool.num_blocks:
             raise ValueError(
@@ -88,6 +95,9 @@ class Scheduler(AdmitFromQueues, ApplyStepResult):
         req.stop_check_ids = frozenset(req.eos_token_ids) | frozenset(req.sampling_params.stop_token_ids)
         req.output_length_estimate = self.admission.output_estimate(req)
         self.stats.last_output_length_estimate = req.output_length_estimate
+        if n > 1:
+            req.fork_hold = 1
+            self._parents.append(req)
         self.requests[req.request_id] = req
         self.waiting.push(req)
 
@@ -98,6 +108,12 @@ class Scheduler(AdmitFromQueues, ApplyStepResult):
             if req is not None and not req.is_finished:
                 self.finish(req, RequestStatus.FINISHED_ABORTED)
                 aborted.append(req)
+            elif req is None and rid in self._families:
+                # A forked request: every child still going.
+                for child in list(self._families[rid]):
+                    if not child.is_finished:
+                        self.finish(child, RequestStatus.FINISHED_ABORTED)
+                        aborted.append(child)
         return aborted
 
     def finish(self, req: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
@@ -119,6 +135,10 @@ class Scheduler(AdmitFromQueues, ApplyStepResult):
         self.requests.pop(req.request_id, None)
         req.decode_row = None
         self._finished_ids.add(req.request_id)
+        if req.fork_hold:
+            self._parents.remove(req)  # finished before it forked (aborted)
+        elif req.parent_id is not None:
+            self._forget_family_member(req)
         if status != RequestStatus.FINISHED_ABORTED:
             self.estimator.observe(req.route, req.num_output_tokens)
 
@@ -130,7 +150,9 @@ class Scheduler(AdmitFromQueues, ApplyStepResult):
         for r in itertools.chain(self.waiting, self.swapped):
             num += 1
             prefill += r.num_tokens - r.num_computed_tokens
-            decode += max(0, r.output_length_estimate - r.num_output_tokens)
+            # A parent not yet forked has n outputs to come.
+            sequences = r.sampling_params.n if r.fork_hold else 1
+            decode += sequences * max(0, r.output_length_estimate - r.num_output_tokens)
         self._update_gauges()
         return SchedulerSnapshot(
             copy.copy(self.stats),
@@ -147,7 +169,9 @@ class Scheduler(AdmitFromQueues, ApplyStepResult):
     # -- one step ---------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         t0 = time.perf_counter()
-        out = self._schedule_decodes()
+        # A fork (rare) adds rows whose COW copies this step carries: that step takes the general path.
+        copies = self._fork_ready() if self._parents else None
+        out = self._schedule_decodes() if copies is None else None
         if out is not None:
             self.last_schedule_seconds = time.perf_counter() - t0
             return out
@@ -170,6 +194,7 @@ class Scheduler(AdmitFromQueues, ApplyStepResult):
         if self.spec is not None:
             k_step = self.spec.choose(sum(1 for r in decodes if self._may_speculate(r)), budget)
             self.stats.spec_draft_length = k_step
+        parents = bool(self._parents)  # n > 1 requests not yet forked (rare): only then is fork_hold read
         for req in decodes + prefills:
             if budget <= 0:
                 break
@@ -180,6 +205,10 @@ class Scheduler(AdmitFromQueues, ApplyStepResult):
                 # Never draft past max_tokens or max_model_len: the verify step may accept every draft.
                 room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
                 want += max(0, min(k_step, room))
+            if parents:
+                # A parent not yet forked leaves its prompt's last token to its children (fork.py); its raw
+                # want is at least 2 here (it forks at 1), so it never speculated above.
+                want -= req.fork_hold
             own_prefill = req.num_tokens - req.num_computed_tokens > 1
             n = self.budget.chunk(req, want, budget, queued or len(prefills) > own_prefill)
             if n == 0:
@@ -206,6 +235,8 @@ class Scheduler(AdmitFromQueues, ApplyStepResult):
                 budget = self._admit_waiting(budget, num_new, cached_hits)
 
         out = self._compose(num_new, swap_out, swap_in, num_preempted)
+        if copies:
+            out.block_copies = copies
         self._update_gauges()
         self.last_schedule_seconds = time.perf_counter() - t0
         return out

@@ -65,7 +65,7 @@ def _sampling_params(
     # A top_k past the vocabulary filters nothing; clamped so an absurd value never reaches the sampler.
     top_k = min(top_k, vocab_size)
     try:
-        return SamplingParams(
+        params = SamplingParams(
             n=body.n,
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -84,6 +84,10 @@ def _sampling_params(
         )
     except ValueError as e:
         raise from_value_error(e) from e
+    if params.n != 1:
+        # The engine forks n > 1 (issue 21); serving it is the server side's part of that issue, still to come.
+        raise bad_request(f"n must be 1 (this server does not serve n > 1 yet), got {params.n}", param="n")
+    return params
 
 
 def _options(body: _Sampling, logprobs: bool, top_logprobs: int = 0, echo: bool = False) -> ResponseOptions:

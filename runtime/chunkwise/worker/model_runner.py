@@ -194,6 +194,9 @@ class ModelRunner:
             self.inputs.forget(so.finished_req_ids)
             if self.proposer is not None:
                 self.proposer.forget(so.finished_req_ids)
+        if so.block_copies:
+            # Copy-on-write (a forked request's partial block), first: a swap-out this step may take the copy.
+            self._copy_blocks(self.kv_caches, self.kv_caches, list(so.block_copies))
         # Out before in: a block swapped out this step may be the target of a swap-in.
         self._copy_blocks(self.kv_caches, self.host_caches, so.swap_out)
         self._copy_blocks(self.host_caches, self.kv_caches, so.swap_in)
