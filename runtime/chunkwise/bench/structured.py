@@ -2,7 +2,8 @@
 
     taskset -c 1 python -m chunkwise.bench.structured --model small,pylm --batch 32 --max-tokens 128
 
-(several models, comma-separated, are measured one after the other, each on its own engine).
+(several models, comma-separated, are measured one after the other, each on its own engine). On a GPU:
+`--device cuda --dtype bfloat16 --model llama3-8b` (random weights, byte tokenizer, 128k vocabulary).
 
 One engine; the same prompts, the same lengths, run alternately (plain, constrained, plain, ...; the first
 of each pair alternates too). Every request generates exactly --max-tokens tokens: the plain ones ignore EOS,
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="pairs of runs (3)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (1.0; 0 = greedy)")
+    p.add_argument("--device", default="cpu", help="engine device (cpu)")
+    p.add_argument("--dtype", default="auto", help="engine dtype (auto)")
     p.add_argument("--json", dest="json_out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -62,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _measure(model: str, args: argparse.Namespace) -> dict[str, object]:
-    llm = LLM(model, max_num_seqs=args.batch, max_model_len=512, seed=0)
+    llm = LLM(model, max_num_seqs=args.batch, max_model_len=512, seed=0, device=args.device, dtype=args.dtype)
     prompts = _prompts(args.batch)
     plain = [
         SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True, seed=i)
@@ -96,6 +99,7 @@ def _measure(model: str, args: argparse.Namespace) -> dict[str, object]:
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
         "threads": args.threads,
+        "device": args.device,
         "plain_tok_s": statistics.median(rates["plain"]),
         "json_schema_tok_s": statistics.median(rates["json_schema"]),
         "ratio_median": statistics.median(ratios),
