@@ -8,12 +8,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "AsyncEngine", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "AsyncEngine", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutput"]
 
 if TYPE_CHECKING:
     from chunkwise.engine import LLM, AsyncEngine
     from chunkwise.outputs import CompletionOutput, RequestOutput
     from chunkwise.sampling_params import SamplingParams
+    from chunkwise.structured.spec import StructuredOutput
 
 _LAZY = {
     "LLM": "chunkwise.engine",
@@ -21,6 +22,7 @@ _LAZY = {
     "RequestOutput": "chunkwise.outputs",
     "CompletionOutput": "chunkwise.outputs",
     "SamplingParams": "chunkwise.sampling_params",
+    "StructuredOutput": "chunkwise.structured.spec",
 }
 
 
