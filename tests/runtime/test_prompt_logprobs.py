@@ -30,7 +30,9 @@ def _hf_logprobs(model_dir: Path, prompt: list[int]) -> torch.Tensor:
     return logits.float().log_softmax(dim=-1)
 
 
-def _run(engine: EngineCore, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, RequestOutput]:
+def _run(
+    engine: EngineCore, requests: dict[str, tuple[list[int], SamplingParams]]
+) -> dict[str, RequestOutput]:
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
     first: dict[str, RequestOutput] = {}
