@@ -3,13 +3,15 @@ a batch of prompts in /v1/completions, echo, and n > 1 (forked inside the engine
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 
-from tests.server.harness import MODEL, LiveServer
+from tests.server.harness import ENGINE_KWARGS, MODEL, LiveServer
 
 
 @pytest.fixture
@@ -111,3 +113,62 @@ def test_chat_prompt_logprobs_ride_on_the_response(client: openai.OpenAI) -> Non
     scores, ids = raw["prompt_logprobs"], raw["prompt_token_ids"]
     assert scores[0] is None and len(scores) == len(ids)
     assert all(str(t) in s for t, s in zip(ids[1:], scores[1:]))
+
+
+def test_n_greedy_choices_are_the_single_answer_and_the_prompt_counts_once(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=6, temperature=0, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert {c.text for c in r.choices} == {_alone(client, "Hello there", 6)}
+    assert r.usage is not None
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (12, 18)
+
+
+def test_n_seeded_choices_differ_and_repeat(client: openai.OpenAI) -> None:
+    def ask() -> list[str]:
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, n=3, seed=7
+        )
+        assert [c.index for c in r.choices] == [0, 1, 2]
+        return [c.message.content or "" for c in r.choices]
+
+    first = ask()
+    assert ask() == first
+    assert len(set(first)) > 1
+
+
+def test_n_with_a_streamed_batch_numbers_prompt_then_choice(client: openai.OpenAI) -> None:
+    texts: dict[int, str] = defaultdict(str)
+    stream = client.completions.create(
+        model=MODEL, prompt=["abc", "Hello"], max_tokens=4, temperature=0, n=2, stream=True
+    )
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    a, b = _alone(client, "abc", 4), _alone(client, "Hello", 4)
+    assert dict(texts) == {0: a, 1: a, 2: b, 3: b}
+
+
+def _kv_usage(live: LiveServer) -> float:
+    text = httpx.get(live.url + "/metrics", trust_env=False).text
+    m = re.search(r"^vllm:kv_cache_usage_perc(?:\{[^}]*\})? (\S+)$", text, re.M)
+    assert m is not None
+    return float(m.group(1))
+
+
+def test_n_choices_hold_the_prompt_once(client: openai.OpenAI, live: LiveServer) -> None:
+    # A 300-token prompt is 19 blocks of 16; three unshared copies would hold 57 of the 96 at once.
+    prompt = "The KV blocks of one prompt are shared. " * 7 + "x" * 19
+    assert len(prompt.encode()) + 1 == 300
+    num_blocks, prompt_blocks = ENGINE_KWARGS["num_blocks"], 19
+    seen: set[int] = set()
+    usage = None
+    stream = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=150, n=3, stream=True, extra_body={"ignore_eos": True}
+    )
+    for chunk in stream:
+        seen.update(c.index for c in chunk.choices)
+        if usage is None and seen == {0, 1, 2}:
+            usage = _kv_usage(live)  # every choice is decoding: the prompt and three tails are held
+    assert usage is not None
+    used = round(usage * num_blocks)
+    assert prompt_blocks <= used < 2 * prompt_blocks

@@ -106,7 +106,7 @@ BAD_CHATS = [
     (chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format"),
     (chat(model="gpt-4o"), "model"),
     (chat(temperature=-1), "temperature"),
-    (chat(n=3), "n"),
+    (chat(n=0), "n"),
     (chat(logit_bias={"1": 5.0}), "logit_bias"),
 ]
 

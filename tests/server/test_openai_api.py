@@ -217,12 +217,12 @@ def test_sampling_extensions_accepted(client: openai.OpenAI) -> None:
     assert r.usage is not None and r.usage.completion_tokens == 8
 
 
-def test_n_greater_than_one_is_a_clear_400(client: openai.OpenAI) -> None:
+def test_n_past_its_bound_is_a_clear_400(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=2)
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=65)
     assert e.value.status_code == 400
     body = e.value.body
-    assert isinstance(body, dict) and "n must be 1" in body["message"] and body["param"] == "n"
+    assert isinstance(body, dict) and "n must be in [1, 64]" in body["message"] and body["param"] == "n"
 
 
 def test_unknown_model_is_400(client: openai.OpenAI) -> None:

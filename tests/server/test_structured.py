@@ -447,3 +447,38 @@ def test_a_batch_of_prompts_is_constrained_prompt_by_prompt(live: LiveServer) ->
     )
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
     assert all(c.text in ("red", "green", "blue") and c.finish_reason == "stop" for c in r.choices)
+
+
+def test_n_choices_each_follow_the_schema_and_each_make_their_call(live: LiveServer) -> None:
+    r = _chat(
+        live,
+        n=3,
+        temperature=1.0,
+        seed=9,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
+    )
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    values = [json.loads(c.message.content) for c in r.choices]
+    for v in values:
+        jsonschema.validate(v, PERSON)
+    assert len({json.dumps(v) for v in values}) > 1
+    chunks = [
+        c
+        for c in _chat(
+            live,
+            n=2,
+            stream=True,
+            temperature=1.0,
+            seed=3,
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "add"}},
+        )
+        if c.choices
+    ]
+    calls = {c.choices[0].index: tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])}
+    assert sorted(calls) == [0, 1]
+    for tc in calls.values():
+        assert tc.function.name == "add"
+        jsonschema.validate(json.loads(tc.function.arguments), PARAMS["add"])
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+    assert finishes == ["tool_calls", "tool_calls"]

@@ -84,9 +84,6 @@ def _sampling_params(
         )
     except ValueError as e:
         raise from_value_error(e) from e
-    if params.n != 1:
-        # The engine forks n > 1 (issue 21); serving it is the server side's part of that issue, still to come.
-        raise bad_request(f"n must be 1 (this server does not serve n > 1 yet), got {params.n}", param="n")
     return params
 
 

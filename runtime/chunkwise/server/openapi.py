@@ -15,7 +15,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from chunkwise import __version__
-from chunkwise.sampling_params import MAX_LOGPROBS, MAX_PENALTY
+from chunkwise.sampling_params import MAX_LOGPROBS, MAX_N, MAX_PENALTY
 from chunkwise.server.chat import ROLES
 from chunkwise.server.endpoints import MAX_BATCH_PROMPTS
 from chunkwise.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -80,7 +80,7 @@ RANGES: dict[str, dict[str, Any]] = {
     "max_completion_tokens": {"minimum": 1},
     "top_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
     "prompt_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
-    "n": {"minimum": 1, "maximum": 1},
+    "n": {"minimum": 1, "maximum": MAX_N},
     # best_of must equal n when given: a constraint between fields, left to the 400.
     "best_of": {"minimum": 1},
     "suffix": {"type": "null"},
