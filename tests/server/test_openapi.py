@@ -15,13 +15,19 @@ from schemathesis import GenerationMode
 
 from tests.server.harness import LiveServer, start_server
 
-# Every generation ends within this many tokens, so each generated request is quick on the tiny model.
+# Every generation ends within this many tokens, and a request holds at most MAX_NUM_SEQS choices and
+# MAX_WAITING prompts before the rest are shed: each generated request is quick on the tiny model, even a
+# batch of 256 prompts with n at its bound.
 MAX_MODEL_LEN = 64
+MAX_NUM_SEQS = 4
+MAX_WAITING = 16
 
 
 @pytest.fixture(scope="module")
 def bounded() -> Iterator[LiveServer]:
-    server = start_server({"max_model_len": MAX_MODEL_LEN}, max_waiting=256)
+    server = start_server(
+        {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": MAX_NUM_SEQS}, max_waiting=MAX_WAITING
+    )
     yield server
     server.stop()
 
@@ -46,6 +52,8 @@ def test_the_document_names_both_generation_bodies_and_their_errors(bounded: Liv
     assert "prompt" in schemas["CompletionRequest"]["required"]
     assert "messages" in schemas["ChatCompletionRequest"]["required"]
     assert schemas["ErrorResponse"]["required"] == ["error"]
+    # n is bounded by what this engine batches.
+    assert schemas["CompletionRequest"]["properties"]["n"]["maximum"] == MAX_NUM_SEQS
 
 
 def _openai_error(body: Any) -> bool:

@@ -55,6 +55,7 @@ class ModelInfo:
     enable_prefix_caching: bool
     max_waiting: int | None  # the scheduler's load-shedding bound (None: unbounded)
     dtype: str
+    max_num_seqs: int  # a request's n choices run side by side, so n is bounded by this too
 
 
 class EngineCore:
@@ -175,6 +176,7 @@ class EngineCore:
             enable_prefix_caching=cache.enable_prefix_caching,
             max_waiting=sched_cfg.max_waiting,
             dtype=choice.name,
+            max_num_seqs=sched_cfg.max_num_seqs,
         )
 
     def _set_up_graphs(self, config: EngineConfig, device: torch.device, backend: AttentionBackend) -> None:

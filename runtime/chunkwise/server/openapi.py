@@ -88,12 +88,16 @@ RANGES: dict[str, dict[str, Any]] = {
 }
 
 
-def _refine(schemas: dict[str, Any], served_model: str | None, vocab_size: int | None) -> None:
+def _refine(schemas: dict[str, Any], served_model: str | None, info: ModelInfo | None) -> None:
+    vocab_size = info.vocab_size if info is not None else None
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         props = schemas[name]["properties"]
         for field, extra in RANGES.items():
             if field in props:
                 props[field].update(extra)
+        if info is not None:
+            # This engine's bound: a request's choices must fit in one batch.
+            props["n"]["maximum"] = min(MAX_N, info.max_num_seqs)
         if served_model is not None:
             props["model"] = {"anyOf": [{"enum": [served_model]}, {"type": "null"}], "title": "Model"}
     completion = schemas["CompletionRequest"]["properties"]
@@ -139,7 +143,7 @@ def install_openapi(app: FastAPI, model_info: Callable[[], ModelInfo | None], se
             schemas[model.__name__] = schema
         schemas["ErrorResponse"] = ERROR_SCHEMA
         info = model_info()
-        _refine(schemas, served_model, info.vocab_size if info is not None else None)
+        _refine(schemas, served_model, info)
         if info is None:
             return doc  # while loading: not cached, so the token-id bound appears once the engine has
         app.openapi_schema = doc
