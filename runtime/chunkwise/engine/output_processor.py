@@ -113,19 +113,10 @@ class OutputProcessor:
                         children = []
                     children.append((req, num_tokens, finished))
                 continue  # else already finished here (a stop string), the step loop not yet told
-            new_tokens = req.token_ids[st.num_prompt_tokens + st.sent_tokens : num_tokens]
-            step = st.detok.step
-            piece = step(new_tokens[0]) if len(new_tokens) == 1 else "".join([step(t) for t in new_tokens])
-            if finished:
-                piece += st.detok.flush()
-            stop = None
-            if st.stops:
-                delta, stop = self._stop_strings(st, finished, piece)
-                if stop is not None:
-                    finished = True
-                    stopped.append((req, stop))
-            else:
-                delta = piece
+            new_tokens, delta, stop = self._text(st, req, num_tokens, finished)
+            if stop is not None:
+                finished = True
+                stopped.append((req, stop))
             lp = logprobs.get(req.request_id) if logprobs is not None else None
             outs.append(self._emit(st, req, finished, stop, new_tokens, delta, lp))
             if finished:
@@ -154,18 +145,10 @@ class OutputProcessor:
             st = group.children.get(req.request_id)
             if st is None:
                 st = group.children[req.request_id] = _OutputState(req, group.prompt, self.tokenizer)
-            new_tokens = req.token_ids[st.num_prompt_tokens + st.sent_tokens : num_tokens]
-            piece = "".join([st.detok.step(t) for t in new_tokens])
-            if finished:
-                piece += st.detok.flush()
-            stop = None
-            if st.stops:
-                delta, stop = self._stop_strings(st, finished, piece)
-                if stop is not None:
-                    finished = True
-                    stopped.append((req, stop))
-            else:
-                delta = piece
+            new_tokens, delta, stop = self._text(st, req, num_tokens, finished)
+            if stop is not None:
+                finished = True
+                stopped.append((req, stop))
             lp = logprobs.get(req.request_id) if logprobs is not None else None
             choice = self._emit(st, req, finished, stop, new_tokens, delta, lp)
             out = merged.get(pid)
@@ -208,6 +191,22 @@ class OutputProcessor:
             parent.stop_reason = completion.stop_reason
             parent.finished_time = finished_time
         finished_reqs.append(parent)
+
+    @classmethod
+    def _text(
+        cls, st: _OutputState, req: Request, num_tokens: int, finished: bool
+    ) -> tuple[list[int], str, str | None]:
+        """One sequence's new tokens of this step, the text that may be sent for them, and the stop string
+        its text reached (None if none)."""
+        new_tokens = req.token_ids[st.num_prompt_tokens + st.sent_tokens : num_tokens]
+        step = st.detok.step
+        piece = step(new_tokens[0]) if len(new_tokens) == 1 else "".join([step(t) for t in new_tokens])
+        if finished:
+            piece += st.detok.flush()
+        if not st.stops:
+            return new_tokens, piece, None
+        delta, stop = cls._stop_strings(st, finished, piece)
+        return new_tokens, delta, stop
 
     @staticmethod
     def _stop_strings(st: _OutputState, finished: bool, piece: str) -> tuple[str, str | None]:
