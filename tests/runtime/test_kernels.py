@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from chunkwise import kernels
-from chunkwise.model.layers import Rope, RotaryEmbedding
+from chunkwise.model.layers import SMALL_M_ROWS, Linear, Rope, RotaryEmbedding
 
 kernels.load()
 ops = torch.ops.chunkwise
@@ -79,6 +79,50 @@ def test_silu_and_mul_matches_torch(dtype):
     out = torch.empty(1, 2)
     ops.silu_and_mul(out, extreme)
     torch.testing.assert_close(out, torch.tensor([[0.0, 300.0]]))
+
+
+@pytest.mark.parametrize("k", [512, 67])  # a multiple of the vector width, and one with a scalar tail
+@pytest.mark.parametrize("n", [1, 24, 101])  # every tile width's remainder path
+def test_linear_small_m_matches_torch_at_every_row_count_of_its_tiles(k, n):
+    torch.manual_seed(n * k)
+    w = torch.randn(n, k)
+    bias = torch.randn(n)
+    # Rows are taken from a wider buffer: the kernel reads the input's row stride, not a contiguous copy.
+    wide = torch.randn(SMALL_M_ROWS, k + 5)
+    for m in [*range(0, 10), 31, SMALL_M_ROWS]:
+        x = wide[:m, 2 : 2 + k]
+        for b in (None, bias):
+            out = torch.full((m, n), float("nan"))
+            ops.linear_small_m(out, x, w, b)
+            torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+
+
+def test_linear_runs_the_small_row_kernel_up_to_its_rows_and_onednn_past_them(monkeypatch):
+    """Both paths of a prepared fp32 Linear compute F.linear; which one ran is seen by counting the kernel's
+    calls (the op is looked up at call time, so a counting wrapper stands in for it)."""
+    if kernels.isa() != "avx2":
+        pytest.skip(f"the small-row kernel runs on AVX2 builds only (this build: {kernels.isa()})")
+    torch.manual_seed(0)
+    layer = Linear(96, 200, bias=True)
+    with torch.no_grad():
+        layer.weight.normal_()
+        layer.bias.normal_()
+    want_w, want_b = layer.weight.detach().clone(), layer.bias.detach().clone()
+    layer.prepare(widen_half_on_cpu=True)
+    assert layer.kernel == "small-m+onednn"
+    calls = []
+    real = torch.ops.chunkwise.linear_small_m
+
+    class CountingOps:
+        def linear_small_m(self, *args):
+            calls.append(args[1].shape[0])
+            return real(*args)
+
+    monkeypatch.setattr(torch.ops, "chunkwise", CountingOps())
+    for m in (1, 7, SMALL_M_ROWS, SMALL_M_ROWS + 1, 300):
+        x = torch.randn(m, 96)
+        torch.testing.assert_close(layer(x), F.linear(x, want_w, want_b), atol=1e-4, rtol=1e-5)
+    assert calls == [1, 7, SMALL_M_ROWS]
 
 
 def test_the_build_is_keyed_by_source_torch_and_isa(monkeypatch, tmp_path):

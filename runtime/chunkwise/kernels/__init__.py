@@ -52,6 +52,11 @@ def _isa_flags() -> tuple[str, list[str]]:
     return machine or "generic", []
 
 
+def isa() -> str:
+    """The instruction set this machine's build targets ("avx2", else the machine's name)."""
+    return _isa_flags()[0]
+
+
 def _compiler() -> str:
     cxx = os.environ.get("CXX", "g++")
     path = shutil.which(cxx)

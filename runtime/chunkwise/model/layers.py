@@ -32,31 +32,40 @@ def cpu_kernels_for(t: torch.Tensor) -> bool:
     return kernels.available()
 
 
-# A oneDNN primitive is tuned for a batch size; decode batches of a few dozen rows are the common case.
-_ONEDNN_BATCH_HINT = 32
+# Up to this many rows a linear layer runs chunkwise's small-row kernel, past it oneDNN, over the same weight:
+# where the two cross on this project's CPU (bench/cpu/linear_small_m.py: the kernel 2.5x oneDNN at 4 rows,
+# 1.03x at 64, even at 96).
+SMALL_M_ROWS = 64
 
 
 def _onednn_available() -> bool:
-    ops = torch.ops.mkldnn
-    return torch.backends.mkldnn.is_available() and all(
-        hasattr(ops, name) for name in ("_reorder_linear_weight", "_linear_pointwise")
-    )
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _small_m_kernel_for(t: torch.Tensor) -> bool:
+    """Whether the small-row kernel runs here: it is written for AVX2's 16 registers and FMA."""
+    if not cpu_kernels_for(t):
+        return False
+    from chunkwise import kernels
+
+    return kernels.isa() == "avx2"
 
 
 class Linear(nn.Module):
     """y = x W^T (+ b), weight [out_features, in_features] as in nn.Linear and Hugging Face checkpoints.
 
     `prepare()` picks the kernel once the weights are final:
-    - CPU, float32: the weight reordered into oneDNN's blocked layout (what vLLM's CPU backend and
-      torch.compile's freezing do). Measured here against torch's default (MKL) path: 33-37 vs 25-30 GFLOP/s
-      for 8-1000 rows, the same at one row.
+    - CPU, float32: the weight stays in Hugging Face's row-major layout, one copy (a tied LM head shares the
+      embedding's). Up to SMALL_M_ROWS rows (decode), chunkwise's small-row kernel streams it once per tile
+      of rows; past that (prefill chunks), oneDNN's GEMM. A copy prepacked for oneDNN would be 4-7% faster
+      at a prefill chunk's rows and 2.5x slower at decode's few (bench/cpu/linear_small_m.py), and a second
+      copy of every weight is not worth the difference.
     - CPU, bfloat16/float16 without hardware support for them (cpu_has_bf16_matmul() is False): torch's
       half-precision matmul is a scalar fallback (5 GFLOP/s here). The weight, already rounded to the half
-      dtype by loading, is kept as float32 in oneDNN's layout and the input is widened per call: the same
-      numbers as a bf16 GEMM with fp32 accumulation (bf16 products are exact in fp32), at float32 speed,
-      for twice the half-precision weight memory. The output is rounded back to the half dtype.
+      dtype by loading, is kept as float32 and the input is widened per call: the same numbers as a bf16
+      GEMM with fp32 accumulation (bf16 products are exact in fp32), at float32 speed, for twice the
+      half-precision weight memory. The output is rounded back to the half dtype.
     - CPU with bf16 units, CUDA, or no oneDNN: F.linear as it is.
-    After prepare() the weight may be in an opaque layout: read weights before it (load_model(prepare=False)).
     """
 
     def __init__(
@@ -75,36 +84,42 @@ class Linear(nn.Module):
         self.stacked = stacked
         self.weight: torch.Tensor = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        # "torch", "onednn", or "small-m+onednn" (the small-row kernel up to SMALL_M_ROWS rows).
         self.kernel = "torch"
         self._out_dtype: torch.dtype | None = None
 
-    def repacks(self, widen_half_on_cpu: bool) -> bool:
-        """Whether prepare() will replace the weight by a oneDNN copy."""
+    def prepare(self, widen_half_on_cpu: bool) -> None:
         w = self.weight
         if w.device.type != "cpu" or not _onednn_available():
-            return False
-        return w.dtype == torch.float32 or widen_half_on_cpu
-
-    def prepare(self, widen_half_on_cpu: bool) -> None:
-        if not self.repacks(widen_half_on_cpu):
+            return
+        if w.dtype != torch.float32 and not widen_half_on_cpu:
             return
         configure_onednn()
-        w = self.weight
-        out_dtype = w.dtype
-        w32 = w.detach().float()
-        self.weight = nn.Parameter(
-            torch.ops.mkldnn._reorder_linear_weight(w32, _ONEDNN_BATCH_HINT), requires_grad=False
-        )
-        if self.bias is not None:
+        self._out_dtype = w.dtype
+        w32 = w.detach().float().contiguous()
+        if w32.data_ptr() != w.data_ptr():  # widened: a new fp32 tensor
+            self.weight = nn.Parameter(w32, requires_grad=False)
+        if self.bias is not None and self.bias.dtype != torch.float32:
             self.bias = nn.Parameter(self.bias.detach().float(), requires_grad=False)
-        self._out_dtype = out_dtype
-        self.kernel = "onednn"
+        self.kernel = "small-m+onednn" if _small_m_kernel_for(w32) else "onednn"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == "onednn":
-            y = torch.ops.mkldnn._linear_pointwise(x.float(), self.weight, self.bias, "none", [], "")
-            return y if self._out_dtype == torch.float32 else y.to(self._out_dtype)
-        return F.linear(x, self.weight, self.bias)
+        if self.kernel == "torch":
+            return F.linear(x, self.weight, self.bias)
+        x32 = x.float()
+        if x32.shape[0] == 0:  # a step whose last layer keeps no rows; oneDNN refuses empty inputs
+            return x.new_empty(0, self.out_features)
+        if (
+            self.kernel == "small-m+onednn"
+            and x32.dim() == 2
+            and x32.shape[0] <= SMALL_M_ROWS
+            and x32.stride(-1) == 1
+        ):
+            y = x32.new_empty(x32.shape[0], self.out_features)
+            torch.ops.chunkwise.linear_small_m(y, x32, self.weight, self.bias)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x32, self.weight, self.bias, "none", [], "")
+        return y if self._out_dtype == torch.float32 else y.to(self._out_dtype)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, kernel={self.kernel}"

@@ -39,7 +39,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
-        self, x: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, plan: AttentionPlan
+        self,
+        x: torch.Tensor,
+        rope: Rope,
+        kv_cache: torch.Tensor,
+        plan: AttentionPlan,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
@@ -54,8 +59,8 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         # Write first: a prefill chunk attends to its own keys through the cache, like everything else.
         self.backend.write_kv(k, v, kv_cache, plan.meta.slot_mapping)
-        o = self.backend.attend(q, kv_cache, plan, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        o = self.backend.attend(q, kv_cache, plan, self.scale).reshape(t, self.q_size)
+        return self.o_proj(o if keep is None else o.index_select(0, keep))
 
 
 class MLP(nn.Module):
@@ -81,9 +86,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, plan: AttentionPlan
+        self,
+        x: torch.Tensor,
+        rope: Rope,
+        kv_cache: torch.Tensor,
+        plan: AttentionPlan,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, plan)
+        """keep: the rows to go on past attention (see LlamaModel.forward); every row's keys and values are
+        written either way."""
+        attn = self.self_attn(self.input_layernorm(x), rope, kv_cache, plan, keep)
+        h = (x if keep is None else x.index_select(0, keep)) + attn
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -108,7 +121,13 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         plan: AttentionPlan | None = None,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Final hidden states [T, hidden], or [len(keep), hidden] for the token rows `keep` lists.
+
+        Only the rows a step samples or scores need the last layer's output; the rest of a prefill chunk
+        needs only its keys and values in the cache. With `keep`, the last layer computes its output
+        projection and MLP for those rows alone: most of a layer's work for a prompt token."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV caches (one per layer), got {len(kv_caches)}")
         # The backend plans the step once (which rows take which path, their index tensors); every layer
@@ -118,8 +137,9 @@ class LlamaModel(nn.Module):
             plan = self.backend.plan(meta, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv_cache, plan)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            x = layer(x, rope, kv_cache, plan, keep if i == last else None)
         return self.norm(x)
 
 
@@ -138,11 +158,8 @@ class LlamaForCausalLM(nn.Module):
 
     def prepare(self, widen_half_on_cpu: bool) -> None:
         """Pick each layer's kernels for its device once the weights are final (see layers.py): linear
-        weights laid out for the matmul library, fused norms and activations on CPU.
-
-        A tied lm_head gets its own copy first: the embedding lookup needs the plain layout."""
-        if self.config.tie_word_embeddings and self.lm_head.repacks(widen_half_on_cpu):
-            self.lm_head.weight = nn.Parameter(self.lm_head.weight.detach().clone(), requires_grad=False)
+        weights widened where the CPU computes half precision in fp32, fused norms and activations on CPU.
+        A tied lm_head keeps sharing the embedding unless it is widened (then it gets its own fp32 copy)."""
         like = self.model.embed_tokens.weight
         self.model.rotary.prepare(like)
         for module in self.modules():
@@ -160,10 +177,12 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         plan: AttentionPlan | None = None,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, hidden]; logits are left to compute_logits,
-        which the runner calls on the few rows it samples from (not every prefill token)."""
-        return self.model(input_ids, positions, kv_caches, meta, plan)
+        """input_ids, positions [T] -> final hidden states [T, hidden] (or of the rows in `keep`, see
+        LlamaModel.forward); logits are left to compute_logits, which the runner calls on the few rows it
+        samples from (not every prefill token)."""
+        return self.model(input_ids, positions, kv_caches, meta, plan, keep)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # The projection runs in the model's dtype (upcasting a large vocab's weight every step is a real

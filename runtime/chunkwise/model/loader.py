@@ -68,8 +68,8 @@ def load_model(
 ) -> LoadedModel:
     """The model, its tokenizer and chat template, with weights in `dtype` on `device`.
 
-    With prepare=True (serving) the linear weights are then laid out for the device's matmul library
-    (Linear.prepare) and no longer read as plain tensors; prepare=False keeps them inspectable."""
+    With prepare=True (serving) each layer then picks its kernels for the device (Linear.prepare), and a
+    half-precision weight the CPU computes in fp32 is widened; prepare=False keeps the weights as loaded."""
     if name_or_path in PRESETS:
         loaded = _load_preset(name_or_path, dtype=dtype, device=device, backend=backend)
     else:

@@ -18,7 +18,12 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <type_traits>
+
+#if defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -448,6 +453,102 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
   }
 }
 
+
+// ---- a linear layer over a few rows ---------------------------------------------------------------------
+// out [M, N] = x [M, K] . W [N, K]^T (+ bias), fp32, W in Hugging Face's row-major layout.
+// At decode's few rows a linear layer is a stream over its weight. oneDNN's GEMMs, tuned for many rows, reach
+// about half this core's memory bandwidth there (bench/cpu/linear_small_m.py). Here each tile of MR input
+// rows and NR weight rows reads its weight rows once, dotted against input rows that stay in L1, while the
+// next tile's weight rows are prefetched; MR x NR accumulators hide the FMA latency.
+
+inline v8 fma8(v8 a, v8 b, v8 c) {
+#if defined(__FMA__)
+  return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+
+template <int MR, int NR>
+inline void linear_tile(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* y,
+                        int64_t ldy) {
+  v8 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) acc[m][n] = v8{};
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    v8 wv[NR];
+    for (int n = 0; n < NR; ++n) wv[n] = load8(w + n * K + k);
+    if ((k & 15) == 0)  // a cache line per weight row every other step: the next tile's rows
+      for (int n = 0; n < NR; ++n) __builtin_prefetch(w + (n + NR) * K + k, 0, 3);
+    for (int m = 0; m < MR; ++m) {
+      const v8 xv = load8(x + m * ldx + k);
+      for (int n = 0; n < NR; ++n) acc[m][n] = fma8(xv, wv[n], acc[m][n]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) {
+      float s = hsum(acc[m][n]);
+      for (int64_t j = k; j < K; ++j) s += x[m * ldx + j] * w[n * K + j];
+      y[m * ldy + n] = bias ? s + bias[n] : s;
+    }
+}
+
+// Weight rows [n0, n1) against MR input rows, NR at a time, the remainder in one narrower tile.
+template <int MR, int NR>
+void linear_rows(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* y,
+                 int64_t ldy, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) linear_tile<MR, NR>(x, ldx, w + n * K, K, bias ? bias + n : nullptr, y + n, ldy);
+  if constexpr (NR > 1) {
+    if (n < n1) linear_rows<MR, NR - 1>(x, ldx, w, K, bias, y, ldy, n, n1);
+  }
+}
+
+// Tile widths by input rows: as many accumulators as the 16 AVX2 registers hold beside the loads.
+template <int MR>
+void linear_rows_for(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* y,
+                     int64_t ldy, int64_t n0, int64_t n1) {
+  constexpr int NR = MR == 1 ? 8 : MR == 2 ? 5 : 3;
+  linear_rows<MR, NR>(x, ldx, w, K, bias, y, ldy, n0, n1);
+}
+
+void linear_small_m(at::Tensor out, const at::Tensor& x, const at::Tensor& weight,
+                    const std::optional<at::Tensor>& bias) {
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  if (M == 0 || N == 0) return;
+  const float* xp = x.const_data_ptr<float>();
+  const float* wp = weight.const_data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
+  float* yp = out.mutable_data_ptr<float>();
+  const int64_t ldx = x.stride(0), ldy = out.stride(0);
+  // Weight rows per block: about 192 KiB of weight, which the input's row tiles then re-read from L2.
+  const int64_t block = std::max<int64_t>(24, (192 * 1024 / (4 * K)) / 24 * 24);
+  const int64_t blocks = (N + block - 1) / block;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * block, n1 = std::min(N, n0 + block);
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) linear_rows_for<4>(xp + m * ldx, ldx, wp, K, bp, yp + m * ldy, ldy, n0, n1);
+      const float* xm = xp + m * ldx;
+      float* ym = yp + m * ldy;
+      switch (M - m) {
+        case 3:
+          linear_rows_for<3>(xm, ldx, wp, K, bp, ym, ldy, n0, n1);
+          break;
+        case 2:
+          linear_rows_for<2>(xm, ldx, wp, K, bp, ym, ldy, n0, n1);
+          break;
+        case 1:
+          linear_rows_for<1>(xm, ldx, wp, K, bp, ym, ldy, n0, n1);
+          break;
+        default:
+          break;
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(chunkwise, m) {
@@ -457,6 +558,7 @@ TORCH_LIBRARY(chunkwise, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("rotary_embedding(Tensor(a!) x, Tensor cos_sin, Tensor positions) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("linear_small_m(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(chunkwise, CPU, m) {
@@ -464,4 +566,5 @@ TORCH_LIBRARY_IMPL(chunkwise, CPU, m) {
   m.impl("rms_norm", TORCH_FN(rms_norm));
   m.impl("rotary_embedding", TORCH_FN(rotary_embedding));
   m.impl("silu_and_mul", TORCH_FN(silu_and_mul));
+  m.impl("linear_small_m", TORCH_FN(linear_small_m));
 }
