@@ -253,6 +253,23 @@ class ModelRunner:
                 last = torch.cat(
                     [last, torch.arange(meta.num_tokens - num_pad, meta.num_tokens, device=self.device)]
                 )
+        # Past a mixed step's last attention only the rows that sample go on (the logits' rows, then each
+        # speculating row's verify rows); a step scoring its prompts needs them all.
+        keep = None
+        verify_at: dict[str, int] = {}
+        if not decode_only and not so.score_prompts:
+            parts = [last] if plain else []
+            if num_pad and not plain:
+                parts.append(torch.arange(meta.num_tokens - num_pad, meta.num_tokens, device=self.device))
+            kept = len(plain) + num_pad
+            for i in sample_rows:
+                rid = scheduled[i].req_id
+                if rid in drafts:
+                    start, n = int(meta.query_start_loc[i]), 1 + len(drafts[rid])
+                    parts.append(torch.arange(start, start + n, device=self.device))
+                    verify_at[rid] = kept
+                    kept += n
+            keep = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=self.device)
         graphed = decode_only and self.graphs is not None and self.graphs.bucket(meta.num_reqs) is not None
         if not graphed:
             cfg = self.config
@@ -266,7 +283,7 @@ class ModelRunner:
             assert graph_hidden is not None  # bucket() said one holds it
             hidden = graph_hidden
         else:
-            hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta, plan)
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta, plan, keep)
         if so.score_prompts:
             self._score_prompts(scheduled, rows, hidden, out)
         result = None
@@ -274,8 +291,15 @@ class ModelRunner:
             assert batch is not None
             # Filled on the host while a GPU runs the forward queued above.
             grammar_mask = self._grammar_mask(grammar_rows) if grammar_rows else None
-            # A decode-only step's hidden rows are its last tokens, in row order (the padding rows last).
-            logits = self.model.compute_logits(hidden if decode_only else hidden[last])
+            # A decode-only step's hidden rows are its last tokens, in row order (the padding rows last);
+            # a kept step's start with them.
+            if decode_only:
+                sampled_hidden = hidden
+            elif keep is not None:
+                sampled_hidden = hidden[: len(last)]
+            else:
+                sampled_hidden = hidden[last]
+            logits = self.model.compute_logits(sampled_hidden)
             # Padding rows' logits are computed and discarded: only the real rows sample.
             result = self.sampler(logits[: len(plain)] if num_pad else logits, batch, grammar_mask)
             tokens = result.token_ids.tolist()  # the step's one host sync
@@ -284,7 +308,9 @@ class ModelRunner:
         elif num_pad:
             # No real row samples this step (prefill chunks mid-prompt); the padding rows' decode still
             # computes its logits, as a held slot's would.
-            self.model.compute_logits(hidden[meta.num_tokens - num_pad :])
+            self.model.compute_logits(
+                hidden[:num_pad] if keep is not None else hidden[meta.num_tokens - num_pad :]
+            )
         t2 = time.perf_counter()
         if plain:
             assert result is not None
@@ -292,7 +318,8 @@ class ModelRunner:
         for i in sample_rows:
             sr = so.scheduled[i]
             if sr.req_id in drafts:
-                self._verify(sr, drafts[sr.req_id], hidden, int(meta.query_start_loc[i]), out)
+                start = verify_at[sr.req_id] if keep is not None else int(meta.query_start_loc[i])
+                self._verify(sr, drafts[sr.req_id], hidden, start, out)
         t3 = time.perf_counter()
         out.forward_seconds = t2 - t1
         out.sample_seconds = t3 - t2
