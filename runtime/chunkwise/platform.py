@@ -55,6 +55,12 @@ def cpu_has_bf16_matmul() -> bool:
     return any(bool(caps.get(flag)) for flag in ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16"))
 
 
+def cpu_has_avx512() -> bool:
+    """True when torch's CPU libraries (oneDNN, SDPA) run 512-bit vectors: twice the FLOPs per cycle of the
+    AVX2 code chunkwise's kernels are built as, so where those kernels beat them was measured on AVX2 alone."""
+    return bool(cpu_capabilities().get("avx512_f"))
+
+
 @dataclass(frozen=True)
 class DtypeChoice:
     dtype: torch.dtype

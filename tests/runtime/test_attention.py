@@ -10,6 +10,7 @@ import torch
 
 from chunkwise.attention import get_attention_backend
 from chunkwise.attention.backend import AttentionMetadata, kv_cache_shape
+from chunkwise.attention.cpu_backend import PAGED_PREFILL_MAX_CONTEXT, CpuAttentionBackend
 from chunkwise.attention.torch_ref import TorchAttentionBackend
 
 
@@ -168,6 +169,31 @@ def test_decode_only_and_prefill_only_batches(backend):
         prefills, num_heads=4, num_kv_heads=2, block_size=16, dtype=torch.float32, seed=3, backend=backend
     )
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bound", [0, 16, PAGED_PREFILL_MAX_CONTEXT])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_backend_sends_prefill_to_the_kernel_or_to_sdpa_by_context(bound, dtype):
+    """Prefill chunks whose context is at most the bound are one-token queries of the paged kernel, the rest
+    run SDPA over their gathered context; both compute the reference, in one batch together."""
+    backend = CpuAttentionBackend()
+    backend.paged_prefill_max_context = bound
+    gen = torch.Generator().manual_seed(5)
+    meta = build_batch(MIXED, block_size=4, num_blocks=128, num_kv_heads=2, head_dim=16, dtype=dtype, gen=gen)[
+        0
+    ]
+    plan = backend.plan(meta, 8, 2, 16)
+    on_sdpa = sorted(
+        meta.seq_lens_host[i]
+        for i, n in enumerate(meta.query_lens_host)
+        if n > 8 and meta.seq_lens_host[i] > bound
+    )
+    assert sorted(c.slots.shape[0] for c in plan.prefill) == on_sdpa
+    out, ref = run_case(
+        MIXED, num_heads=8, num_kv_heads=2, block_size=4, dtype=dtype, backend=backend, seed=5
+    )
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
 def test_decode_rows_split_into_many_groups():

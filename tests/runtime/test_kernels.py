@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from chunkwise import kernels
-from chunkwise.model.layers import SMALL_M_ROWS, Linear, Rope, RotaryEmbedding
+from chunkwise.model.layers import SMALL_M_ROWS, Linear, Rope, RotaryEmbedding, small_m_rows
 
 kernels.load()
 ops = torch.ops.chunkwise
@@ -119,10 +119,11 @@ def test_linear_runs_the_small_row_kernel_up_to_its_rows_and_onednn_past_them(mo
             return real(*args)
 
     monkeypatch.setattr(torch.ops, "chunkwise", CountingOps())
-    for m in (1, 7, SMALL_M_ROWS, SMALL_M_ROWS + 1, 300):
+    bound = small_m_rows()
+    for m in (1, bound, bound + 1, 300):
         x = torch.randn(m, 96)
         torch.testing.assert_close(layer(x), F.linear(x, want_w, want_b), atol=1e-4, rtol=1e-5)
-    assert calls == [1, 7, SMALL_M_ROWS]
+    assert calls == [1, bound]
 
 
 def test_the_build_is_keyed_by_source_torch_and_isa(monkeypatch, tmp_path):

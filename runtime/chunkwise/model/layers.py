@@ -18,7 +18,7 @@ from torch import nn
 
 from chunkwise.config import RopeScaling
 from chunkwise.model.rope import rope_frequencies
-from chunkwise.platform import configure_onednn
+from chunkwise.platform import configure_onednn, cpu_has_avx512
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +33,15 @@ def cpu_kernels_for(t: torch.Tensor) -> bool:
 
 
 # Up to this many rows a linear layer runs chunkwise's small-row kernel, past it oneDNN, over the same weight:
-# where the two cross on this project's CPU (bench/cpu/linear_small_m.py: the kernel 2.5x oneDNN at 4 rows,
-# 1.03x at 64, even at 96).
+# where the two cross on an AVX2 CPU (bench/cpu/linear_small_m.py: the kernel 2.5x oneDNN at 4 rows, 1.03x at
+# 64, even at 96). Where oneDNN has AVX-512 (twice the FLOPs per cycle; not measured) the kernel keeps only
+# the rows where a step is bound by reading the weight, not by arithmetic.
 SMALL_M_ROWS = 64
+SMALL_M_ROWS_AVX512 = 4
+
+
+def small_m_rows() -> int:
+    return SMALL_M_ROWS_AVX512 if cpu_has_avx512() else SMALL_M_ROWS
 
 
 def _onednn_available() -> bool:
@@ -56,10 +62,10 @@ class Linear(nn.Module):
 
     `prepare()` picks the kernel once the weights are final:
     - CPU, float32: the weight stays in Hugging Face's row-major layout, one copy (a tied LM head shares the
-      embedding's). Up to SMALL_M_ROWS rows (decode), chunkwise's small-row kernel streams it once per tile
-      of rows; past that (prefill chunks), oneDNN's GEMM. A copy prepacked for oneDNN would be 4-7% faster
-      at a prefill chunk's rows and 2.5x slower at decode's few (bench/cpu/linear_small_m.py), and a second
-      copy of every weight is not worth the difference.
+      embedding's). Up to small_m_rows() rows (decode), chunkwise's small-row kernel streams it once per
+      tile of rows; past that (prefill chunks), oneDNN's GEMM. A copy prepacked for oneDNN would be 4-7%
+      faster at a prefill chunk's rows and 2.5x slower at decode's few (bench/cpu/linear_small_m.py), and
+      a second copy of every weight is not worth the difference.
     - CPU, bfloat16/float16 without hardware support for them (cpu_has_bf16_matmul() is False): torch's
       half-precision matmul is a scalar fallback (5 GFLOP/s here). The weight, already rounded to the half
       dtype by loading, is kept as float32 and the input is widened per call: the same numbers as a bf16
@@ -84,9 +90,10 @@ class Linear(nn.Module):
         self.stacked = stacked
         self.weight: torch.Tensor = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        # "torch", "onednn", or "small-m+onednn" (the small-row kernel up to SMALL_M_ROWS rows).
+        # "torch", "onednn", or "small-m+onednn" (the small-row kernel up to small_m_rows() rows).
         self.kernel = "torch"
         self._out_dtype: torch.dtype | None = None
+        self._small_m_rows = 0
 
     def prepare(self, widen_half_on_cpu: bool) -> None:
         w = self.weight
@@ -102,6 +109,7 @@ class Linear(nn.Module):
         if self.bias is not None and self.bias.dtype != torch.float32:
             self.bias = nn.Parameter(self.bias.detach().float(), requires_grad=False)
         self.kernel = "small-m+onednn" if _small_m_kernel_for(w32) else "onednn"
+        self._small_m_rows = small_m_rows()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "torch":
@@ -112,7 +120,7 @@ class Linear(nn.Module):
         if (
             self.kernel == "small-m+onednn"
             and x32.dim() == 2
-            and x32.shape[0] <= SMALL_M_ROWS
+            and x32.shape[0] <= self._small_m_rows
             and x32.stride(-1) == 1
         ):
             y = x32.new_empty(x32.shape[0], self.out_features)

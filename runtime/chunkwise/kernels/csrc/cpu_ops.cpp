@@ -21,7 +21,7 @@
 #include <optional>
 #include <type_traits>
 
-#if defined(__FMA__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -469,6 +469,18 @@ inline v8 fma8(v8 a, v8 b, v8 c) {
 #endif
 }
 
+// out[i] = the sum of the lanes of the i-th vector.
+inline void hsum4(v8 a, v8 b, v8 c, v8 d, float* out) {
+#if defined(__AVX__)
+  const __m256 ab = _mm256_hadd_ps((__m256)a, (__m256)b);
+  const __m256 cd = _mm256_hadd_ps((__m256)c, (__m256)d);
+  const __m256 abcd = _mm256_hadd_ps(ab, cd);  // lanes 0-3: the low halves' sums, 4-7: the high halves'
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+#else
+  out[0] = hsum(a), out[1] = hsum(b), out[2] = hsum(c), out[3] = hsum(d);
+#endif
+}
+
 template <int MR, int NR>
 inline void linear_tile(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias, float* y,
                         int64_t ldy) {
@@ -486,11 +498,19 @@ inline void linear_tile(const float* x, int64_t ldx, const float* w, int64_t K, 
       for (int n = 0; n < NR; ++n) acc[m][n] = fma8(xv, wv[n], acc[m][n]);
     }
   }
+  // Each row's sums four at a time: one reduction for four accumulators (a scalar one each cost a fifth of
+  // the tile at K = 512).
   for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < NR; ++n) {
-      float s = hsum(acc[m][n]);
-      for (int64_t j = k; j < K; ++j) s += x[m * ldx + j] * w[n * K + j];
-      y[m * ldy + n] = bias ? s + bias[n] : s;
+    for (int n0 = 0; n0 < NR; n0 += 4) {
+      float s[4];
+      hsum4(acc[m][n0], n0 + 1 < NR ? acc[m][n0 + 1] : v8{}, n0 + 2 < NR ? acc[m][n0 + 2] : v8{},
+            n0 + 3 < NR ? acc[m][n0 + 3] : v8{}, s);
+      for (int j = 0; j < 4 && n0 + j < NR; ++j) {
+        const int n = n0 + j;
+        float v = s[j];
+        for (int64_t kk = k; kk < K; ++kk) v += x[m * ldx + kk] * w[n * K + kk];
+        y[m * ldy + n] = bias ? v + bias[n] : v;
+      }
     }
 }
 
