@@ -179,9 +179,9 @@ def test_cpu_backend_sends_prefill_to_the_kernel_or_to_sdpa_by_context(bound, dt
     backend = CpuAttentionBackend()
     backend.paged_prefill_max_context = bound
     gen = torch.Generator().manual_seed(5)
-    meta = build_batch(MIXED, block_size=4, num_blocks=128, num_kv_heads=2, head_dim=16, dtype=dtype, gen=gen)[
-        0
-    ]
+    meta = build_batch(
+        MIXED, block_size=4, num_blocks=128, num_kv_heads=2, head_dim=16, dtype=dtype, gen=gen
+    )[0]
     plan = backend.plan(meta, 8, 2, 16)
     on_sdpa = sorted(
         meta.seq_lens_host[i]

@@ -82,7 +82,7 @@ def test_silu_and_mul_matches_torch(dtype):
 
 
 @pytest.mark.parametrize("k", [512, 67])  # a multiple of the vector width, and one with a scalar tail
-@pytest.mark.parametrize("n", [1, 24, 101])  # every tile width's remainder path
+@pytest.mark.parametrize("n", [1, 24, 101, 250])  # every tile width's remainder; blocks across threads
 def test_linear_small_m_matches_torch_at_every_row_count_of_its_tiles(k, n):
     torch.manual_seed(n * k)
     w = torch.randn(n, k)
