@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e '.[runtime,operator,bench,test]'
-	# chunkwise's CPU kernels, built once here rather than at the first engine start (about 20 s); without a
+	# chunkwise's CPU kernels, built once here rather than at the first engine start (about 30 s); without a
 	# C++ compiler the engine runs the torch reference instead and says so.
 	-$(BIN)/python -m chunkwise.kernels
 	touch $(STAMP)

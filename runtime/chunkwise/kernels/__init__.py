@@ -141,7 +141,7 @@ def build(force: bool = False) -> Path:
         return target
     cxx = _compiler()
     tmp = directory / f".{name}.{os.getpid()}.tmp"
-    log.info("building chunkwise's CPU kernels for %s (once per machine, about 20 s) into %s", isa, directory)
+    log.info("building chunkwise's CPU kernels for %s (once per machine, about 30 s) into %s", isa, directory)
     t0 = time.monotonic()
     try:
         result = subprocess.run(
