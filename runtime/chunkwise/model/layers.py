@@ -63,7 +63,7 @@ class Linear(nn.Module):
     `prepare()` picks the kernel once the weights are final:
     - CPU, float32: the weight stays in Hugging Face's row-major layout, one copy (a tied LM head shares the
       embedding's). Up to small_m_rows() rows (decode), chunkwise's small-row kernel streams it once per
-      tile of rows; past that (prefill chunks), oneDNN's GEMM. A copy prepacked for oneDNN would be 4-7%
+      tile of rows; past that (prefill chunks), oneDNN's GEMM. A copy prepacked for oneDNN would be 1-9%
       faster at a prefill chunk's rows and 2.5x slower at decode's few (bench/cpu/linear_small_m.py), and
       a second copy of every weight is not worth the difference.
     - CPU, bfloat16/float16 without hardware support for them (cpu_has_bf16_matmul() is False): torch's
