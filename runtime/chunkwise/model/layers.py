@@ -33,8 +33,8 @@ def cpu_kernels_for(t: torch.Tensor) -> bool:
 
 
 # Up to this many rows a linear layer runs chunkwise's small-row kernel, past it oneDNN, over the same weight:
-# where the two cross on an AVX2 CPU (bench/cpu/linear_small_m.py: the kernel 2.5x oneDNN at 4 rows, 1.03x at
-# 64, even at 96). Where oneDNN has AVX-512 (twice the FLOPs per cycle; not measured) the kernel keeps only
+# where the two cross on an AVX2 CPU (bench/cpu/linear_small_m.py: the kernel 2.75x oneDNN over the same weight
+# at 4 rows, 1.06x at 64, 0.98x at 96). Where oneDNN has AVX-512 (twice the FLOPs per cycle; not measured) the kernel keeps only
 # the rows where a step is bound by reading the weight, not by arithmetic.
 SMALL_M_ROWS = 64
 SMALL_M_ROWS_AVX512 = 4
