@@ -14,6 +14,7 @@ import torch
 
 from chunkwise.attention.backend import AttentionMetadata, kv_cache_shape
 from chunkwise.attention.cpu_backend import CpuAttentionBackend
+from chunkwise.worker.inputs import InputBatch, Row
 
 torch.set_num_threads(1)
 BLOCK, HEADS, KV_HEADS, HEAD_DIM = 16, 8, 2, 64
@@ -31,32 +32,21 @@ CASES = [
 
 
 def metadata(chunks: list[tuple[int, int]]) -> tuple[int, AttentionMetadata]:
-    slots: list[int] = []
-    tables: list[list[int]] = []
-    qlens: list[int] = []
-    slens: list[int] = []
+    """The step the engine's InputBatch would build for these chunks, each request on its own blocks."""
+    rows: list[Row] = []
     used = 0
     for before, n in chunks:
-        end = before + n
-        table = list(range(used, used + (end + BLOCK - 1) // BLOCK))
-        used += len(table)
-        slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(before, end)]
-        tables.append(table)
-        qlens.append(n)
-        slens.append(end)
-    width = max(len(t) for t in tables)
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()]),
-        seq_lens=torch.tensor(slens),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        slot_mapping=torch.tensor(slots),
-        query_lens_host=qlens,
-        seq_lens_host=slens,
-        max_query_len=max(qlens),
-        max_seq_len=max(slens),
+        blocks = (before + n + BLOCK - 1) // BLOCK
+        rows.append(Row([1] * n, before, list(range(used, used + blocks))))
+        used += blocks
+    batch = InputBatch(
+        max_num_tokens=sum(n for _, n in chunks),
+        max_num_reqs=len(chunks),
+        max_blocks_per_req=max(len(r.block_table) for r in rows),
         block_size=BLOCK,
+        device=torch.device("cpu"),
     )
-    return used, meta
+    return used, batch.fill(rows).meta
 
 
 backend = CpuAttentionBackend()
