@@ -114,9 +114,7 @@ class ForkRequests:
         child.stop_check_ids = parent.stop_check_ids
         child.output_length_estimate = parent.output_length_estimate
         # What its table will reach: the prompt (shared blocks included) and its estimated output.
-        child.reserved_blocks = self.kv.num_blocks(
-            child.num_prompt_tokens + child.output_length_estimate + self.admission.spec_tokens
-        )
+        child.reserved_blocks = self.admission.child_blocks(child)
         child.first_scheduled_time = parent.first_scheduled_time
         return child
 
