@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from chunkwise.outputs import RequestOutput
     from chunkwise.request import Request
 
-FINISHED_REASONS = ("stop", "length", "abort")
+FINISHED_REASONS = ("stop", "length", "abort", "error")
 
 # Step time: about 1 ms to 5 s with ~25% spacing below 100 ms, fine enough for a p99 by interpolation.
 STEP_DURATION_BUCKETS = (
@@ -140,6 +140,12 @@ class _SchedulerCollector(Collector):
             "Preemptions that chose swap but recomputed, the host swap space being full (raise "
             "--swap-space-bytes).",
             s.num_preemption_fallbacks,
+        )
+        yield counter(
+            "chunkwise:stalled_requests_total",
+            "Requests the scheduler's watchdog failed: work waiting, nothing running, nothing admitted (a bug "
+            "or a leaked block; each is logged).",
+            s.num_stalled_requests,
         )
         yield counter(
             "vllm:prefix_cache_queries_total",

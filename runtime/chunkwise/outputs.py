@@ -20,8 +20,9 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    # The stop token id or stop string that ended it; with "error", what went wrong.
+    stop_reason: int | str | None = None
     logprobs: list[TokenLogprob] | None = None
 
 
@@ -39,3 +40,8 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: prompt tokens 1.. (the first has no predecessor), on the first
     # output only.
     prompt_logprobs: list[TokenLogprob] | None = None
+
+
+class RequestFailed(RuntimeError):
+    """A stream's request ended with finish_reason "error" (the engine could not serve it); the message is
+    the output's stop_reason, which says why."""

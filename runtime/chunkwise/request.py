@@ -20,13 +20,20 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    # The engine could not serve it (the scheduler's watchdog); stop_reason says why. vLLM's name.
+    FINISHED_ERROR = "error"
 
     @property
     def finished(self) -> bool:
         return self in _FINISHED
 
 
-_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
+}
 
 
 @dataclass(eq=False, slots=True)

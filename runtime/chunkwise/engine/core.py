@@ -263,10 +263,6 @@ class EngineCore:
             if bad:
                 raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
         max_tokens = resolve_max_tokens(len(ids), params.max_tokens, self.max_model_len)
-        max_num_seqs = self.config.scheduler.max_num_seqs
-        if params.n > max_num_seqs:
-            # Its n sequences run side by side once forked (sched/fork.py): they must fit in one batch.
-            raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({max_num_seqs})")
         if params.structured is not None:
             # Compiled here (and cached), so a bad schema is the caller's error, never the step loop's.
             self.structured.check(params.structured)
@@ -280,6 +276,8 @@ class EngineCore:
             route=route,
             cache_salt=cache_salt,
         )
+        # n past the batch, or more KV than the whole cache: refused here, never left waiting forever.
+        self.scheduler.prepare(req)
         return req, text
 
     def add(self, req: Request, prompt_text: str | None) -> None:

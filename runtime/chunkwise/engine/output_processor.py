@@ -112,6 +112,9 @@ class OutputProcessor:
                     if children is None:
                         children = []
                     children.append((req, num_tokens, finished))
+                elif finished and (group := self.groups.get(req.request_id)) is not None:
+                    # An n > 1 request that ended before it forked (the scheduler's watchdog).
+                    outs.append(self._ended_unforked(group, finished_reqs))
                 continue  # else already finished here (a stop string), the step loop not yet told
             new_tokens, delta, stop = self._text(st, req, num_tokens, finished)
             if stop is not None:
@@ -191,6 +194,23 @@ class OutputProcessor:
             parent.stop_reason = completion.stop_reason
             parent.finished_time = finished_time
         finished_reqs.append(parent)
+
+    def _ended_unforked(self, group: _Group, finished_reqs: list[Request]) -> RequestOutput:
+        """The last output of an n > 1 request whose parent finished before it forked: every choice ends
+        with the parent's reason."""
+        parent = group.parent
+        out = group.output()
+        for i in range(group.n):
+            completion = CompletionOutput(
+                index=i,
+                text="",
+                token_ids=[],
+                finish_reason=parent.finish_reason,
+                stop_reason=parent.stop_reason,
+            )
+            out.outputs.append(completion)
+            self._choice_ended(group, out, i, completion, parent.finished_time, finished_reqs)
+        return out
 
     @classmethod
     def _text(

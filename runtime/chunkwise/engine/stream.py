@@ -9,7 +9,7 @@ import threading
 from collections.abc import Sequence
 from typing import Protocol
 
-from chunkwise.outputs import RequestOutput
+from chunkwise.outputs import RequestFailed, RequestOutput
 from chunkwise.request import Request
 
 
@@ -51,6 +51,9 @@ class RequestStream:
             raise item
         if item.finished:
             self.finished = True
+            for c in item.outputs:
+                if c.finish_reason == "error":
+                    raise RequestFailed(str(c.stop_reason))
         return item
 
     def close(self) -> None:

@@ -94,7 +94,10 @@ class AdmitFromQueues:
                 continue
             need = self.admission.blocks_needed(req, len(cached))
             # Hits on free cached blocks leave the free list when taken: they are not there for `need`.
-            if need + self.kv.num_idle(cached) > self.kv.num_free_blocks - outstanding:
+            # With nothing running the head goes in whatever its reservation says (an estimate that may have
+            # grown since it arrived): it alone holds the cache, waiting would free nothing, and the victim
+            # rule backs the estimate up as it does for everyone.
+            if self.running and need + self.kv.num_idle(cached) > self.kv.num_free_blocks - outstanding:
                 if blocked is None and self.reuse.may_bypass(req):
                     blocked = req
                     continue

@@ -35,25 +35,26 @@ class ApplyStepResult:
 
         With speculation, sampled holds the accepted drafts and then one token from the target: the KV of the
         accepted drafts is valid and counts as computed; the rejected drafts' KV is rolled back simply by not
-        counting it (those slots are overwritten by the next tokens)."""
+        counting it (those slots are overwritten by the next tokens).
+
+        Every scheduled row's request is still running here: aborts and stop strings reach the scheduler
+        between steps (the engine applies them before the next schedule()), and a victim preempted while the
+        step was composed has no row. The watchdog's failed requests (out.failed) come first in the result."""
         now = time.monotonic()
         if forward_seconds is not None:
             self._learn(out, sampled, drafted or {}, forward_seconds)
-        updated = []
+        updated = out.failed[:] if out.failed else []
         self.stats.num_prefill_tokens += out.num_prefill_tokens
         self.stats.num_decode_tokens += out.num_batched_tokens - out.num_prefill_tokens
         if drafted:
             self.stats.spec_num_draft_tokens += sum(drafted.values())
-        requests = self.requests
-        running = RequestStatus.RUNNING
         if out.decode_only and not drafted:
             if row_tokens is None:
                 row_tokens = [sampled[sr.req_id][0] for sr in out.scheduled]
             return self._update_decodes(out, row_tokens, now)
         for sr in out.scheduled:
-            req = requests.get(sr.req_id)
-            if req is None or req.status is not running:
-                continue  # aborted while the step ran
+            req = sr.req
+            assert req is not None  # the scheduler's own rows carry their request
             tokens = sampled.get(sr.req_id)
             if not tokens:
                 req.num_computed_tokens += len(sr.token_ids)
@@ -94,12 +95,9 @@ class ApplyStepResult:
         in row order)."""
         updated: list[Request] = []
         append = updated.append
-        running = RequestStatus.RUNNING
         for sr, t in zip(out.scheduled, tokens):
             req = sr.req
             assert req is not None  # the scheduler's own rows carry their request
-            if req.status is not running:
-                continue  # aborted while the step ran
             req.num_computed_tokens += 1
             if req.first_token_time is None:
                 req.first_token_time = now

@@ -68,6 +68,8 @@ class SchedulerOutput:
     padding_positions: tuple[int, ...] = ()
     # Some row carries a prompt to score (SamplingParams.prompt_logprobs): the runner looks only then.
     score_prompts: bool = False
+    # Requests the scheduler's watchdog failed this step (Scheduler._fail_stalled): finished, with no row.
+    failed: list[Request] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -97,6 +99,8 @@ class SchedulerStats:
     num_long_prefilling: int = 0
     num_rows: int = 0  # real rows computed (one per scheduled request per step)
     num_padding_rows: int = 0  # static batching's padding rows computed, on top of those
+    # Requests the watchdog failed: a step with work waiting, nothing running and nothing admitted.
+    num_stalled_requests: int = 0
 
 
 @dataclass

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -34,6 +35,8 @@ from chunkwise.sched.output import (
 from chunkwise.sched.policies import SchedulerPolicies, build_policies
 from chunkwise.sched.preemption import PreemptionCostModel
 from chunkwise.speculative.adaptive import AdaptiveDraftLength
+
+log = logging.getLogger(__name__)
 
 
 class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
@@ -79,24 +82,27 @@ class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
         return cls(config, kv, build_policies(config, kv.block_size, cost_model, estimator, draft_length))
 
     # -- requests in and out ----------------------------------------------------------------------------
+    def prepare(self, req: Request) -> None:
+        """Derive what the scheduler keeps on a request as it arrives, and refuse (ValueError) one that no
+        amount of waiting could admit: n past the batch, or a reservation past the whole cache, decided by
+        the function admission uses. Writes only req and reads the estimator, so the engine calls it on the
+        caller's thread before queueing and a refusal is the caller's error, not a stuck queue."""
+        n = req.sampling_params.n
+        if n > self.config.max_num_seqs:
+            # Its n sequences run side by side once forked (fork.py): they must fit in one batch.
+            raise ValueError(f"n ({n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
+        req.length_limit = min(req.num_prompt_tokens + req.max_tokens, self.max_model_len)
+        req.stop_check_ids = frozenset(req.eos_token_ids) | frozenset(req.sampling_params.stop_token_ids)
+        req.fork_hold = 1 if n > 1 else 0
+        req.output_length_estimate = self.admission.output_estimate(req)
+        self.admission.check_fits(req, self.kv.pool.num_blocks)
+
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests or req.request_id in self._families:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        n = req.sampling_params.n
-        if n > self.config.max_num_seqs:
-            raise ValueError(f"n ({n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
-        need = self.kv.num_blocks(req.num_prompt_tokens + req.max_tokens)
-        if need > self.kv.pool.num_blocks:
-            raise ValueError(
-                f"request needs up to {need} KV blocks for its prompt and max_tokens, "
-                f"but the cache holds {self.kv.pool.num_blocks}"
-            )
-        req.length_limit = min(req.num_prompt_tokens + req.max_tokens, self.max_model_len)
-        req.stop_check_ids = frozenset(req.eos_token_ids) | frozenset(req.sampling_params.stop_token_ids)
-        req.output_length_estimate = self.admission.output_estimate(req)
+        self.prepare(req)
         self.stats.last_output_length_estimate = req.output_length_estimate
-        if n > 1:
-            req.fork_hold = 1
+        if req.fork_hold:
             self._parents.append(req)
         self.requests[req.request_id] = req
         self.waiting.push(req)
@@ -190,10 +196,9 @@ class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
             (decodes if r.num_tokens - r.num_computed_tokens == 1 else prefills).append(r)
         # Whether a prompt other than the one being chunked could take what it leaves of the step.
         queued = bool(self.swapped or len(self.waiting)) and self.batching.admission_open(len(self.running))
-        k_step = 0
-        if self.spec is not None:
-            k_step = self.spec.choose(sum(1 for r in decodes if self._may_speculate(r)), budget)
-            self.stats.spec_draft_length = k_step
+        # Decode rows that may draft once admission has taken its share (_add_drafts).
+        drafters: list[Request] = []
+        spec = self.spec is not None
         parents = bool(self._parents)  # n > 1 requests not yet forked (rare): only then is fork_hold read
         for req in decodes + prefills:
             if budget <= 0:
@@ -201,13 +206,8 @@ class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             want = req.num_tokens - req.num_computed_tokens
-            if k_step and want == 1 and self._may_speculate(req):
-                # Never draft past max_tokens or max_model_len: the verify step may accept every draft.
-                room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
-                want += max(0, min(k_step, room))
             if parents:
-                # A parent not yet forked leaves its prompt's last token to its children (fork.py); its raw
-                # want is at least 2 here (it forks at 1), so it never speculated above.
+                # A parent not yet forked leaves its prompt's last token to its children (fork.py).
                 want -= req.fork_hold
             own_prefill = req.num_tokens - req.num_computed_tokens > 1
             n = self.budget.chunk(req, want, budget, queued or len(prefills) > own_prefill)
@@ -223,6 +223,8 @@ class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
             else:
                 num_new[req.request_id] = n
                 budget -= n
+                if spec and not own_prefill and self._may_speculate(req):
+                    drafters.append(req)
 
         # 2. Admission, only in a step that preempted nothing: a step short of memory must not take more.
         if (
@@ -234,9 +236,15 @@ class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
             if not self.swapped:
                 budget = self._admit_waiting(budget, num_new, cached_hits)
 
+        # 3. Drafts last, from what prefill and admission left: speculation never starves a waiting prompt.
+        if spec:
+            budget = self._add_drafts(drafters, num_new, budget)
+
         out = self._compose(num_new, swap_out, swap_in, num_preempted)
         if copies:
             out.block_copies = copies
+        if out.is_empty and not num_preempted and not self.running and (self.swapped or len(self.waiting)):
+            out.failed = self._fail_stalled()
         self._update_gauges()
         self.last_schedule_seconds = time.perf_counter() - t0
         return out
@@ -312,6 +320,44 @@ class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
             decode=DecodeStep(ids, positions, grown),
             padding_positions=self._padding(len(scheduled)),
         )
+
+    def _add_drafts(self, drafters: list[Request], num_new: dict[str, int], budget: int) -> int:
+        """Speculative draft positions for this step's decode rows, from the budget the step has left: the
+        draft length policy picks k for that share (budget // rows at most), each row drafts up to k but never
+        past max_tokens or max_model_len (the verify may accept every draft). A row whose table cannot grow
+        for its drafts decodes plainly: drafts never preempt anyone."""
+        assert self.spec is not None
+        # Preempted after it was given its token (a later row's victim): no longer in this step.
+        rows = [r for r in drafters if r.request_id in num_new]
+        # Each row already holds its one token: choose() caps k at budget // rows - 1 of what it is given.
+        k = self.spec.choose(len(rows), budget + len(rows))
+        self.stats.spec_draft_length = k
+        if not k:
+            return budget
+        for req in rows:
+            room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+            d = min(k, room, budget)
+            if d > 0 and self.kv.allocate(req, 1 + d):
+                num_new[req.request_id] = 1 + d
+                budget -= d
+        return budget
+
+    def _fail_stalled(self) -> list[Request]:
+        """The watchdog: a step with work waiting, nothing running and nothing admitted would repeat forever
+        (admission and feasibility at arrival should make this unreachable; a leaked block, say, would not).
+        The request at the head, which nothing admits, fails with an error instead; the next step tries the
+        rest. Returns it, for the step's outputs."""
+        req = self.swapped[0] if self.swapped else next(iter(self.waiting))
+        free, total = self.kv.num_free_blocks, self.kv.pool.num_blocks
+        reason = (
+            f"no progress: nothing is running and request {req.request_id} cannot be admitted "
+            f"({free} of {total} KV blocks free for its {req.num_tokens} tokens); it was failed rather than "
+            "left waiting"
+        )
+        log.error("scheduler watchdog: %s", reason)
+        self.stats.num_stalled_requests += 1
+        self.finish(req, RequestStatus.FINISHED_ERROR, reason)
+        return [req]
 
     def _preempt(self, req: Request, swap_out: list[tuple[int, int]]) -> None:
         self.running.remove(req)

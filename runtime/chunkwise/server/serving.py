@@ -24,6 +24,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from chunkwise.metrics import EngineMetrics
+from chunkwise.outputs import RequestFailed
 from chunkwise.sched.shedding import Overloaded, SheddingPolicy
 
 # chat_prompt_ids is re-exported: the router's tests hold its prompt ids against the server's, from here.
@@ -168,7 +169,10 @@ async def serve(state: ServerState, endpoint: Endpoint[B], body: B, request: Req
     fmt = endpoint.formatter(head, gen.options, functools.partial(state.token_text, engine))
     if gen.options.stream:
         return EngineStreamResponse(_events(fmt, streams), streams)
-    result = await _collect(request, fmt, streams)
+    try:
+        result = await _collect(request, fmt, streams)
+    except RequestFailed as e:
+        raise _stream_error(e) from e
     if result is None:
         return Response(status_code=499)
     if result.aborted:
@@ -267,6 +271,8 @@ def _aborted_error() -> APIError:
 def _stream_error(e: Exception) -> APIError:
     if isinstance(e, ValueError):
         return from_value_error(e)
+    if isinstance(e, RequestFailed):
+        return APIError(500, str(e), code="engine_error")
     return APIError(500, f"engine error: {e}")
 
 
