@@ -303,8 +303,16 @@ def test_a_request_larger_than_the_cache_is_refused_at_once():
     s = make_sched(num_blocks=4)
     import pytest
 
-    with pytest.raises(ValueError, match="needs up to 5 KV blocks"):
+    with pytest.raises(
+        ValueError,
+        match=r"^max_tokens \(12\) needs 5 KV blocks .* holds 4 blocks; it would fit with max_tokens at most 8$",
+    ):
         s.add_request(make_req("big", 8, 12))
+    assert not s.has_unfinished()
+    s.add_request(make_req("fits", 8, 8))  # the largest it named does fit
+    while s.has_unfinished():
+        run_step(s)
+    assert s.kv.num_free_blocks == 4
 
 
 @settings(max_examples=60, deadline=None)

@@ -103,8 +103,12 @@ def test_scheduler_budgets_and_reserves_drafts_and_rolls_back_rejections():
     s.add_request(req)
     out = s.schedule()
     assert out.scheduled[0].num_spec_tokens == 0  # prefill first
-    # Reservation: 5 prompt tokens (2 blocks) + 10 output + 3 draft tokens (4 blocks).
-    assert req.reserved_blocks == 2 + 4
+    # Reservation: the seed's formula says 5 prompt tokens (2 blocks) + 10 output + 3 draft tokens (4 blocks),
+    # but drafts stop at max_tokens, so the request never holds more than its 15 tokens: 4 blocks.
+    assert s.admission.reservation(req, 10) == 4 and req.reserved_blocks == 4
+    req.length_limit = 200  # as if it could run on: the formula's own answer
+    assert s.admission.reservation(req, 10) == 2 + 4
+    req.length_limit = 15
     s.update_from_output(out, {"a": [9]})
     out = s.schedule()
     sr = out.scheduled[0]
