@@ -1,9 +1,12 @@
 """Preemption: which running request gives way, and whether it is swapped to host or recomputed later.
 
-Victim (the seed): never-preempted before preempted, then newest first. We generalise the flag to the count,
-so each preemption lowers a request's chance of the next one, and two guards make livelock impossible: the
-oldest running request is never the victim while another exists (so it always progresses and finishes), and a
-request preempted `max_preemptions` times is passed over while any other candidate remains.
+Victim (the seed): never-preempted before preempted, then newest first. We generalise the flag to the count
+(fewest preemptions first, then newest), so each preemption lowers a request's chance of the next one. The
+progress guarantee is one rule: the oldest running request is never the victim while another request runs, so
+it always progresses and finishes. That is the hard bound against livelock. `max_preemptions` is not a bound:
+a request preempted that many times is passed over only while a candidate under the cap remains, and when every
+candidate is at or over it one of them is preempted anyway. As the order already prefers the fewest
+preemptions, the cap changes no choice: it restates the spreading that order does, and limits nothing.
 
 Mode (cost, not habit): swap costs two host copies of the request's KV bytes (out now, back in on resume), each
 a fixed cost per transfer (issuing the per-layer copies, a sync) plus its bytes over the copy bandwidth;
@@ -29,6 +32,12 @@ log = logging.getLogger(__name__)
 
 
 class VictimPolicy:
+    """Which running request gives way: never the oldest while another runs (the progress guarantee), then
+    the fewest preemptions so far, then the newest. A request preempted `max_preemptions` times is passed
+    over while a candidate under that count remains; when none does, one at or over it is chosen anyway, so
+    the count has no upper bound. (The fewest-first order already passes it over, so the cap adds nothing
+    to that order; it would matter only under an order that did not prefer the fewest.)"""
+
     def __init__(self, max_preemptions: int = 4) -> None:
         self.max_preemptions = max_preemptions
 
