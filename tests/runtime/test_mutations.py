@@ -233,7 +233,7 @@ def test_the_scheduler_keeps_nothing_per_request_after_serving_many(mode: str) -
             make_req(f"w{wave}-abort", 9, 12, base=base + 200),
             make_req(f"w{wave}-shared", 13, 3, base=base + 1),  # a prefix-cache hit
             family(f"w{wave}-fam", list(range(base + 300, base + 311)), n=3, max_tokens=6),
-            family(f"w{wave}-fam-early", list(range(base + 400, base + 430)), n=2, max_tokens=8),
+            family(f"w{wave}-fam-early", list(range(base + 400, base + 426)), n=2, max_tokens=8),
             family(f"w{wave}-fam-late", list(range(base + 500, base + 507)), n=2, max_tokens=10),
         ]
         early.append(batch[5])
