@@ -151,7 +151,9 @@ class SchedulerConfig:
     )
     # None is resolved when the engine loads the model.
     max_model_len: int | None = option(
-        None, help="longest prompt + output of one request", unset="the model's max positions"
+        None,
+        help="longest prompt + output of one request",
+        unset="the model's max positions, or what the KV cache holds if that is less",
     )
     enable_chunked_prefill: bool = option(
         True, help="split long prompts into chunks that share steps with decode rows"

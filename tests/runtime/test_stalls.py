@@ -189,3 +189,13 @@ def test_drafts_never_starve_a_waiting_prompt() -> None:
     assert plan["late"] == 4  # admitted at once, not after the decodes finish
     assert all(plan[f"d{i}"] == 1 + 2 for i in range(16))  # (64 - 16 - 4) // 16 = 2 drafts each
     assert sum(plan.values()) == 16 * 3 + 4 <= 64
+
+
+def test_an_unset_max_model_len_is_cut_to_what_the_cache_holds(caplog: pytest.LogCaptureFixture) -> None:
+    """`chunkwise serve --model tiny --num-blocks 64` starts (tiny has 8192 positions, the cache 1,024
+    tokens) and says so; a max_model_len the operator set stays an error when the cache cannot hold it."""
+    llm = LLM("tiny", dtype="float32", num_blocks=64)
+    assert llm.engine.max_model_len == 64 * 16
+    assert "max_model_len 1024: the KV cache (64 blocks of 16 tokens) holds fewer tokens" in caplog.text
+    with pytest.raises(ValueError, match="cannot hold one request of max_model_len 2048 tokens"):
+        LLM("tiny", dtype="float32", num_blocks=64, max_model_len=2048)

@@ -77,9 +77,29 @@ class EngineCore:
         log.info("attention backend %s", backend.name)
         self.loaded: LoadedModel = load_model(config.model, dtype=dtype, device=device, backend=backend)
         mcfg = self.loaded.config
+        cache = config.cache
+        per_token = kv_bytes_per_token(mcfg, dtype)
+        block_bytes = per_token * cache.block_size
+        if cache.num_blocks is not None:
+            num_blocks = cache.num_blocks
+        else:
+            num_blocks = (cache.kv_cache_memory_bytes or default_kv_bytes(device)) // block_bytes
         sched_cfg = config.scheduler
         if sched_cfg.max_model_len is None:
-            sched_cfg = dataclasses.replace(sched_cfg, max_model_len=mcfg.max_position_embeddings)
+            # Unset, it is the model's context, cut to what the cache holds (a request must fit it alone);
+            # set, it is the operator's word, and a cache too small for it is an error below.
+            fits = num_blocks * cache.block_size
+            max_model_len = min(mcfg.max_position_embeddings, fits)
+            if max_model_len < mcfg.max_position_embeddings:
+                log.warning(
+                    "max_model_len %d: the KV cache (%d blocks of %d tokens) holds fewer tokens than the "
+                    "model's %d positions; set --max-model-len, or give the cache more blocks or bytes",
+                    max_model_len,
+                    num_blocks,
+                    cache.block_size,
+                    mcfg.max_position_embeddings,
+                )
+            sched_cfg = dataclasses.replace(sched_cfg, max_model_len=max_model_len)
         elif sched_cfg.max_model_len > mcfg.max_position_embeddings:
             raise ValueError(
                 f"max_model_len {sched_cfg.max_model_len} exceeds the model's "
@@ -93,13 +113,6 @@ class EngineCore:
         # The checkpoint's own EOS ids and the tokenizer's: generation stops on either, as in transformers.
         self.eos_token_ids = self.loaded.eos_token_ids
 
-        cache = config.cache
-        per_token = kv_bytes_per_token(mcfg, dtype)
-        block_bytes = per_token * cache.block_size
-        if cache.num_blocks is not None:
-            num_blocks = cache.num_blocks
-        else:
-            num_blocks = (cache.kv_cache_memory_bytes or default_kv_bytes(device)) // block_bytes
         min_blocks = -(-self.max_model_len // cache.block_size)
         if num_blocks < min_blocks:
             raise ValueError(
