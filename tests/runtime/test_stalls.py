@@ -199,3 +199,17 @@ def test_an_unset_max_model_len_is_cut_to_what_the_cache_holds(caplog: pytest.Lo
     assert "max_model_len 1024: the KV cache (64 blocks of 16 tokens) holds fewer tokens" in caplog.text
     with pytest.raises(ValueError, match="cannot hold one request of max_model_len 2048 tokens"):
         LLM("tiny", dtype="float32", num_blocks=64, max_model_len=2048)
+
+
+def test_rows_past_the_budget_take_turns() -> None:
+    """More running rows than the step budget (an n = 8 request, 4 tokens a step): the choices take turns,
+    instead of the first four taking every step until they finish."""
+    s = make_sched(num_blocks=64, max_model_len=64, max_num_batched_tokens=4, max_num_seqs=8)
+    s.add_request(req("fam", 1, 20, n=8))
+    tokens: dict[str, int] = {}
+    for _ in range(20):
+        for rid, n in step(s).items():
+            tokens[rid] = tokens.get(rid, 0) + n
+    counts = sorted(tokens.values())
+    assert len(counts) == 8 and counts[-1] - counts[0] <= 1, tokens
+    run_all(s)

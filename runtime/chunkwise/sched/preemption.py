@@ -44,7 +44,9 @@ class VictimPolicy:
     def victim(self, running: list[Request]) -> Request:
         if len(running) == 1:
             return running[0]
-        oldest = min(running, key=lambda r: r.arrival_time)
+        # Ties (an n > 1 request's choices arrive together) broken by id, not by the running list's order,
+        # which the scheduler reorders: the spared request must be the same one step after step.
+        oldest = min(running, key=lambda r: (r.arrival_time, r.request_id))
         candidates = [r for r in running if r is not oldest]
         fresh = [r for r in candidates if r.preempt_count < self.max_preemptions]
         return max(fresh or candidates, key=lambda r: (-r.preempt_count, r.arrival_time))

@@ -225,6 +225,10 @@ class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
                 budget -= n
                 if spec and not own_prefill and self._may_speculate(req):
                     drafters.append(req)
+        if budget <= 0 and len(num_new) < len(self.running):
+            # More rows than the budget (max_num_seqs above max_num_batched_tokens): the ones left out go
+            # first next step, or the same rows at the front would take every step.
+            self.running.sort(key=lambda r: r.request_id in num_new)
 
         # 2. Admission, only in a step that preempted nothing: a step short of memory must not take more.
         if (
