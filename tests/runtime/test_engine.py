@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 from chunkwise import LLM, SamplingParams
 from chunkwise.config import engine_config_from_kwargs
 from chunkwise.engine import AsyncEngine, EngineCore
+from chunkwise.engine.stream import RequestStream
 from chunkwise.worker.cuda_graphs import bucket_sizes
 
 
@@ -232,6 +234,91 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving() -> Non
         assert sum(len(o.outputs[0].token_ids) for o in outs) == 20
         assert engine.is_running and engine.error is None
         assert engine.core.kv.num_free_blocks == engine.core.num_blocks
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
+def _kill_the_loop(engine: AsyncEngine, when: Callable[[], bool] = lambda: True) -> None:
+    """Make the engine thread die (as on an unexpected error) at its next inbox drain once `when()` holds."""
+    drain = engine._drain_inbox
+
+    def drain_or_die() -> bool:
+        if when():
+            raise RuntimeError("injected engine death")
+        return drain()
+
+    engine._drain_inbox = drain_or_die  # type: ignore[method-assign]
+    engine._wake.set()
+
+
+async def _answered(stream: RequestStream) -> Exception:
+    """The error the stream ends with; a stream nobody answers fails the test (TimeoutError) instead."""
+    with pytest.raises(RuntimeError) as err:
+        await asyncio.wait_for(stream.__anext__(), 5)
+    return err.value
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("end", ["shutdown", "death"])
+def test_a_request_added_while_the_engine_ends_is_refused_or_answered(end: str) -> None:
+    """add_request passes its first check, then (while it tokenizes) the engine shuts down or its thread dies
+    and fails every stream. The request is then refused, or its stream answered: never registered after
+    the streams were failed, for a client to wait on forever."""
+    engine = AsyncEngine(engine_config_from_kwargs("tiny", max_model_len=256, block_size=8))
+    engine.start()
+    make_request = engine.core.make_request
+
+    def end_the_engine_then_make_request(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if end == "shutdown":
+            engine.shutdown()
+        else:
+            _kill_the_loop(engine)
+            engine._thread.join(10)
+            assert engine.error is not None
+        return make_request(*args, **kwargs)
+
+    engine.core.make_request = end_the_engine_then_make_request  # type: ignore[method-assign]
+
+    async def main() -> None:
+        try:
+            stream = engine.add_request("too late", SamplingParams(max_tokens=4))
+        except RuntimeError as e:
+            assert str(e) == "the engine is not running"
+            return
+        await _answered(stream)
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
+ENDED_WITH = {
+    "shutdown": "the engine was shut down",
+    "death": "engine failed: RuntimeError('injected engine death')",
+}
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("end", ["shutdown", "death"])
+def test_a_request_queued_but_never_drained_is_answered_when_the_engine_ends(end: str) -> None:
+    """Accepted into the inbox, then the loop ends before draining it: its stream still gets the error."""
+    engine = AsyncEngine(engine_config_from_kwargs("tiny", max_model_len=256, block_size=8))
+    if end == "shutdown":
+        engine._drain_inbox = lambda: False  # type: ignore[method-assign]  # the loop never drains
+    else:
+        _kill_the_loop(engine, when=lambda: bool(engine._pending))  # dies as the request is queued
+    engine.start()
+
+    async def main() -> None:
+        stream = engine.add_request("never drained", SamplingParams(max_tokens=4))
+        if end == "shutdown":
+            engine.shutdown()
+        error = await _answered(stream)
+        assert str(error) == ENDED_WITH[end]
 
     try:
         asyncio.run(main())
