@@ -38,7 +38,8 @@ def reference(llm: LLM) -> list[int]:
 
 
 def stop_ending_at(tok: Tokenizer, ids: list[int], k: int, flushed: bool) -> str | None:
-    """A two-character stop string that the text first reaches with token k (1-based), or None.
+    """A two-character stop string that the text first reaches with token k (1-based), or None. The tiny
+    model's tokenizer is the byte one: a token is a UTF-8 byte.
 
     Not flushed: token k is one ASCII character, so every run completes the string exactly at token k.
     Flushed: token k starts a multi-byte character, so only a run that ends there (the detokenizer's flush
