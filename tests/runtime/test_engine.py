@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -11,12 +12,15 @@ from hypothesis import strategies as st
 from chunkwise import LLM, SamplingParams
 from chunkwise.config import engine_config_from_kwargs
 from chunkwise.engine import AsyncEngine, EngineCore
+from chunkwise.engine.stream import RequestStream
 from chunkwise.worker.cuda_graphs import bucket_sizes
 
 
+# float32 wherever outputs are compared token for token: "auto" is bf16 on a CPU with bf16 matrix units, whose
+# results legitimately change with the batch and with prefix-cache hits.
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM("tiny", max_num_batched_tokens=64, max_model_len=256, block_size=8)
+    return LLM("tiny", max_num_batched_tokens=64, max_model_len=256, block_size=8, dtype="float32")
 
 
 PROMPTS = ["the quick brown fox", "jumps over", "a lazy dog and then some more words", "x"]
@@ -181,7 +185,7 @@ def _small_engine() -> EngineCore:
 
 
 def test_async_engine_streams_deltas_and_aborts_on_early_exit() -> None:
-    engine = AsyncEngine(engine_config_from_kwargs("tiny", max_model_len=256, block_size=8))
+    engine = AsyncEngine(engine_config_from_kwargs("tiny", max_model_len=256, block_size=8, dtype="float32"))
     engine.start()
 
     async def main() -> None:
@@ -189,7 +193,8 @@ def test_async_engine_streams_deltas_and_aborts_on_early_exit() -> None:
         deltas = [o async for o in engine.generate("stream me", sp)]
         assert sum(len(d.outputs[0].token_ids) for d in deltas) == 12
         assert deltas[-1].finished and deltas[-1].outputs[0].finish_reason == "length"
-        ref = LLM("tiny", max_model_len=256, block_size=8).generate(["stream me"], sp)[0].outputs[0]
+        reference = LLM("tiny", max_model_len=256, block_size=8, dtype="float32")
+        ref = reference.generate(["stream me"], sp)[0].outputs[0]
         assert "".join(d.outputs[0].text for d in deltas) == ref.text
         long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
         agen = engine.generate("abandon me", long)
@@ -239,13 +244,99 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving() -> Non
         engine.shutdown()
 
 
+def _kill_the_loop(engine: AsyncEngine, when: Callable[[], bool] = lambda: True) -> None:
+    """Make the engine thread die (as on an unexpected error) at its next inbox drain once `when()` holds."""
+    drain = engine._drain_inbox
+
+    def drain_or_die() -> bool:
+        if when():
+            raise RuntimeError("injected engine death")
+        return drain()
+
+    engine._drain_inbox = drain_or_die  # type: ignore[method-assign]
+    engine._wake.set()
+
+
+async def _answered(stream: RequestStream) -> Exception:
+    """The error the stream ends with; a stream nobody answers fails the test (TimeoutError) instead."""
+    with pytest.raises(RuntimeError) as err:
+        await asyncio.wait_for(stream.__anext__(), 5)
+    return err.value
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("end", ["shutdown", "death"])
+def test_a_request_added_while_the_engine_ends_is_refused_or_answered(end: str) -> None:
+    """add_request passes its first check, then (while it tokenizes) the engine shuts down or its thread dies
+    and fails every stream. The request is then refused, or its stream answered: never registered after
+    the streams were failed, for a client to wait on forever."""
+    engine = AsyncEngine(engine_config_from_kwargs("tiny", max_model_len=256, block_size=8))
+    engine.start()
+    make_request = engine.core.make_request
+
+    def end_the_engine_then_make_request(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if end == "shutdown":
+            engine.shutdown()
+        else:
+            _kill_the_loop(engine)
+            engine._thread.join(10)
+            assert engine.error is not None
+        return make_request(*args, **kwargs)
+
+    engine.core.make_request = end_the_engine_then_make_request  # type: ignore[method-assign]
+
+    async def main() -> None:
+        try:
+            stream = engine.add_request("too late", SamplingParams(max_tokens=4))
+        except RuntimeError as e:
+            assert str(e) == "the engine is not running"
+            return
+        await _answered(stream)
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
+ENDED_WITH = {
+    "shutdown": "the engine was shut down",
+    "death": "engine failed: RuntimeError('injected engine death')",
+}
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("end", ["shutdown", "death"])
+def test_a_request_queued_but_never_drained_is_answered_when_the_engine_ends(end: str) -> None:
+    """Accepted into the inbox, then the loop ends before draining it: its stream still gets the error."""
+    engine = AsyncEngine(engine_config_from_kwargs("tiny", max_model_len=256, block_size=8))
+    if end == "shutdown":
+        engine._drain_inbox = lambda: False  # type: ignore[method-assign]  # the loop never drains
+    else:
+        _kill_the_loop(engine, when=lambda: bool(engine._pending))  # dies as the request is queued
+    engine.start()
+
+    async def main() -> None:
+        stream = engine.add_request("never drained", SamplingParams(max_tokens=4))
+        if end == "shutdown":
+            engine.shutdown()
+        error = await _answered(stream)
+        assert str(error) == ENDED_WITH[end]
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
 def test_async_stop_strings_end_the_output_then_free_the_request() -> None:
     """The output thread finds the stop string and ends the stream at once; the scheduler learns of it through
     the inbox (at most a step later), frees its blocks, and the text is what the offline API gives."""
-    engine = AsyncEngine(engine_config_from_kwargs("tiny", max_model_len=256, block_size=8))
+    engine = AsyncEngine(engine_config_from_kwargs("tiny", max_model_len=256, block_size=8, dtype="float32"))
     engine.start()
     ref_sp = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
-    ref = LLM("tiny", max_model_len=256, block_size=8).generate(["stop me"], ref_sp)[0].outputs[0]
+    reference = LLM("tiny", max_model_len=256, block_size=8, dtype="float32")
+    ref = reference.generate(["stop me"], ref_sp)[0].outputs[0]
     stop = ref.text[10:13]  # a stop string the greedy output is known to reach
     assert stop and ref.text.find(stop) >= 0
 
@@ -282,7 +373,7 @@ def test_a_reused_decode_sampling_batch_samples_as_a_fresh_one(monkeypatch: pyte
         SamplingParams(max_tokens=9, temperature=0.9, top_p=0.7, seed=10, ignore_eos=True),
     ]
     prompts = ["alpha beta", "gamma", "delta epsilon zeta", "eta", "theta iota"]
-    llm = LLM("tiny", max_model_len=128, block_size=8)
+    llm = LLM("tiny", max_model_len=128, block_size=8, dtype="float32")
     runner = llm.engine.runner
     decode = runner._decode_sampling_batch
     reused = 0

@@ -104,7 +104,7 @@ def test_static_and_continuous_batching_give_identical_greedy_tokens() -> None:
     sp = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_new]
     out = {}
     for batching in ("continuous", "static"):
-        llm = LLM("tiny", batching=batching, max_num_seqs=4, max_num_batched_tokens=32)
+        llm = LLM("tiny", dtype="float32", batching=batching, max_num_seqs=4, max_num_batched_tokens=32)
         out[batching] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     assert out["continuous"] == out["static"]
     assert [len(t) for t in out["static"]] == max_new

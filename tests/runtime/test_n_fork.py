@@ -179,9 +179,14 @@ def test_admission_reserves_the_prompt_once_and_counts_the_childrens_seats() -> 
 
 
 # -- the engine ---------------------------------------------------------------------------------------------
+# float32 wherever outputs are compared token for token: "auto" is bf16 on a CPU with bf16 matrix units, whose
+# results legitimately change with the batch and with prefix-cache hits (a second seeded run hits the cache).
+EXACT = "float32"
+
+
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM("tiny", max_num_batched_tokens=64, max_model_len=256, block_size=8)
+    return LLM("tiny", max_num_batched_tokens=64, max_model_len=256, block_size=8, dtype=EXACT)
 
 
 def test_greedy_choices_equal_the_n1_greedy_output(llm: LLM) -> None:
@@ -204,9 +209,9 @@ def test_greedy_choices_equal_the_n1_greedy_output(llm: LLM) -> None:
 )
 def test_greedy_choices_under_other_engine_settings(engine_args: dict[str, object]) -> None:
     prompts = [*PROMPTS, "z" * 50]
-    ref = LLM("tiny", max_model_len=256, block_size=8)
+    ref = LLM("tiny", max_model_len=256, block_size=8, dtype=EXACT)
     solo = [o.outputs[0].token_ids for o in ref.generate(prompts, greedy(12))]
-    llm = LLM("tiny", **{"max_model_len": 256, "block_size": 8, **engine_args})  # type: ignore[arg-type]
+    llm = LLM("tiny", **{"max_model_len": 256, "block_size": 8, "dtype": EXACT, **engine_args})  # type: ignore[arg-type]
     outs = llm.generate(prompts, greedy(12, n=3))
     assert [token_ids(o) for o in outs] == [[s] * 3 for s in solo]
     assert llm.engine.all_blocks_free()
@@ -251,7 +256,9 @@ def test_prompt_logprobs_come_once_on_the_first_output() -> None:
     """The parent scores the prompt before the fork (its last prompt token predicts no prompt token): the
     request's first output carries them, as n=1's does; no later output repeats them."""
     core = EngineCore(
-        engine_config_from_kwargs("tiny", max_num_batched_tokens=8, max_model_len=128, block_size=4)
+        engine_config_from_kwargs(
+            "tiny", max_num_batched_tokens=8, max_model_len=128, block_size=4, dtype=EXACT
+        )
     )
     prompt = list(range(3, 23))
     core.add_request(
@@ -293,7 +300,7 @@ def test_stop_strings_apply_per_choice(llm: LLM) -> None:
 
 
 def test_abort_after_one_choice_stopped_aborts_only_the_others() -> None:
-    core = EngineCore(engine_config_from_kwargs("tiny", max_model_len=256, block_size=8))
+    core = EngineCore(engine_config_from_kwargs("tiny", max_model_len=256, block_size=8, dtype=EXACT))
     sp = SamplingParams(n=3, max_tokens=60, temperature=1.0, seed=7, ignore_eos=True)
     core.add_request("free", "stop per choice", sp)
     free: dict[int, str] = {0: "", 1: "", 2: ""}
@@ -387,10 +394,11 @@ def test_abort_before_and_after_the_fork_frees_everything() -> None:
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preempted_children_still_give_the_greedy_outputs(mode: str) -> None:
     prompts = ["preempt me please, a longer prompt", "another prompt here", "third one"]
-    ref = LLM("tiny", max_model_len=256, block_size=4)
+    ref = LLM("tiny", max_model_len=256, block_size=4, dtype=EXACT)
     solo = [o.outputs[0].token_ids for o in ref.generate(prompts, greedy(40))]
     tight = LLM(
         "tiny",
+        dtype=EXACT,
         max_model_len=256,
         block_size=4,
         num_blocks=64,
@@ -421,9 +429,10 @@ def test_preempted_children_still_give_the_greedy_outputs(mode: str) -> None:
 
 def test_speculative_ngram_children_equal_non_speculative() -> None:
     prompts = ["abc abc abc abc abc", "one two one two one two"]
-    plain = LLM("tiny", max_model_len=256, block_size=8)
+    plain = LLM("tiny", max_model_len=256, block_size=8, dtype=EXACT)
     spec = LLM(
         "tiny",
+        dtype=EXACT,
         max_model_len=256,
         block_size=8,
         speculative_method="ngram",
@@ -440,9 +449,13 @@ def test_draft_model_children_draft_on_their_own() -> None:
     """The draft model is the target: every draft is accepted only if each child's draft KV (its own catch-up
     over the shared prompt blocks) is right."""
     prompts = ["draft me", "and me too, with a longer prompt"]
-    base = [o.outputs[0].token_ids for o in LLM("tiny", max_model_len=256).generate(prompts, greedy(20))]
+    base = [
+        o.outputs[0].token_ids
+        for o in LLM("tiny", max_model_len=256, dtype=EXACT).generate(prompts, greedy(20))
+    ]
     llm = LLM(
         "tiny",
+        dtype=EXACT,
         max_model_len=256,
         speculative_method="draft",
         speculative_model="tiny",
@@ -457,9 +470,13 @@ def test_draft_model_children_draft_on_their_own() -> None:
 
 
 def test_async_stream_is_one_request_with_indexed_choices_and_close_aborts_all() -> None:
-    engine = AsyncEngine(engine_config_from_kwargs("tiny", max_model_len=256, block_size=8))
+    engine = AsyncEngine(engine_config_from_kwargs("tiny", max_model_len=256, block_size=8, dtype=EXACT))
     engine.start()
-    ref = LLM("tiny", max_model_len=256, block_size=8).generate(["stream n"], greedy(10))[0].outputs[0]
+    ref = (
+        LLM("tiny", max_model_len=256, block_size=8, dtype=EXACT)
+        .generate(["stream n"], greedy(10))[0]
+        .outputs[0]
+    )
 
     async def main() -> None:
         stream = engine.add_request("stream n", greedy(10, n=3), request_id="s")
@@ -515,6 +532,7 @@ def test_random_families_arrivals_and_aborts_leave_every_block_free(mode: str) -
     core = EngineCore(
         engine_config_from_kwargs(
             "tiny",
+            dtype=EXACT,
             num_blocks=40,
             block_size=4,
             max_model_len=80,
@@ -561,7 +579,7 @@ def test_random_families_arrivals_and_aborts_leave_every_block_free(mode: str) -
     assert finished == set(produced)
     stats = core.stats
     assert (stats.num_preemptions_swap if mode == "swap" else stats.num_preemptions_recompute) > 0
-    ref = LLM("tiny", block_size=4, max_model_len=80)
+    ref = LLM("tiny", block_size=4, max_model_len=80, dtype=EXACT)
     for i, (_, mt, _, ab) in enumerate(reqs):
         if ab == -1:
             assert [len(t) for t in produced[str(i)]] == [mt] * ns[i], i

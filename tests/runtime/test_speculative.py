@@ -140,10 +140,11 @@ REPETITIVE = [f"{'one two three four five six ' * 6}", f"{'la la la land ' * 8}"
 
 def test_ngram_speculation_gives_identical_greedy_output_and_accepts_drafts():
     sp = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
-    base = LLM("tiny", max_model_len=512)
+    base = LLM("tiny", max_model_len=512, dtype="float32")
     # A fixed draft length: the adaptive one may draft nothing on a loaded machine (its cost model is timed).
     spec = LLM(
         "tiny",
+        dtype="float32",
         max_model_len=512,
         speculative_method="ngram",
         num_speculative_tokens=4,
@@ -179,8 +180,9 @@ def test_seeded_sampling_stays_reproducible_with_speculation_on():
     # The draft length adapts to measured timings, which would change how many random draws a seeded request
     # consumes; seeded sampled requests therefore decode plainly and stay bit-reproducible.
     sp = SamplingParams(max_tokens=40, temperature=0.8, seed=11, ignore_eos=True)
-    plain = LLM("tiny", max_model_len=512).generate(REPETITIVE[:1], sp)[0].outputs[0].token_ids
-    llm = LLM("tiny", max_model_len=512, speculative_method="ngram")
+    base = LLM("tiny", max_model_len=512, dtype="float32")
+    plain = base.generate(REPETITIVE[:1], sp)[0].outputs[0].token_ids
+    llm = LLM("tiny", max_model_len=512, dtype="float32", speculative_method="ngram")
     a = llm.generate(REPETITIVE[:1], sp)[0].outputs[0].token_ids
     assert a == plain and len(a) == 40
 
@@ -196,9 +198,11 @@ def test_unseeded_sampling_with_speculation_ends_exactly():
 def test_draft_model_that_is_the_target_has_every_draft_accepted():
     sp = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     prompts = ["draft me", "and me too, with a longer prompt"]
-    base = [o.outputs[0].token_ids for o in LLM("tiny", max_model_len=256).generate(prompts, sp)]
+    plain = LLM("tiny", max_model_len=256, dtype="float32")
+    base = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
     llm = LLM(
         "tiny",
+        dtype="float32",
         max_model_len=256,
         speculative_method="draft",
         speculative_model="tiny",

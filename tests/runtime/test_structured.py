@@ -150,9 +150,10 @@ def _texts(llm: LLM, params: list[SamplingParams]) -> list[str]:
 
 
 def test_speculation_gives_the_same_constrained_greedy_output() -> None:
-    expected = _texts(LLM("tiny", max_model_len=512), _constrained())
+    expected = _texts(LLM("tiny", max_model_len=512, dtype="float32"), _constrained())
     spec = LLM(
         "tiny",
+        dtype="float32",
         max_model_len=512,
         speculative_method="ngram",
         num_speculative_tokens=4,
@@ -168,9 +169,10 @@ def test_speculation_gives_the_same_constrained_greedy_output() -> None:
 def test_a_draft_model_speculating_unconstrained_drafts_gives_the_same_constrained_output() -> None:
     """The target as its own draft model proposes its unconstrained greedy tokens: the grammar cuts them
     at the first it rejects, and what is left verifies to the same constrained output."""
-    expected = _texts(LLM("tiny", max_model_len=512), _constrained())
+    expected = _texts(LLM("tiny", max_model_len=512, dtype="float32"), _constrained())
     llm = LLM(
         "tiny",
+        dtype="float32",
         max_model_len=512,
         speculative_method="draft",
         speculative_model="tiny",
@@ -200,9 +202,10 @@ def test_sampled_constrained_requests_with_speculation_stay_valid() -> None:
 
 
 def test_a_constrained_request_survives_preemption_by_recompute() -> None:
-    expected = _texts(LLM("tiny", max_model_len=160), _constrained(max_tokens=60))
+    expected = _texts(LLM("tiny", max_model_len=160, dtype="float32"), _constrained(max_tokens=60))
     llm = LLM(
         "tiny",
+        dtype="float32",
         max_model_len=160,
         block_size=4,
         num_blocks=40,

@@ -346,7 +346,9 @@ def test_engine_greedy_output_matches_the_torch_backend():
     params = SamplingParams(max_tokens=8, temperature=0.0)
     tokens = {}
     for name in ("torch", "triton"):
-        llm = LLM(model="tiny", attention_backend=name, max_num_batched_tokens=16, block_size=4)
+        llm = LLM(
+            model="tiny", dtype="float32", attention_backend=name, max_num_batched_tokens=16, block_size=4
+        )
         tokens[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert [len(t) for t in tokens["triton"]] == [8, 8, 8]
     assert tokens["triton"] == tokens["torch"]

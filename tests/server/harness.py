@@ -19,7 +19,14 @@ from chunkwise.server.app import build_app
 
 MODEL = "tiny"
 # Small engines: a short context and a small KV cache keep start-up and every test quick.
-ENGINE_KWARGS: dict[str, Any] = {"max_model_len": 512, "num_blocks": 96, "swap_space_bytes": 0}
+# float32: tests compare texts across requests (a prefix-cache hit, streamed against whole), which bf16, what
+# "auto" picks on a CPU with bf16 matrix units, may legitimately change.
+ENGINE_KWARGS: dict[str, Any] = {
+    "max_model_len": 512,
+    "num_blocks": 96,
+    "swap_space_bytes": 0,
+    "dtype": "float32",
+}
 MAX_REQUEST_BYTES = 64 * 1024
 
 

@@ -65,6 +65,9 @@ class AsyncEngine:
         self._streams = StreamRegistry(self._lock)
         self._wake = threading.Event()
         self._stopping = False
+        # Set under _lock by _fail_streams: from then on add_request registers no stream, so none can be
+        # registered after the last one was failed and wait forever.
+        self._closed = False
         self._thread = threading.Thread(target=self._loop, name="chunkwise-engine", daemon=True)
         self._output_thread = threading.Thread(target=self._output_loop, name="chunkwise-output", daemon=True)
         self.error: BaseException | None = None
@@ -159,13 +162,17 @@ class AsyncEngine:
 
         Raises ValueError for bad input and `Overloaded` when `shedding` refuses it, in both cases before
         anything is queued; RuntimeError when the engine is not running."""
-        if self.error is not None or self._stopping:
+        if not self._accepting():
             raise RuntimeError("the engine is not running")
         rid = request_id or f"req-{next(self._ids)}"
         req, text = self.core.make_request(rid, prompt, params, route=route, cache_salt=cache_salt)
         q: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         with self._lock:
+            # Again under the lock _fail_streams takes: the engine may have died or shut down since, its
+            # streams already failed; a stream registered now would never be answered.
+            if not self._accepting():
+                raise RuntimeError("the engine is not running")
             if self._streams.has_locked(rid) or rid in self._pending:
                 raise ValueError(f"request id {rid!r} is already in use")
             if params.max_tokens is not None:
@@ -214,8 +221,13 @@ class AsyncEngine:
             self.abort(rid)
         return len(rids)
 
+    def _accepting(self) -> bool:
+        return not self._closed and not self._stopping and self.error is None
+
     def _fail_streams(self, error: Exception) -> None:
+        """Answer every stream with `error` and accept no more: the engine has died or shut down."""
         with self._lock:
+            self._closed = True
             entries = self._streams.take_all_locked()
             self._pending.clear()
             self._pending_prefill = self._pending_decode = 0

@@ -20,7 +20,8 @@ class ProcessedOutputs:
     finished: list[Request]
     # Requests whose text reached a stop string: their output ended here, and the caller releases them
     # from the scheduler (at once in the step loop's thread; through the inbox from AsyncEngine's output
-    # thread). The output processor never calls into the scheduler itself.
+    # thread). The output processor never calls into the scheduler itself. Not those whose step also ended
+    # them (the stop string completed by their last token): the scheduler has already released those.
     stopped: list[tuple[Request, str]]
 
 
@@ -118,8 +119,7 @@ class OutputProcessor:
                 continue  # else already finished here (a stop string), the step loop not yet told
             new_tokens, delta, stop = self._text(st, req, num_tokens, finished)
             if stop is not None:
-                finished = True
-                stopped.append((req, stop))
+                finished = self._stopped(req, finished, stop, stopped)
             lp = logprobs.get(req.request_id) if logprobs is not None else None
             outs.append(self._emit(st, req, finished, stop, new_tokens, delta, lp))
             if finished:
@@ -150,8 +150,7 @@ class OutputProcessor:
                 st = group.children[req.request_id] = _OutputState(req, group.prompt, self.tokenizer)
             new_tokens, delta, stop = self._text(st, req, num_tokens, finished)
             if stop is not None:
-                finished = True
-                stopped.append((req, stop))
+                finished = self._stopped(req, finished, stop, stopped)
             lp = logprobs.get(req.request_id) if logprobs is not None else None
             choice = self._emit(st, req, finished, stop, new_tokens, delta, lp)
             out = merged.get(pid)
@@ -212,6 +211,14 @@ class OutputProcessor:
             self._choice_ended(group, out, i, completion, parent.finished_time, finished_reqs)
         return out
 
+    @staticmethod
+    def _stopped(req: Request, finished: bool, stop: str, stopped: list[tuple[Request, str]]) -> bool:
+        """A stop string ended req's output: the caller releases it, unless this step already ended it (the
+        scheduler has let it go; its output still ends at the stop string, finish_reason "stop")."""
+        if not finished:
+            stopped.append((req, stop))
+        return True
+
     @classmethod
     def _text(
         cls, st: _OutputState, req: Request, num_tokens: int, finished: bool
@@ -234,19 +241,20 @@ class OutputProcessor:
         ended the output (None if none did)."""
         st.text += piece
         stop = None
-        if not finished:
-            # Only the tail can hold a new match: the new text plus a stop string's length before it.
-            window_start = max(0, st.sent_chars - st.max_stop)
-            best: tuple[int, str] | None = None
-            for s in st.stops:
-                idx = st.text.find(s, window_start)
-                if idx != -1 and (best is None or idx < best[0]):
-                    best = (idx, s)
-            if best is not None:
-                idx, stop = best
-                keep = idx + len(stop) if st.req.sampling_params.include_stop_str_in_output else idx
-                st.text = st.text[:keep]
-                finished = True
+        # The last piece too: the token that ends a request (its length, a stop token, the last of a
+        # speculative step) may be the one that completes a stop string, which then ends the text there.
+        # Only the tail can hold a new match: the new text plus a stop string's length before it.
+        window_start = max(0, st.sent_chars - st.max_stop)
+        best: tuple[int, str] | None = None
+        for s in st.stops:
+            idx = st.text.find(s, window_start)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, s)
+        if best is not None:
+            idx, stop = best
+            keep = idx + len(stop) if st.req.sampling_params.include_stop_str_in_output else idx
+            st.text = st.text[:keep]
+            finished = True
         upto = len(st.text) if finished else max(st.sent_chars, len(st.text) - st.holdback)
         delta = st.text[st.sent_chars : upto]
         st.sent_chars = upto
