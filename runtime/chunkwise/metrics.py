@@ -310,9 +310,14 @@ class EngineMetrics:
                     self.itl.observe(gap)
             if not out.finished:
                 self._last_token_time[out.request_id] = now
+        # A request's last output says how it ended as the client saw it: a stop string found on the output
+        # side ends it before (or after) the scheduler hears of it, which then records another reason or none.
+        ended = {
+            o.request_id: o.outputs[0].finish_reason for o in outputs if o.finished and len(o.outputs) == 1
+        }
         for req in finished:
             self._last_token_time.pop(req.request_id, None)
-            reason = req.finish_reason or "abort"
+            reason = ended.get(req.request_id) or req.finish_reason or "abort"
             self.request_success.labels(self.model_name, reason).inc()
             if req.finished_time is not None:
                 self.e2e.observe(max(0.0, req.finished_time - req.arrival_time))

@@ -160,3 +160,21 @@ def test_registries_are_per_app() -> None:
     # Without an engine (still loading) every name is still exposed, at zero.
     names = samples(b.exposition().decode())
     assert all(exposes(names, n) for n in CONTRACT_NAMES)
+
+
+def test_a_request_is_counted_by_how_its_output_ended() -> None:
+    """A stop string found on the output side ends the output before the scheduler hears of it (its request
+    has no finish_reason yet) or after the scheduler ended it by length in the same step: either way the
+    client saw "stop", and so do the metrics."""
+    m = EngineMetrics("m", stats_source=lambda: SchedulerStats())
+    mid_run = _output("mid", [7], True, 0.0, 0.5)
+    last_token = _output("last", [8], True, 0.0, 0.5)
+    for out in (mid_run, last_token):
+        out.outputs[0].finish_reason = "stop"
+    untold = _request("mid", 0.0, 0.25, 1.0, "length")
+    untold.finish_reason = None
+    m.on_step(None, [mid_run, last_token], [untold, _request("last", 0.0, 0.25, 1.0, "length")])
+    text = m.exposition().decode()
+    assert value(text, "vllm:request_success_total", finished_reason="stop") == 2
+    assert value(text, "vllm:request_success_total", finished_reason="length") == 0
+    assert value(text, "vllm:request_success_total", finished_reason="abort") == 0
