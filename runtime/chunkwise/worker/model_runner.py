@@ -197,7 +197,8 @@ class ModelRunner:
         if so.block_copies:
             # Copy-on-write (a forked request's partial block), first: a swap-out this step may take the copy.
             self._copy_blocks(self.kv_caches, self.kv_caches, list(so.block_copies))
-        # Out before in: a block swapped out this step may be the target of a swap-in.
+        # A step swaps out (it preempted) or in (it admitted), never both: the scheduler admits nothing in a
+        # step that preempts (tests/runtime/test_scheduler_stress.py checks it), so their order is moot.
         self._copy_blocks(self.kv_caches, self.host_caches, so.swap_out)
         self._copy_blocks(self.host_caches, self.kv_caches, so.swap_in)
         if not so.scheduled:
