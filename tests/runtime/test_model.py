@@ -306,15 +306,21 @@ def _two_step_logits(loaded: LoadedModel, dtype: torch.dtype) -> torch.Tensor:
         return loaded.model.compute_logits(loaded.model(ids, pos, paged.kv_caches, meta))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prepared_model_computes_what_the_plain_one_does(dtype):
-    """prepare() changes how layers run (oneDNN layouts, fused CPU kernels), not what they compute."""
+@pytest.mark.parametrize(
+    ("dtype", "widen"), [(torch.float32, False), (torch.bfloat16, True), (torch.bfloat16, False)]
+)
+def test_prepared_model_computes_what_the_plain_one_does(dtype, widen):
+    """prepare() changes how layers run (oneDNN layouts, fused CPU kernels), not what they compute. Both bf16
+    paths run on every CPU: widened to float32 (the choice where the CPU lacks bf16 units) and kept bf16."""
     backend = TorchAttentionBackend()
     plain = load_model("small", dtype=dtype, device="cpu", backend=backend, prepare=False)
-    fast = load_model("small", dtype=dtype, device="cpu", backend=backend)
+    fast = load_model("small", dtype=dtype, device="cpu", backend=backend, prepare=False)
+    fast.model.prepare(widen_half_on_cpu=widen)
     kernels = {m.kernel for m in fast.model.modules() if isinstance(m, Linear)}
-    # float32 always; bf16 widened where the CPU lacks bf16 units. The small-row kernel on AVX2 builds.
+    # float32 always, bf16 when widened. The small-row kernel on AVX2 builds.
     expected = "small-m+onednn" if chunkwise_kernels.isa() == "avx2" else "onednn"
+    if dtype != torch.float32 and not widen:
+        expected = "torch"  # bf16 kept: torch's own bf16 GEMMs
     assert kernels == {expected}, kernels
     got, want = _two_step_logits(fast, dtype), _two_step_logits(plain, dtype)
     if dtype == torch.float32:
