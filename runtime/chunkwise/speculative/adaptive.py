@@ -75,24 +75,27 @@ def _accumulate(
 
 
 def _solve(a: list[list[float]]) -> list[float]:
-    """Gaussian elimination with partial pivoting on an augmented matrix (a few unknowns: no numpy needed)."""
-    n = len(a)
-    for col in range(n):
-        piv = max(range(col, n), key=lambda r: abs(a[r][col]))
-        a[col], a[piv] = a[piv], a[col]
-        p = a[col][col]
-        if abs(p) < 1e-300:
-            continue
-        for r in range(col + 1, n):
-            f = a[r][col] / p
-            if f:
-                for c in range(col, n + 1):
-                    a[r][c] -= f * a[col][c]
-    out = [0.0] * n
-    for r in range(n - 1, -1, -1):
-        s = a[r][n] - sum(a[r][c] * out[c] for c in range(r + 1, n))
-        out[r] = s / a[r][r] if abs(a[r][r]) > 1e-300 else 0.0
-    return out
+    """Cramer's rule on an augmented matrix of two or three unknowns: once a step, a few microseconds, where
+    elimination in Python takes several times that."""
+    if len(a) == 2:
+        (p, q, u), (r, t, v) = a
+        det = p * t - q * r
+        return [(u * t - q * v) / det, (p * v - u * r) / det] if det else [0.0, 0.0]
+    (a0, a1, a2, y0), (b0, b1, b2, y1), (c0, c1, c2, y2) = a
+    det = _det3(a0, a1, a2, b0, b1, b2, c0, c1, c2)
+    if not det:
+        return [0.0, 0.0, 0.0]
+    return [
+        _det3(y0, a1, a2, y1, b1, b2, y2, c1, c2) / det,
+        _det3(a0, y0, a2, b0, y1, b2, c0, y2, c2) / det,
+        _det3(a0, a1, y0, b0, b1, y1, c0, c1, y2) / det,
+    ]
+
+
+def _det3(
+    a0: float, a1: float, a2: float, b0: float, b1: float, b2: float, c0: float, c1: float, c2: float
+) -> float:
+    return a0 * (b1 * c2 - b2 * c1) - a1 * (b0 * c2 - b2 * c0) + a2 * (b0 * c1 - b1 * c0)
 
 
 class StepCostModel:
@@ -152,7 +155,7 @@ class _Load:
     """What the policy last measured at one load (decode rows, bucketed by powers of two), in its steps."""
 
     plain_at: float  # last step that drafted nothing here
-    draft_at: float  # last step that drafted here (or when the load was first seen)
+    try_at: float  # the step at which to try k = 1 here, should the model still say 0 then
     tries: int = 0  # tries of k = 1 since drafting last paid here: each doubles the wait for the next
 
 
@@ -194,6 +197,8 @@ class AdaptiveDraftLength:
         self.last_k = 0
         self._ramp = 0  # the k of the last step that had decode rows
         self._step = 0
+        self._n = 0  # this step's decode rows
+        self._bucket = 0  # and their bucket
         self._load: _Load | None = None  # this step's
         self._loads: dict[int, _Load] = {}
 
@@ -213,10 +218,17 @@ class AdaptiveDraftLength:
     def preferred(self, num_decode_rows: int, cap: int) -> int:
         """The model's k in 0..cap for this many rows, from what it has measured (no exploration)."""
         tau = self.cost.plain_seconds(num_decode_rows) / num_decode_rows
+        alpha, beta = self.cost.draft.theta
+        alpha, beta = max(alpha, 0.0), max(beta, 0.0)
+        # expected_tokens and draft_seconds, inlined: this runs every step.
+        r = self.acceptance
+        fill = self._drafted_rows / self._asked
+        frac = min(self._drafted / self._slots, 1.0)
         best_k, best_rate = 0, 1.0 / tau
         for k in range(1, cap + 1):
-            gain, drafted = self.expected_tokens(k)
-            rate = (1.0 + gain) / (tau + self.cost.draft_seconds(drafted))
+            length = k * frac
+            gain = fill * r * (1 - r**length) / (1 - r)
+            rate = (1.0 + gain) / (tau + alpha + beta * fill * length)
             # The shorter draft unless the longer one is clearly better: noise-robust, and a step away
             # from 0 needs the full margin.
             if rate > best_rate * (1.0 + (self.margin if best_k == 0 else 0.02)):
@@ -230,7 +242,7 @@ class AdaptiveDraftLength:
         tau = self.cost.plain_seconds(n) / n
         gain, drafted = self.expected_tokens(1)
         loss = self.cost.draft_seconds(drafted) / tau - gain
-        return min(max(self.min_hold, loss / self.explore_share) * 2**tries, self.max_hold)
+        return min(max(self.min_hold, loss / self.explore_share) * 2 ** min(tries, 30), self.max_hold)
 
     def choose(self, num_decode_rows: int, budget: int) -> int:
         """Draft length for this step given the decode rows that could draft and the step's token budget."""
@@ -247,22 +259,30 @@ class AdaptiveDraftLength:
         bucket = n.bit_length()
         load = self._loads.get(bucket)
         if load is None:
-            load = self._loads[bucket] = _Load(-math.inf, self._step)
+            # The first try waits as long as the model's prediction of its loss says (what a draft costs
+            # per row is known from other loads, if any).
+            load = self._loads[bucket] = _Load(-math.inf, self._step + self._hold(n, 0))
         self._load = load
+        moved, self._bucket = bucket != self._bucket, bucket
         if self._step - load.plain_at > self.refresh_steps:
-            # Measure a plain step at this load first (or again): drafting is judged against it. The ramp
-            # stays where it was, so a refresh amid drafting costs one step, not a climb back.
+            # Measure a plain step at this load first (or again): drafting is judged against it. A refresh
+            # amid drafting keeps the ramp (one step lost, not a climb back); a new load climbs from 0.
+            if moved:
+                self._ramp = 0
             self.last_k = 0
             return 0
         best = self.preferred(n, cap)
         if best > 0:
             k = min(best, self._ramp + 1)
             load.tries = 0
-        elif self._step - load.draft_at >= self._hold(n, load.tries):
+        elif self._step >= load.try_at:
             k = 1  # the cheapest look at whether drafting pays here now
             load.tries += 1
+            # Until this step's measurement sets the wait from what it cost (observe_step).
+            load.try_at = self._step + self.min_hold * 2 ** min(load.tries, 30)
         else:
             k = 0
+        self._n = n
         self._ramp = self.last_k = k
         return k
 
@@ -285,8 +305,6 @@ class AdaptiveDraftLength:
             if load is not None:
                 load.plain_at = self._step
             return
-        if load is not None:
-            load.draft_at = self._step
         d = self.decay
         self._accepted = d * self._accepted + accepted
         self._cut = d * self._cut + cut
@@ -294,3 +312,5 @@ class AdaptiveDraftLength:
         self._drafted_rows = d * self._drafted_rows + drafted_rows
         self._drafted = d * self._drafted + drafted
         self._slots = d * self._slots + drafted_rows * max(self.last_k, 1)
+        if load is not None:
+            load.try_at = self._step + self._hold(self._n, load.tries)
