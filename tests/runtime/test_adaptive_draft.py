@@ -6,6 +6,7 @@ seconds from a cost function and acceptances from a seeded generator, so every r
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -114,12 +115,13 @@ def test_adaptive_k_falls_to_zero_under_saturation_and_comes_back_when_load_fall
     plain = simulate(Plain(), phases)
     ks = adaptive.ks
     batch1, saturated, again = ks[:60], ks[60:360], ks[360:]
-    assert min(batch1[-30:]) >= 2  # drafting pays at batch 1: it drafts
+    # Drafting pays at batch 1: it drafts, but for a plain step now and then that re-measures the baseline.
+    assert sum(k >= 2 for k in batch1[-30:]) >= 28, batch1
     # Saturation: zero within a few steps, then only the rare try of k = 1 (each confirming 0, so rarer).
     assert saturated[3:].count(0) >= len(saturated[3:]) - 3, saturated
     assert max(saturated[3:]) <= 1
     # The load falls back to 1: drafting again within a few steps.
-    assert min(again[5:]) >= 1 and max(again) >= 2, again
+    assert sum(k >= 1 for k in again[5:]) >= len(again[5:]) - 3 and max(again) >= 2, again
     # At most 5% lost against k = 0 under saturation; the gain at batch 1 kept; and over the whole run.
     assert adaptive.rate(60, 360) >= 0.95 * plain.rate(60, 360)
     assert adaptive.rate(360) >= 1.5 * plain.rate(360)
@@ -144,3 +146,13 @@ def test_a_fall_in_drafting_cost_is_found_again_at_saturation():
     later = simulate(p, [32] * 600, seed=1, host_asked=0.0)
     # Drafting again, but for the plain step that re-measures the baseline every refresh_steps.
     assert later.ks[-100:].count(0) <= 2, later.ks
+
+
+def test_drafting_re_measures_the_plain_step_soon_then_seldom():
+    # While drafting, a plain step now and then re-measures what drafting is judged against: soon after
+    # drafting begins (a misjudged plain cost, from a stall or from steps of another kind, then costs a few
+    # drafting steps) and then ever more seldom (at batch 1 each one forgoes a drafting step's gain).
+    plain = [i for i, k in enumerate(simulate(policy(), [1] * 300).ks) if k == 0]
+    gaps = [b - a for a, b in itertools.pairwise(plain)]
+    assert plain[0] == 0 and gaps[0] <= 10 and gaps == sorted(gaps) and gaps[-1] >= 60, plain
+    assert len(plain) <= 8

@@ -121,10 +121,10 @@ class StepCostModel:
             ],
             decay,
         )
-        # Per asked row, features (1, drafted tokens). Steps at one k say only what that k costs, so the
-        # per-token slope, which carries it to other k, leans on the probe's per-token cost (a ridge worth
-        # a few steps) while alpha follows the measured steps at once. Draft steps are few: each counts
-        # for longer.
+        # Per asked row, features (1, drafted tokens); a step weighs as many asked rows as it had. Steps at
+        # one k say only what that k costs, so the per-token slope, which carries it to other k, leans on
+        # the probe's per-token cost (a ridge worth four asked rows) while alpha follows the measured steps
+        # at once. Draft steps are few: each counts for longer.
         self.draft = LeastSquares([((1.0, 0.0), 0.0, 0.25), ((0.0, 1.0), b, 4.0)], draft_decay)
 
     def plain_seconds(self, rows: int, prompt_tokens: int = 0) -> float:
@@ -139,15 +139,20 @@ class StepCostModel:
     def observe(
         self, seconds: float, rows: int, prompt_tokens: int = 0, asked: int = 0, drafted: int = 0
     ) -> None:
+        share = rows / (rows + prompt_tokens)
         if asked == 0:
-            self.base.observe((1.0, rows, prompt_tokens), seconds)
+            # A stall (another process, the collector) is not what a step costs: at most 3x the model's
+            # own prediction counts. A step mostly prompt weighs little: it is a different regime (attention
+            # over long prompts), and a plane fitted to it would misjudge what decode rows cost.
+            x = (1.0, rows, prompt_tokens)
+            self.base.observe(x, min(seconds, 3 * self.base.predict(x)), weight=share)
             return
         # Drafting never makes a step cheaper: a negative excess is noise (clipped, erring towards k = 0).
         excess = max(seconds - self.plain_seconds(rows, prompt_tokens), 0.0) / asked
         # Weighed by its asked rows: T0's error spreads over them, so a step of many says more per row (a
         # batch-1 step's excess is the difference of two noisy step times). A step mostly prompt says
         # little about its drafts: T0's error on the chunk would swamp them.
-        self.draft.observe((1.0, drafted / asked), excess, weight=asked * rows / (rows + prompt_tokens))
+        self.draft.observe((1.0, drafted / asked), excess, weight=asked * share)
 
 
 @dataclass
@@ -155,8 +160,12 @@ class _Load:
     """What the policy last measured at one load (decode rows, bucketed by powers of two), in its steps."""
 
     plain_at: float  # last step that drafted nothing here
-    try_at: float  # the step at which to try k = 1 here, should the model still say 0 then
+    # When to try k = 1 here, should the model still say 0 then, counted in this load's own steps: each load
+    # spends at most explore_share of its steps on tries, however the steps are spread over loads.
+    try_at: float
+    steps: int = 0  # steps at this load
     tries: int = 0  # tries of k = 1 since drafting last paid here: each doubles the wait for the next
+    refreshes: int = 0  # plain steps amid drafting since it began here: each doubles the wait for the next
 
 
 class AdaptiveDraftLength:
@@ -171,6 +180,7 @@ class AdaptiveDraftLength:
         prior_acceptance: float = 0.5,
         margin: float = 0.05,
         refresh_steps: int = 64,
+        first_refresh: int = 8,
         explore_share: float = 0.01,
         min_hold: int = 16,
         max_hold: int = 1024,
@@ -182,6 +192,7 @@ class AdaptiveDraftLength:
         # Leaving k = 0 must promise this much more throughput: a wrong draft under saturation is what loses.
         self.margin = margin
         self.refresh_steps = refresh_steps
+        self.first_refresh = first_refresh
         # What trying k = 1 where the model says 0 may cost, as a share of throughput (by the model's own
         # prediction of that step's loss): a try that would lose a whole step's worth waits 1 / share steps.
         self.explore_share = explore_share
@@ -261,27 +272,36 @@ class AdaptiveDraftLength:
         if load is None:
             # The first try waits as long as the model's prediction of its loss says (what a draft costs
             # per row is known from other loads, if any).
-            load = self._loads[bucket] = _Load(-math.inf, self._step + self._hold(n, 0))
+            load = self._loads[bucket] = _Load(-math.inf, self._hold(n, 0))
         self._load = load
+        load.steps += 1
         moved, self._bucket = bucket != self._bucket, bucket
-        if self._step - load.plain_at > self.refresh_steps:
-            # Measure a plain step at this load first (or again): drafting is judged against it. A refresh
-            # amid drafting keeps the ramp (one step lost, not a climb back); a new load climbs from 0.
+        if self._step - load.plain_at > min(
+            self.first_refresh << min(load.refreshes, 30), self.refresh_steps
+        ):
+            # Measure a plain step at this load first (or again): drafting is judged against it. The first
+            # refreshes amid drafting come soon, the next ones later: a plain cost misjudged (a stall, a
+            # fit from other steps) then costs a few drafting steps, not refresh_steps of them. A refresh
+            # keeps the ramp (one step lost, not a climb back); a new load climbs from 0.
             if moved:
                 self._ramp = 0
+            else:
+                load.refreshes += 1
             self.last_k = 0
             return 0
         best = self.preferred(n, cap)
         if best > 0:
             k = min(best, self._ramp + 1)
             load.tries = 0
-        elif self._step >= load.try_at:
+        elif load.steps >= load.try_at:
             k = 1  # the cheapest look at whether drafting pays here now
             load.tries += 1
+            load.refreshes = 0
             # Until this step's measurement sets the wait from what it cost (observe_step).
-            load.try_at = self._step + self.min_hold * 2 ** min(load.tries, 30)
+            load.try_at = load.steps + self.min_hold * 2 ** min(load.tries, 30)
         else:
             k = 0
+            load.refreshes = 0
         self._n = n
         self._ramp = self.last_k = k
         return k
@@ -313,4 +333,4 @@ class AdaptiveDraftLength:
         self._drafted = d * self._drafted + drafted
         self._slots = d * self._slots + drafted_rows * max(self.last_k, 1)
         if load is not None:
-            load.try_at = self._step + self._hold(self._n, load.tries)
+            load.try_at = load.steps + self._hold(self._n, load.tries)
