@@ -17,11 +17,12 @@ most of a small model's step is host work, and forward time alone never shows wh
   proposer fills.
 A model fitted only on the k in use cannot compare it with k it never runs, so the policy measures what it
 compares: at a load it has not run plainly of late it runs a plain step first (T0 there); it raises k one
-step at a time and drops it at once; while drafting pays it still runs a plain step every refresh_steps;
-while it does not, it tries k = 1 after a wait long enough that such tries cost at most explore_share of
-throughput by its own prediction, the wait doubling with each try that confirms 0. So under saturation k is
-0 within a step or two of measuring what a draft costs, and drafting comes back when load falls (the model,
-at the new load) or when drafts get cheaper or better accepted (the tries).
+step at a time and drops it at once; while drafting pays it still runs a plain step, soon after drafting
+begins and then ever more seldom (after first_refresh steps, doubling up to refresh_steps); while it does
+not, it tries k = 1 after a wait long enough that such tries cost at most explore_share of throughput by
+its own prediction, the wait doubling with each try that confirms 0. So under saturation k is 0 within a
+step or two of measuring what a draft costs, and drafting comes back when load falls (the model, at the
+new load) or when drafts get cheaper or better accepted (the tries).
 """
 
 from __future__ import annotations
