@@ -276,8 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--dtype",
         default=None,
-        help="the engines' dtype (default: the engine's auto). Greedy output is checked identical with and "
-        "without speculation, which holds in float32; bf16 results depend on batch shape and prefix-cache hits",
+        help="the engines' dtype (default: the engine's auto). Greedy output is checked identical with "
+        "and without speculation, which holds in float32; bf16 results depend on batch shape and "
+        "prefix-cache hits",
     )
     p.add_argument("--json", dest="json_out", default=None, help="also write results to this JSON file")
     args = p.parse_args(argv)
