@@ -378,8 +378,17 @@ class EngineCore:
         t1 = time.perf_counter()
         result = self.runner.execute(so)
         t2 = time.perf_counter()
+        # What a draft length costs is the whole step, host work included (drafts, inputs, verification and
+        # an update of several tokens a row), not its forward alone: this step's schedule and runner, and
+        # the last step's update (this one's runs inside the call that learns from it).
+        last_update = self.last_step.update_seconds if self.last_step is not None else 0.0
         updated = self.scheduler.update_from_output(
-            so, result.sampled, result.drafted, result.row_tokens, forward_seconds=result.forward_seconds
+            so,
+            result.sampled,
+            result.drafted,
+            result.row_tokens,
+            forward_seconds=result.forward_seconds,
+            step_seconds=t2 - t0 + last_update,
         )
         self._flush_kv_events()  # the step's KV is written: its cache changes are now true
         update = StepUpdate.of(updated, result.logprobs, result.prompt_logprobs)

@@ -29,6 +29,7 @@ class ApplyStepResult:
         drafted: dict[str, int] | None = None,
         row_tokens: list[int] | None = None,
         forward_seconds: float | None = None,
+        step_seconds: float | None = None,
     ) -> list[Request]:
         """Advance each scheduled request and append what it sampled. Returns requests with new tokens
         (finished ones included, already released).
@@ -39,10 +40,13 @@ class ApplyStepResult:
 
         Every scheduled row's request is still running here: aborts and stop strings reach the scheduler
         between steps (the engine applies them before the next schedule()), and a victim preempted while the
-        step was composed has no row. The watchdog's failed requests (out.failed) come first in the result."""
+        step was composed has no row. The watchdog's failed requests (out.failed) come first in the result.
+
+        forward_seconds is the step's forward, step_seconds the whole step's (host work included): the
+        learning policies read them (_learn)."""
         now = time.monotonic()
-        if forward_seconds is not None:
-            self._learn(out, sampled, drafted or {}, forward_seconds)
+        if forward_seconds is not None or step_seconds is not None:
+            self._learn(out, sampled, drafted or {}, forward_seconds, step_seconds)
         updated = out.failed[:] if out.failed else []
         self.stats.num_prefill_tokens += out.num_prefill_tokens
         self.stats.num_decode_tokens += out.num_batched_tokens - out.num_prefill_tokens
@@ -79,16 +83,46 @@ class ApplyStepResult:
         return updated
 
     def _learn(
-        self, out: SchedulerOutput, sampled: dict[str, list[int]], drafted: dict[str, int], seconds: float
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, list[int]],
+        drafted: dict[str, int],
+        forward_seconds: float | None,
+        step_seconds: float | None,
     ) -> None:
         """The policies that learn from measured steps learn here, where they live: the draft length from
-        every step's time and acceptance, the preemption cost model's recompute rate from prefill-heavy
-        steps (whose time is mostly prefill)."""
-        if self.spec is not None and out.num_batched_tokens:
-            accepted = sum(len(sampled[r]) - 1 for r in drafted)
-            self.spec.observe_step(out.num_batched_tokens, seconds, sum(drafted.values()), accepted)
-        if out.num_prefill_tokens > 0 and out.num_prefill_tokens >= out.num_batched_tokens // 2:
-            self.cost_model.observe_prefill(out.num_batched_tokens, seconds)
+        every step's whole time, shape and acceptance, the preemption cost model's recompute rate from
+        prefill-heavy steps (whose forward is mostly prefill)."""
+        prefill = out.num_prefill_tokens
+        spec = self.spec
+        if spec is not None and out.scheduled:
+            asked = slots = 0
+            if spec.last_k:  # this step's k (schedule chose it): only then may a row verify drafts
+                for sr in out.scheduled:
+                    if sr.num_spec_tokens:
+                        asked += 1
+                        slots += sr.num_spec_tokens
+            # A row verifying drafts computes several tokens, so the output counts it as prefill: it is not.
+            prefill -= asked + slots
+            if step_seconds is not None:
+                accepted = cut = 0
+                for rid, n in drafted.items():
+                    got = len(sampled[rid]) - 1
+                    accepted += got
+                    cut += got < n  # a rejection ended this draft (the geometric rate's failures)
+                rows = len(out.scheduled)
+                spec.observe_step(
+                    step_seconds,
+                    rows,
+                    prompt_tokens=out.num_batched_tokens - slots - rows,
+                    asked=asked,
+                    drafted=sum(drafted.values()),
+                    drafted_rows=len(drafted),
+                    accepted=accepted,
+                    cut=cut,
+                )
+        if forward_seconds is not None and prefill > 0 and prefill >= out.num_batched_tokens // 2:
+            self.cost_model.observe_prefill(out.num_batched_tokens, forward_seconds)
 
     def _update_decodes(self, out: SchedulerOutput, tokens: list[int], now: float) -> list[Request]:
         """update_from_output for the steady state: every row computed one token and sampled one (`tokens`,
