@@ -312,9 +312,11 @@ class EngineMetrics:
                 self._last_token_time[out.request_id] = now
         # A request's last output says how it ended as the client saw it: a stop string found on the output
         # side ends it before (or after) the scheduler hears of it, which then records another reason or none.
-        ended = {
-            o.request_id: o.outputs[0].finish_reason for o in outputs if o.finished and len(o.outputs) == 1
-        }
+        ended = (
+            {o.request_id: o.outputs[0].finish_reason for o in outputs if o.finished and len(o.outputs) == 1}
+            if finished
+            else {}
+        )
         for req in finished:
             self._last_token_time.pop(req.request_id, None)
             reason = ended.get(req.request_id) or req.finish_reason or "abort"
