@@ -14,7 +14,7 @@ MODEL ?= pylm
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test lint typecheck unit test-slow e2e images-local test-images clean
+.PHONY: serve test lint typecheck unit isa test-slow e2e images-local test-images clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -45,7 +45,21 @@ unit: $(STAMP)
 		--ignore=tests/fleet
 	$(BIN)/pytest -q -m "not slow and not e2e_kind" --timeout=600 tests/fleet
 
-test: lint typecheck unit
+# The tests whose expectations depend on the CPU, again under the other machines' choices (AVX2: float32,
+# 256-bit kernels; AMX: bf16 through oneDNN's packed layout), so a pass here means a pass on either kind.
+# Choices above this CPU run correctly, only slower; the kernels are never built above what it executes.
+# The unit run above already covered this CPU's own choices, so its level is skipped here.
+ISAS ?= avx2 amx
+isa: $(STAMP)
+	here=$$($(BIN)/python -c "from chunkwise.platform import detect_isa; print(detect_isa())"); \
+	for isa in $(ISAS); do \
+		if [ "$$isa" = "$$here" ]; then echo "isa: $$isa is this CPU's own, covered by the unit run"; continue; fi; \
+		CHUNKWISE_CPU_ISA=$$isa $(BIN)/python -m chunkwise.kernels >/dev/null; \
+		CHUNKWISE_CPU_ISA=$$isa $(BIN)/pytest -q -m "isa and not slow" --timeout=600 -n auto --maxprocesses=4 \
+			--dist loadfile tests/runtime || exit 1; \
+	done
+
+test: lint typecheck unit isa
 
 test-slow: $(STAMP)
 	$(BIN)/pytest -q -m slow

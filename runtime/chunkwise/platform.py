@@ -1,7 +1,11 @@
-"""What the machine can do, asked once: bf16 matrix units on the CPU, and which dtype `dtype="auto"` means.
+"""What the machine can do, asked once: the CPU's instruction set, bf16 matrix units, and which dtype
+`dtype="auto"` means.
 
-Everything here is a question about the hardware, answered by torch, so that the loader, the linear layers and
-the start-up log agree on one answer.
+Everything here is a question about the hardware, answered by torch, so that the loader, the linear layers,
+the kernels' build and the start-up log agree on one answer. Every choice that depends on the CPU follows
+`cpu_isa()`, which CHUNKWISE_CPU_ISA overrides (avx2, avx512 or amx): the suite runs each choice's paths on
+any machine that way (oneDNN computes bf16 correctly without bf16 units, only slower), and a deployment can
+pin what it measured.
 """
 
 from __future__ import annotations
@@ -45,20 +49,93 @@ def configure_onednn() -> str:
     return os.environ[_ONEDNN_CACHE_ENV]
 
 
-@functools.cache
-def cpu_has_bf16_matmul() -> bool:
-    """True when the CPU multiplies bf16 matrices in hardware (AVX512-BF16, AMX-BF16, Arm BF16).
+# The instruction-set levels chunkwise's choices distinguish, lowest first. "avx512" means AVX-512 with its
+# bf16 dot products (Zen 4, Cooper Lake); an AVX-512 CPU without them (Skylake) is treated as "avx2", whose
+# choices (float32, 256-bit kernels) are the right ones there. "amx" adds the tile units (Sapphire Rapids on).
+ISAS = ("avx2", "avx512", "amx")
+ISA_ENV = "CHUNKWISE_CPU_ISA"
 
-    Without them torch's bf16 matmul runs in a scalar fallback: measured here (AVX2, no AVX-512) at 5 GFLOP/s
-    against 30 for float32, which is why `auto` picks float32 on such a CPU."""
+
+@dataclass(frozen=True)
+class CpuIsa:
+    """The level chunkwise's CPU choices follow, and the one its C++ kernels are built for.
+
+    `kernels` never exceeds what the machine executes: with CHUNKWISE_CPU_ISA=amx on an AVX2 machine the
+    choices are AMX's (bf16, oneDNN's prepacked layout) while the kernels stay AVX2 builds."""
+
+    name: str  # one of ISAS, or the machine's name where none applies (Arm, an x86 without AVX2)
+    detected: str
+    source: str  # "detected", or "CHUNKWISE_CPU_ISA=..."
+
+    @property
+    def kernels(self) -> str:
+        if self.name in ISAS and self.detected in ISAS:
+            return ISAS[min(ISAS.index(self.name), ISAS.index(self.detected))]
+        return self.detected
+
+    @property
+    def bf16_matmul(self) -> bool:
+        return self.name in ("avx512", "amx") or (self.name not in ISAS and _arm_bf16())
+
+    def describe(self) -> str:
+        kernels = "" if self.kernels == self.name else f", kernels built for {self.kernels}"
+        return f"{self.name} ({self.source}{kernels})"
+
+
+def _arm_bf16() -> bool:
     caps = cpu_capabilities()
-    return any(bool(caps.get(flag)) for flag in ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16"))
+    return bool(caps.get("bf16") or caps.get("sve_bf16"))
+
+
+def detect_isa() -> str:
+    """The highest level in ISAS this CPU executes, else the machine's name."""
+    import platform as _platform
+
+    caps = cpu_capabilities()
+    machine = _platform.machine().lower()
+    if machine not in ("x86_64", "amd64") or not (caps.get("avx2") and caps.get("fma3")):
+        return machine or "generic"
+    avx512 = all(caps.get(f) for f in ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq", "avx512_bf16"))
+    if avx512 and caps.get("amx_bf16") and caps.get("amx_tile"):
+        return "amx"
+    return "avx512" if avx512 else "avx2"
+
+
+@functools.cache
+def cpu_isa() -> CpuIsa:
+    detected = detect_isa()
+    asked = os.environ.get(ISA_ENV, "").strip().lower()
+    if not asked:
+        return CpuIsa(detected, detected, "detected")
+    if asked not in ISAS:
+        raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISAS)}, got {asked!r}")
+    isa = CpuIsa(asked, detected, f"{ISA_ENV}={asked}")
+    if detected not in ISAS or ISAS.index(asked) > ISAS.index(detected):
+        logger.warning(
+            "%s=%s on a CPU that has %s: chunkwise's choices follow %s (correct, but not what is fast here); "
+            "its kernels are built for %s",
+            ISA_ENV,
+            asked,
+            detected,
+            asked,
+            isa.kernels,
+        )
+    return isa
+
+
+def cpu_has_bf16_matmul() -> bool:
+    """True when chunkwise treats the CPU as multiplying bf16 matrices in hardware (AVX512-BF16, AMX-BF16,
+    Arm BF16; or CHUNKWISE_CPU_ISA says so).
+
+    Without them torch's bf16 matmul runs in a scalar fallback: measured on an AVX2 EPYC at 5 GFLOP/s
+    against 30 for float32, which is why `auto` picks float32 on such a CPU."""
+    return cpu_isa().bf16_matmul
 
 
 def cpu_has_avx512() -> bool:
-    """True when torch's CPU libraries (oneDNN, SDPA) run 512-bit vectors: twice the FLOPs per cycle of the
-    AVX2 code chunkwise's kernels are built as, so where those kernels beat them was measured on AVX2 alone."""
-    return bool(cpu_capabilities().get("avx512_f"))
+    """True when torch's CPU libraries (oneDNN, SDPA) run 512-bit vectors for chunkwise's choices: twice the
+    FLOPs per cycle of an AVX2 build."""
+    return cpu_isa().name in ("avx512", "amx")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from chunkwise.kernels import argmax
 from chunkwise.sampling_params import SamplingParams
 
 
@@ -260,7 +261,7 @@ class Sampler:
             penalised = apply_grammar_mask(penalised, grammar)
 
         if batch.all_greedy:
-            token_ids = penalised.argmax(dim=-1)
+            token_ids = argmax(penalised)
         else:
             token_ids = self._sample(penalised, batch)
 
@@ -293,5 +294,5 @@ class Sampler:
                 q[row].exponential_(generator=generator)
         # exponential_ may return exactly 0, and 0 / 0 would let a masked token win the race.
         q.clamp_(min=torch.finfo(q.dtype).tiny)
-        sampled = (probs / q).argmax(dim=-1)
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+        sampled = argmax(probs / q)
+        return torch.where(greedy, argmax(logits), sampled)

@@ -13,6 +13,9 @@ from chunkwise.attention.backend import AttentionMetadata, kv_cache_shape
 from chunkwise.attention.cpu_backend import PAGED_PREFILL_MAX_CONTEXT, CpuAttentionBackend
 from chunkwise.attention.torch_ref import TorchAttentionBackend
 
+# Its expectations depend on the CPU's choices: `make test` runs it again under each CHUNKWISE_CPU_ISA.
+pytestmark = pytest.mark.isa
+
 
 def build_batch(
     requests: list[tuple[int, int]],

@@ -12,6 +12,9 @@ import torch.nn.functional as F
 from chunkwise import kernels
 from chunkwise.model.layers import SMALL_M_ROWS, Linear, Rope, RotaryEmbedding, small_m_rows
 
+# Its expectations depend on the CPU's choices: `make test` runs it again under each CHUNKWISE_CPU_ISA.
+pytestmark = pytest.mark.isa
+
 kernels.load()
 ops = torch.ops.chunkwise
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -100,8 +103,8 @@ def test_linear_small_m_matches_torch_at_every_row_count_of_its_tiles(k, n):
 def test_linear_runs_the_small_row_kernel_up_to_its_rows_and_onednn_past_them(monkeypatch):
     """Both paths of a prepared fp32 Linear compute F.linear; which one ran is seen by counting the kernel's
     calls (the op is looked up at call time, so a counting wrapper stands in for it)."""
-    if kernels.isa() != "avx2":
-        pytest.skip(f"the small-row kernel runs on AVX2 builds only (this build: {kernels.isa()})")
+    if kernels.isa() not in ("avx2", "avx512"):
+        pytest.skip(f"the small-row kernel runs on x86 builds only (this build: {kernels.isa()})")
     torch.manual_seed(0)
     layer = Linear(96, 200, bias=True)
     with torch.no_grad():
@@ -185,3 +188,43 @@ def test_the_build_command_prints_the_library():
     assert result.returncode == 0, result.stderr
     path = result.stdout.strip().splitlines()[-1]
     assert path.endswith(".so") and kernels.load().name == path.rsplit("/", 1)[-1]
+
+
+@pytest.mark.parametrize("cols", [1, 5, 16, 17, 1000, 32003])
+def test_argmax_is_torchs_first_largest_index(cols):
+    gen = torch.Generator().manual_seed(cols)
+    x = torch.randn(9, cols, generator=gen)
+    # Ties: the first index wins, wherever the copies fall relative to the vector lanes.
+    x[1] = 0.0
+    x[2, cols // 2 :] = x[2].max() + 1
+    x[3] = float("-inf")
+    x[4, cols - 1] = float("inf")
+    x[5, cols // 3] = float("nan")  # torch answers the NaN's index
+    x[6, :] = 1.0
+    x[6, cols - 1] = float("nan")
+    x[7] = torch.randint(0, 3, (cols,), generator=gen).float()  # many ties
+    out = torch.full((9,), -1, dtype=torch.int64)
+    ops.argmax(out, x)
+    assert out.tolist() == x.argmax(dim=-1).tolist()
+    # Rows of a wider tensor, and the dispatching helper that picks the kernel or torch.
+    wide = torch.randn(4, cols + 7, generator=gen)[:, 3 : 3 + cols]
+    assert kernels.argmax(wide).tolist() == wide.argmax(dim=-1).tolist()
+    half = x[:, : max(cols // 2, 1)].bfloat16()
+    assert kernels.argmax(half).tolist() == half.argmax(dim=-1).tolist()
+
+
+def test_avx512_builds_target_avx512_with_bf16_and_the_isa_override_never_builds_above_the_cpu(monkeypatch):
+    from chunkwise import platform
+
+    def kernels_for(asked: str, detected: str) -> tuple[str, list[str]]:
+        monkeypatch.setattr(platform, "cpu_isa", lambda: platform.CpuIsa(asked, detected, "test"))
+        return kernels._isa_flags()
+
+    name, flags = kernels_for("amx", "amx")
+    assert name == "avx512" and "-mavx512bf16" in flags and "-mavx2" in flags
+    assert kernels_for("avx512", "avx512")[0] == "avx512"
+    # Asked above the hardware (the suite's override on an AVX2 machine): choices follow, the build does not.
+    assert kernels_for("amx", "avx2") == ("avx2", kernels.AVX2_FLAGS)
+    # Asked below it: an AVX2 build on an AVX-512 machine, as a real AVX2 CPU gets.
+    assert kernels_for("avx2", "amx") == ("avx2", kernels.AVX2_FLAGS)
+    assert kernels_for("aarch64", "aarch64") == ("aarch64", [])

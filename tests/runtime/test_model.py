@@ -27,6 +27,9 @@ from chunkwise.model.llama import LlamaForCausalLM as ChunkwiseLlama
 from chunkwise.model.loader import hf_state_dict
 from chunkwise.tokenizer import ByteTokenizer
 
+# Its expectations depend on the CPU's choices: `make test` runs it again under each CHUNKWISE_CPU_ISA.
+pytestmark = pytest.mark.isa
+
 BLOCK_SIZE = 4
 
 
@@ -317,10 +320,10 @@ def test_prepared_model_computes_what_the_plain_one_does(dtype, widen):
     fast = load_model("small", dtype=dtype, device="cpu", backend=backend, prepare=False)
     fast.model.prepare(widen_half_on_cpu=widen)
     kernels = {m.kernel for m in fast.model.modules() if isinstance(m, Linear)}
-    # float32 always, bf16 when widened. The small-row kernel on AVX2 builds.
-    expected = "small-m+onednn" if chunkwise_kernels.isa() == "avx2" else "onednn"
+    # float32 always, bf16 when widened. The small-row kernel on x86 builds.
+    expected = "small-m+onednn" if chunkwise_kernels.isa() in ("avx2", "avx512") else "onednn"
     if dtype != torch.float32 and not widen:
-        expected = "torch"  # bf16 kept: torch's own bf16 GEMMs
+        expected = "onednn-packed"  # bf16 kept: oneDNN over its own layout of the weight
     assert kernels == {expected}, kernels
     got, want = _two_step_logits(fast, dtype), _two_step_logits(plain, dtype)
     if dtype == torch.float32:
@@ -361,3 +364,23 @@ def test_keep_computes_the_kept_rows_and_every_rows_cache(keep_rows):
     for a, b in zip(caches_full, caches_kept):
         assert torch.equal(a, b)
     assert torch.equal(next_full, next_kept)
+
+
+def test_a_tied_head_packed_for_bf16_keeps_the_embedding_plain(hf_pair, tmp_path):
+    """bf16 on a CPU with bf16 units: each Linear's weight is replaced by oneDNN's packed copy. A tied head
+    gets its own; the embedding the lookups read must stay a plain tensor, and both compute what they did."""
+    hf, _ = hf_pair
+    hf.save_pretrained(tmp_path)
+    backend = TorchAttentionBackend()
+    plain = load_model(str(tmp_path), dtype=torch.bfloat16, device="cpu", backend=backend, prepare=False)
+    packed = load_model(str(tmp_path), dtype=torch.bfloat16, device="cpu", backend=backend, prepare=False)
+    packed.model.prepare(widen_half_on_cpu=False)
+    linears = [m for m in packed.model.modules() if isinstance(m, Linear)]
+    assert {m.kernel for m in linears} == {"onednn-packed"}
+    assert all(m.weight.is_mkldnn for m in linears)
+    embedding = packed.model.model.embed_tokens.weight
+    assert not embedding.is_mkldnn and torch.equal(embedding, plain.model.model.embed_tokens.weight)
+    hidden = torch.randn(5, plain.config.hidden_size).bfloat16()
+    torch.testing.assert_close(
+        packed.model.compute_logits(hidden), plain.model.compute_logits(hidden), atol=2e-2, rtol=2e-2
+    )

@@ -20,6 +20,9 @@ from chunkwise.sched.fork import child_request_id
 from chunkwise.sched.preemption import PreemptionCostModel
 from chunkwise.sched.scheduler import Scheduler
 
+# Its expectations depend on the CPU's choices: `make test` runs it again under each CHUNKWISE_CPU_ISA.
+pytestmark = pytest.mark.isa
+
 PROMPTS = [
     "the quick brown fox jumps over the lazy dog",
     "x",

@@ -12,6 +12,9 @@ import torch
 from chunkwise import platform
 from chunkwise.platform import ONEDNN_PRIMITIVE_CACHE_CAPACITY
 
+# Its expectations depend on the CPU's choices: `make test` runs it again under each CHUNKWISE_CPU_ISA.
+pytestmark = pytest.mark.isa
+
 
 @pytest.fixture
 def bf16_units(monkeypatch):
@@ -88,3 +91,53 @@ def test_onednn_primitive_cache_is_sized_for_serving_unless_the_environment_says
     # Before the first primitive is made, so oneDNN reads it (measured: cached row counts run 15% faster).
     assert _onednn_capacity_after_load({}) == str(ONEDNN_PRIMITIVE_CACHE_CAPACITY)
     assert _onednn_capacity_after_load({"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "2048"}) == "2048"
+
+
+def _caps(**flags: bool) -> dict[str, bool]:
+    base = {"avx2": True, "fma3": True}
+    return {**base, **flags}
+
+
+AVX512_FLAGS = {f: True for f in ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq", "avx512_bf16")}
+
+
+@pytest.mark.parametrize(
+    ("caps", "want"),
+    [
+        (_caps(), "avx2"),
+        # AVX-512 without its bf16 dot products (Skylake): AVX2's choices (float32) are the right ones there.
+        (_caps(**{**AVX512_FLAGS, "avx512_bf16": False}), "avx2"),
+        (_caps(**AVX512_FLAGS), "avx512"),
+        (_caps(**AVX512_FLAGS, amx_bf16=True, amx_tile=True), "amx"),
+        ({"avx2": True}, "x86_64"),  # no FMA: the compiler's baseline
+    ],
+)
+def test_detected_isa_follows_the_flags(monkeypatch, caps, want):
+    monkeypatch.setattr(platform, "cpu_capabilities", lambda: caps)
+    monkeypatch.setattr("platform.machine", lambda: "x86_64")
+    assert platform.detect_isa() == want
+
+
+def test_the_isa_override_sets_every_choice_and_is_checked(monkeypatch):
+    platform.cpu_isa.cache_clear()
+    try:
+        monkeypatch.setattr(platform, "detect_isa", lambda: "avx2")
+        monkeypatch.setenv(platform.ISA_ENV, "AMX")
+        isa = platform.cpu_isa()
+        assert (isa.name, isa.kernels, isa.source) == ("amx", "avx2", "CHUNKWISE_CPU_ISA=amx")
+        assert platform.cpu_has_bf16_matmul() and platform.cpu_has_avx512()
+        assert platform.resolve_dtype("auto", torch.device("cpu"), None).dtype == torch.bfloat16
+        platform.cpu_isa.cache_clear()
+        monkeypatch.setattr(platform, "detect_isa", lambda: "amx")
+        monkeypatch.setenv(platform.ISA_ENV, "avx2")
+        assert not platform.cpu_has_bf16_matmul() and not platform.cpu_has_avx512()
+        assert platform.resolve_dtype("auto", torch.device("cpu"), None).dtype == torch.float32
+        assert platform.cpu_isa().kernels == "avx2"
+        platform.cpu_isa.cache_clear()
+        monkeypatch.setenv(platform.ISA_ENV, "sse2")
+        with pytest.raises(
+            ValueError, match="CHUNKWISE_CPU_ISA must be one of avx2, avx512, amx, got 'sse2'"
+        ):
+            platform.cpu_isa()
+    finally:
+        platform.cpu_isa.cache_clear()

@@ -26,7 +26,7 @@ from chunkwise.engine.output_processor import OutputProcessor
 from chunkwise.engine.step import StepStats, StepUpdate
 from chunkwise.model.loader import LoadedModel, checkpoint_dtype, load_model
 from chunkwise.outputs import RequestOutput
-from chunkwise.platform import cpu_has_bf16_matmul, resolve_dtype
+from chunkwise.platform import cpu_has_bf16_matmul, cpu_isa, resolve_dtype
 from chunkwise.request import Request, RequestStatus, resolve_max_tokens
 from chunkwise.sampling_params import SamplingParams
 from chunkwise.sched.output import SchedulerStats
@@ -64,6 +64,8 @@ class EngineCore:
         device = torch.device(config.device)
         choice = resolve_dtype(config.dtype, device, checkpoint_dtype(config.model))
         dtype = choice.dtype
+        if device.type == "cpu":
+            log.info("cpu %s", cpu_isa().describe())
         log.info("dtype %s (%s)", choice.name, choice.reason)
         if dtype != torch.float32 and device.type == "cpu" and not cpu_has_bf16_matmul():
             log.info(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from chunkwise.attention.backend import kv_cache_shape
+from chunkwise.kernels import argmax
 from chunkwise.model.llama import LlamaForCausalLM
 from chunkwise.worker.inputs import Row, build_batch
 from chunkwise.worker.model_runner import DraftRequest
@@ -78,4 +79,4 @@ class DraftModelProposer:
         input_ids, positions, meta = build_batch(rows, self.block_size, self.device)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         logits = self.model.compute_logits(hidden[meta.query_start_loc[1:] - 1])
-        return logits.argmax(dim=-1).tolist()
+        return argmax(logits).tolist()

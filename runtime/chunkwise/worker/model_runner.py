@@ -12,6 +12,7 @@ import torch
 
 from chunkwise.attention.backend import AttentionBackend, kv_cache_shape
 from chunkwise.config import ModelConfig
+from chunkwise.kernels import argmax
 from chunkwise.model.llama import LlamaForCausalLM
 from chunkwise.outputs import TokenLogprob
 from chunkwise.sampler import (
@@ -482,7 +483,7 @@ class ModelRunner:
             # Position j is masked with the grammar's state after drafts[:j] (all of which it accepts).
             logits = apply_grammar_mask(logits.float(), self._grammars().draft_masks(sr.req_id, spec, drafts))
         if params.greedy:
-            tokens = verify_greedy(logits.argmax(dim=-1).tolist(), drafts)
+            tokens = verify_greedy(argmax(logits).tolist(), drafts)
         else:
             tokens = verify_sampled(_target_probs(logits, params), drafts, None, self._generator(sr))
         if spec is not None:
