@@ -362,19 +362,48 @@ def _record(prompt_len: int, itl_ms: Sequence[float], ttft_ms: float) -> Request
     )
 
 
-def test_convoy_reports_the_streams_itl_and_the_long_prompts_ttft_as_ratios() -> None:
+def _timed(
+    prompt_len: int, start_s: float, ttft_s: float, gaps_s: Sequence[float], cut: bool = False
+) -> RequestRecord:
+    return RequestRecord(
+        prompt_len=prompt_len,
+        output_len=len(gaps_s) + 1,
+        ttft=ttft_s,
+        latency=ttft_s + sum(gaps_s),
+        itl=list(gaps_s),
+        start_s=start_s,
+        cut=cut,
+    )
+
+
+def _stream(steady_s: float, stall_s: float, window: tuple[float, float], cut: bool = True) -> RequestRecord:
+    """A stream sent at 0 whose chunks come every `steady_s` outside the window and every `stall_s` inside it,
+    four more after it, then cut. Times are multiples of 1/32 s, exact in binary."""
+    t, gaps = steady_s, []
+    while t < window[0]:
+        gaps.append(steady_s)
+        t += steady_s
+    while t < window[1]:
+        gaps.append(stall_s)
+        t += stall_s
+    gaps += [steady_s] * 4
+    return _timed(17, 0.0, steady_s, gaps, cut=cut)
+
+
+def test_convoy_reports_the_window_itl_the_steady_itl_and_the_long_prompts_ttft_as_ratios() -> None:
     events: list[Any] = []
-    # chunkwise's streams never stall over 20 ms; vLLM's stall 100 ms once per run. Long TTFT 300 vs 200 ms.
-    scripts = {"chunkwise": ([10.0, 20.0, 10.0], 300.0), "vllm": ([10.0, 100.0, 10.0], 200.0)}
+    # The long prompt arrives at 0.5 s. chunkwise: steady 62.5 ms, 125 ms gaps in its window, first token
+    # after 250 ms; vLLM: steady 31.25 ms, 250 ms gaps, first token after 500 ms.
+    scripts = {"chunkwise": (1 / 16, 1 / 8, 0.25), "vllm": (1 / 32, 1 / 4, 0.5)}
 
     def serve(url: str, items: Sequence[WorkItem], name: str) -> RunResult:
         engine = url.removeprefix("http://")
         events.append(("serve", name.removesuffix(" float32")))
-        itl, ttft = scripts[engine]
+        steady, stall, ttft = scripts[engine]
         records = [
-            _record(
-                len(it.prompt_token_ids or ()), itl if len(it.prompt_token_ids or ()) < 100 else [5.0], ttft
-            )
+            _stream(steady, stall, (0.5, 0.5 + ttft))
+            if len(it.prompt_token_ids or ()) < 100
+            else _timed(100, it.arrival_s, ttft, [steady])
             for it in items
         ]
         return RunResult(name, records, [], 2.0)
@@ -382,19 +411,75 @@ def test_convoy_reports_the_streams_itl_and_the_long_prompts_ttft_as_ratios() ->
     def start(engine: EngineName, dtype: str) -> FakeServer:
         return FakeServer(engine, dtype, events)
 
-    report = compare_convoy(_convoy, ["float32"], 2, 100, start, serve, log=lambda _: None)
+    report = compare_convoy(
+        _convoy, ["float32"], 2, 100, start, serve, log=lambda _: None, quiet_interval_s=0.001
+    )
     served = [e[1] for e in events if e[0] == "serve"]
     # Each server is warmed up once, right after it starts, then the measured runs alternate.
     assert served == ["chunkwise warm-up", "vllm warm-up", "chunkwise", "vllm", "vllm", "chunkwise"]
-    p99, mx, ttft = report.ratios
-    assert p99.label == "chunkwise/vLLM p99 ITL of the 3 streams, float32"
-    # Nine pooled gaps: p99 of [10]*6 + [20]*3 is 20; of [10]*6 + [100]*3 is 100.
-    assert p99.values == pytest.approx([0.2, 0.2])
-    assert mx.values == pytest.approx([0.2, 0.2])
-    assert ttft.values == pytest.approx([1.5, 1.5])
+    p99, steady, ttft = report.ratios
+    assert p99.label == "chunkwise/vLLM p99 ITL of the 3 streams inside the window, float32 (lower is better)"
+    assert p99.values == pytest.approx([0.5, 0.5])
+    assert steady.values == pytest.approx([2.0, 2.0])
+    assert ttft.values == pytest.approx([0.5, 0.5])
     run = report.runs[0]
-    assert run["num_streams"] == 3 and run["num_long"] == 1 and run["long_ttft_ms"] == pytest.approx([300.0])
+    assert run["engine"] == "chunkwise" and run["num_streams"] == 3 and run["num_long"] == 1
+    assert run["window_s"] == [0.5, 0.75] and run["num_window_gaps"] == 3 * 2
+    assert run["window_p99_itl_ms"] == run["window_max_itl_ms"] == 125.0
+    assert run["steady_p50_itl_ms"] == 62.5 and run["long_ttft_ms"] == [250.0] and run["num_cut"] == 3
     assert report.as_dict()["mode"] == "convoy"
+    assert "steady p50 ms" in peer.format_report(report)
+
+
+def test_convoy_metrics_count_only_the_gaps_inside_the_window() -> None:
+    # A 500 ms gap before the long prompt arrives (say, the streams' own start) and a 2 s gap after the
+    # window: neither is the convoy's. Inside it (0.5-0.75 s) the streams stall 125 ms.
+    items = _convoy(0)
+    streams = [_timed(17, 0.0, 0.0625, [0.5, 0.125, 0.125, 0.125, 2.0], cut=True) for _ in range(3)]
+    long = _timed(100, 0.5, 0.25, [0.0625])
+    m = convoy_metrics(RunResult("x", [*streams, long], [], 4.0), items, 100)
+    assert m["window_s"] == [0.5, 0.75]
+    # Gap 0.5625-0.6875 and 0.6875-0.8125 overlap the window; 0.0625-0.5625 does too (it ends inside it).
+    assert m["window_max_itl_ms"] == 500.0
+    streams = [_timed(17, 0.0, 0.0625, [0.4375, 0.125, 0.125, 2.0], cut=True) for _ in range(3)]
+    m = convoy_metrics(RunResult("x", [*streams, long], [], 4.0), items, 100)
+    # Now the first gap ends as the window opens: outside. Pooled over the run (the old figure) max was 2 s.
+    assert m["window_max_itl_ms"] == m["window_p99_itl_ms"] == 125.0 and m["num_window_gaps"] == 6
+    assert m["steady_p50_itl_ms"] == pytest.approx(1218.75)
+
+
+def test_convoy_metrics_refuse_a_stream_that_ended_before_the_window_closed() -> None:
+    items = _convoy(0)
+    long = _timed(100, 0.5, 0.25, [0.0625])
+    alive = [_stream(1 / 16, 1 / 8, (0.5, 0.75)) for _ in range(2)]
+    # Stream 1 asked for too few tokens: its last came at 0.25 s, before the long prompt arrived at 0.5 s.
+    short = _timed(17, 0.0, 0.0625, [0.0625] * 3)
+    with pytest.raises(
+        PeerError,
+        match=r"x: stream 1 finished at 0.25 s, before a long prompt arrived at 0.50 s.*raise --median-output",
+    ):
+        convoy_metrics(RunResult("x", [alive[0], short, alive[1], long], [], 1.0), items, 100)
+    # One that ended after the arrival but before the last long prompt's first token (0.75 s) is refused too.
+    mid = _timed(17, 0.0, 0.0625, [0.0625] * 9)
+    with pytest.raises(
+        PeerError, match=r"stream 2 finished at 0.62 s, before the last long prompt's first token"
+    ):
+        convoy_metrics(RunResult("x", [*alive, mid, long], [], 1.0), items, 100)
+    # The same stream, cut by the client at 0.625 s, was still running: it is the client that stopped.
+    assert convoy_metrics(
+        RunResult("x", [*alive, _stream(1 / 16, 1 / 8, (0.5, 0.75)), long], [], 1.0), items, 100
+    )
+
+
+def test_wait_quiet_waits_for_the_server_to_stop_using_the_cpu() -> None:
+    class Busy(FakeServer):
+        def cpu_seconds(self) -> float | None:
+            self.cpu += 1.0  # a whole CPU-second per look, however short the interval
+            return self.cpu
+
+    busy, idle = Busy("vllm", "float32", []), FakeServer("chunkwise", "float32", [])
+    assert peer.wait_quiet(idle, interval_s=0.001, timeout_s=1.0)
+    assert not peer.wait_quiet(busy, interval_s=0.001, timeout_s=0.01)
 
 
 def test_convoy_metrics_refuse_failed_requests() -> None:
@@ -438,7 +523,13 @@ def parsed() -> Iterator[Any]:
 def test_mode_defaults_fill_only_what_was_not_given(parsed: Any) -> None:
     args = parsed(["--mode", "convoy", "--num-requests", "4"])
     peer.resolve_mode_defaults(args)
-    assert (args.workload, args.max_model_len, args.num_requests, args.max_output) == ("convoy", 4096, 4, 128)
+    assert (args.workload, args.max_model_len, args.num_requests, args.max_output) == (
+        "convoy",
+        4096,
+        4,
+        4000,
+    )
+    assert (args.median_output, args.sigma) == (4000, 0.0)
     args = parsed([])
     peer.resolve_mode_defaults(args)
     assert (args.workload, args.max_model_len, args.num_requests, args.min_prompt, args.max_prompt) == (

@@ -151,9 +151,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "default a random 57M-parameter Llama written to ~/.cache/chunkwise/bench), taking turns; prints "
         "chunkwise/vLLM ratios. throughput: offline output tok/s (defaults: 64 requests, 32-256-token "
         "prompts, long-tailed outputs, max_model_len 2048). convoy: both OpenAI servers driven by the same "
-        "streaming client, 8 decoding streams (16-64-token prompts, 128 output tokens) with two 3000-token "
-        "prompts injected at 2 s and 6 s (max_model_len 4096); reports the streams' p99 and max ITL and the "
-        "long prompts' TTFT. vLLM runs under --vllm-python.",
+        "streaming client, 8 decoding streams (16-64-token prompts, up to 4000 output tokens, cut when the "
+        "window closes) with two 3000-token prompts injected at 2 s and 6 s (max_model_len 4096); reports the "
+        "streams' p99 and max ITL inside the window (first long prompt's arrival to the last one's first "
+        "token), their steady p50 ITL outside it, and the long prompts' TTFT. vLLM runs under --vllm-python.",
     )
     vl.add_argument(
         "--mode",

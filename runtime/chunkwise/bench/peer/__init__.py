@@ -11,8 +11,10 @@ Two modes:
   wall time (and per second of the worker's CPU time, beside it).
 - convoy (online): `chunkwise serve` and vLLM's OpenAI server, both up and pinned to --cpus, driven in turn
   by the same streaming client (chunkwise.bench.serve) with decoding streams and long prompts injected
-  while they decode; the figures are the streams' p99 and max inter-token latency and the long prompts'
-  time to first token.
+  while they decode; the streams run through the whole window (from the first long prompt's arrival to the
+  last one's first token: the client cuts them when it closes, and the metrics check they were running);
+  the figures are the streams' p99 and max inter-token latency inside the window, their steady median
+  outside it, and the long prompts' time to first token.
 
 Every ratio is chunkwise over vLLM, one per repeat, reported as the median with its range
 (chunkwise.bench.compare.Ratio). While one engine runs, the other's CPU time is watched: a peer that is
@@ -64,6 +66,7 @@ from chunkwise.bench.peer.convoy import (
     process_servers,
     server_command,
     server_env,
+    wait_quiet,
 )
 from chunkwise.bench.peer.offline import (
     RUN_TIMEOUT_S,
@@ -121,4 +124,5 @@ __all__ = [
     "server_env",
     "signal_tree",
     "tree_cpu_seconds",
+    "wait_quiet",
 ]
