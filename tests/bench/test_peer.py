@@ -34,8 +34,13 @@ from chunkwise.bench.peer import (
     alternation,
     check_vllm,
     compare_convoy,
+    compare_served,
     compare_throughput,
     convoy_metrics,
+    served_figures,
+    vllm_bench_command,
+    vllm_client,
+    vllm_random_shape,
 )
 from chunkwise.bench.peer_worker import parse_cpus
 from chunkwise.bench.results import RunResult
@@ -490,6 +495,142 @@ def test_convoy_metrics_refuse_failed_requests() -> None:
         convoy_metrics(RunResult("x", records, [], 1.0), items, 100)
 
 
+# -- served, with fake servers and a fake client ---------------------------------------------------------------
+def _random(rep: int) -> list[WorkItem]:
+    return [WorkItem(tuple(range(3 + rep, 19 + rep)), 8) for _ in range(6)]
+
+
+def _figures(engine: str, rep: int) -> dict[str, Any]:
+    # chunkwise: 300 tok/s, TPOT 20 ms, p99 ITL 30 ms; vLLM: 200 tok/s, TPOT 25 ms, p99 ITL 60 ms. The second
+    # repeat's vLLM is slower (150 tok/s), so the two repeats' ratios differ.
+    tok_s = {"chunkwise": 300.0, "vllm": 200.0 if rep == 0 else 150.0}[engine]
+    tpot, itl = {"chunkwise": (20.0, 30.0), "vllm": (25.0, 60.0)}[engine]
+    return {
+        "completed": 6,
+        "failed": 0,
+        "total_output_tokens": 48,
+        "duration": 48 / tok_s,
+        "output_throughput": tok_s,
+        "mean_tpot_ms": tpot,
+        "median_tpot_ms": tpot - 1,
+        "p99_itl_ms": itl,
+        "mean_ttft_ms": 100.0,
+    }
+
+
+def test_served_alternates_pauses_the_peer_and_reports_per_repeat_ratios() -> None:
+    events: list[Any] = []
+
+    def serve(url: str, items: Sequence[WorkItem], rep: int, name: str) -> dict[str, Any]:
+        engine = url.removeprefix("http://")
+        events.append(("serve", name, rep, (items[0].prompt_token_ids or (None,))[0]))
+        return served_figures(_figures(engine, rep), items, name)
+
+    def warm_up(url: str, name: str) -> None:
+        events.append(("warm-up", name))
+
+    def start(engine: EngineName, dtype: str) -> FakeServer:
+        return FakeServer(engine, dtype, events)
+
+    report = compare_served(_random, ["float32", "bfloat16"], 2, start, serve, warm_up, log=lambda _: None)
+    f32 = [e for e in events if e[0] in ("serve", "warm-up")][:6]
+    assert f32 == [
+        ("warm-up", "chunkwise warm-up"),
+        ("warm-up", "vllm warm-up"),
+        ("serve", "chunkwise float32", 0, 3),
+        ("serve", "vllm float32", 0, 3),
+        ("serve", "vllm float32", 1, 4),
+        ("serve", "chunkwise float32", 1, 4),
+    ]
+    for i, e in enumerate(events):
+        if e[0] == "serve":
+            other = "vllm" if e[1].startswith("chunkwise") else "chunkwise"
+            assert events[i - 1][:2] == ("pause", other) and events[i + 1][:2] == ("resume", other)
+    tok_s, tpot, itl = report.ratios[:3]
+    assert tok_s.label == "chunkwise/vLLM output tok/s, float32 (higher is better)"
+    assert tok_s.values == pytest.approx([1.5, 2.0])
+    assert tpot.label == "chunkwise/vLLM mean TPOT, float32 (lower is better)"
+    assert tpot.values == pytest.approx([0.8, 0.8])
+    assert itl.label == "chunkwise/vLLM p99 ITL, float32 (lower is better)"
+    assert itl.values == pytest.approx([0.5, 0.5])
+    assert [r.label.split(", ")[1] for r in report.ratios[3:]] == [
+        "bfloat16 (higher is better)",
+        "bfloat16 (lower is better)",
+        "bfloat16 (lower is better)",
+    ]
+    run = report.runs[0]
+    assert (run["engine"], run["dtype"], run["repeat"], run["median_tpot_ms"]) == (
+        "chunkwise",
+        "float32",
+        0,
+        19.0,
+    )
+    text = peer.format_report(report)
+    assert "median TPOT ms" in text and "chunkwise float32 #1" in text
+    assert report.as_dict()["mode"] == "served"
+
+
+def test_served_figures_refuse_lost_requests_and_lost_tokens() -> None:
+    items = _random(0)
+    assert served_figures(_figures("vllm", 0), items, "x")["output_throughput"] == 200.0
+    with pytest.raises(PeerError, match=r"x: 5 of 6 requests completed \(1 failed\)"):
+        served_figures({**_figures("vllm", 0), "completed": 5, "failed": 1}, items, "x")
+    with pytest.raises(PeerError, match="x: 47 output tokens, expected 48"):
+        served_figures({**_figures("vllm", 0), "total_output_tokens": 47}, items, "x")
+
+
+def test_vllm_bench_command_has_the_workloads_shape_and_refuses_one_it_cannot_send(tmp_path: Path) -> None:
+    cmd = vllm_bench_command("py", "http://h:1", "/m", _random(0), 4, 7, tmp_path, "r.json")
+    assert cmd[:3] == ["py", "-c", peer.VLLM_BENCH_WRAPPER]
+    flags = " ".join(cmd[3:])
+    for want in (
+        "--base-url http://h:1 --endpoint /v1/completions",
+        "--model /m --served-model-name bench --tokenizer /m",
+        "--dataset-name random --random-input-len 16 --random-output-len 8 --num-prompts 6",
+        "--max-concurrency 4 --ignore-eos --temperature 0 --seed 7",
+        f"--save-result --result-dir {tmp_path} --result-filename r.json",
+        "--disable-tqdm",
+    ):
+        assert want in flags
+    assert vllm_random_shape(_random(0)) == (16, 8)
+    with pytest.raises(ValueError, match="one length"):
+        vllm_random_shape([*_random(0), WorkItem((5, 6), 8)])
+    with pytest.raises(ValueError, match="one length"):
+        vllm_random_shape([*_random(0), WorkItem(tuple(range(3, 19)), 9)])
+    with pytest.raises(ValueError, match="request-rate inf"):
+        vllm_random_shape([*_random(0), WorkItem(tuple(range(3, 19)), 8, arrival_s=1.0)])
+
+
+FAKE_VLLM_CLIENT = """\
+#!{python}
+# Stands in for vLLM's interpreter running `vllm bench serve`: writes the result JSON it was asked for.
+import json, sys
+args = sys.argv[3:]
+opt = {{k: v for k, v in zip(args, args[1:]) if k.startswith("--")}}
+n, out = int(opt["--num-prompts"]), int(opt["--random-output-len"])
+if opt["--base-url"].endswith(":9"):
+    print("connection refused"); sys.exit(1)
+result = {{"completed": n, "failed": 0, "total_output_tokens": n * out, "duration": 2.0,
+          "output_throughput": n * out / 2.0, "mean_tpot_ms": 10.0, "median_tpot_ms": 9.0,
+          "p99_itl_ms": 30.0, "mean_ttft_ms": 50.0, "seed": int(opt["--seed"])}}
+with open(opt["--result-dir"] + "/" + opt["--result-filename"], "w") as f:
+    json.dump(result, f)
+"""
+
+
+def test_vllm_client_runs_the_command_and_reads_its_result_json(tmp_path: Path) -> None:
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_VLLM_CLIENT.format(python=sys.executable))
+    fake.chmod(0o755)
+    settings = PeerSettings(model="/m", vllm_python=str(fake))
+    serve = vllm_client(settings, tmp_path, 4, 10, False, lambda _: None)
+    got = serve("http://127.0.0.1:8", _random(0), 1, "vllm float32")
+    assert got["client"] == "vllm bench serve" and got["output_throughput"] == 24.0
+    assert json.loads(Path(got["result"]).read_text())["seed"] == 11
+    with pytest.raises(PeerError, match=r"(?s)exited with status 1.*connection refused"):
+        serve("http://127.0.0.1:9", _random(0), 0, "chunkwise float32")
+
+
 # -- the command ----------------------------------------------------------------------------------------------
 def test_missing_vllm_says_how_to_install_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     try:
@@ -507,6 +648,9 @@ def test_missing_vllm_says_how_to_install_it(tmp_path: Path, capsys: pytest.Capt
     with pytest.raises(SystemExit) as exit_:
         main(["bench", "compare", "vllm", "--cpus", CPU, "--vllm-python", sys.executable])
     assert "uninstall -y torchvision torchaudio torchcodec" in str(exit_.value.code)
+    # The served mode's flags belong to it (checked before vLLM is looked for).
+    with pytest.raises(SystemExit, match="apply to --mode served"):
+        main(["bench", "compare", "vllm", "--cpus", CPU, "--max-concurrency", "4"])
 
 
 @pytest.fixture
@@ -529,7 +673,17 @@ def test_mode_defaults_fill_only_what_was_not_given(parsed: Any) -> None:
         4,
         4000,
     )
-    assert (args.median_output, args.sigma) == (4000, 0.0)
+    assert (args.median_output, args.sigma, args.max_num_seqs, args.max_concurrency) == (4000, 0.0, 32, None)
+    args = parsed(["--mode", "served", "--max-concurrency", "8"])
+    peer.resolve_mode_defaults(args)
+    assert (args.model, args.num_requests, args.min_prompt, args.max_prompt) == ("pylm", 400, 256, 256)
+    assert (args.median_output, args.sigma, args.max_output, args.request_rate) == (
+        128,
+        0.0,
+        128,
+        float("inf"),
+    )
+    assert (args.max_num_seqs, args.max_concurrency, args.vllm_client) == (64, 8, False)
     args = parsed([])
     peer.resolve_mode_defaults(args)
     assert (args.workload, args.max_model_len, args.num_requests, args.min_prompt, args.max_prompt) == (

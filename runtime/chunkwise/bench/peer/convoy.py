@@ -1,7 +1,9 @@
 """The convoy mode: both OpenAI-compatible servers up and pinned, driven in turn by the same streaming
 client, decoding streams with long prompts injected while they decode. The streams ask for far more tokens
 than the window needs and the client cuts the run once the last long prompt has its first token, so they
-run through the whole window on a fast engine and a slow one alike; convoy_metrics checks that they did."""
+run through the whole window on a fast engine and a slow one alike; convoy_metrics checks that they did.
+
+ServerProcess, process_servers and the paused peer serve the served mode too (served.py)."""
 
 from __future__ import annotations
 
