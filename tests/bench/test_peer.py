@@ -34,8 +34,13 @@ from chunkwise.bench.peer import (
     alternation,
     check_vllm,
     compare_convoy,
+    compare_served,
     compare_throughput,
     convoy_metrics,
+    served_figures,
+    vllm_bench_command,
+    vllm_client,
+    vllm_random_shape,
 )
 from chunkwise.bench.peer_worker import parse_cpus
 from chunkwise.bench.results import RunResult
@@ -362,19 +367,48 @@ def _record(prompt_len: int, itl_ms: Sequence[float], ttft_ms: float) -> Request
     )
 
 
-def test_convoy_reports_the_streams_itl_and_the_long_prompts_ttft_as_ratios() -> None:
+def _timed(
+    prompt_len: int, start_s: float, ttft_s: float, gaps_s: Sequence[float], cut: bool = False
+) -> RequestRecord:
+    return RequestRecord(
+        prompt_len=prompt_len,
+        output_len=len(gaps_s) + 1,
+        ttft=ttft_s,
+        latency=ttft_s + sum(gaps_s),
+        itl=list(gaps_s),
+        start_s=start_s,
+        cut=cut,
+    )
+
+
+def _stream(steady_s: float, stall_s: float, window: tuple[float, float], cut: bool = True) -> RequestRecord:
+    """A stream sent at 0 whose chunks come every `steady_s` outside the window and every `stall_s` inside it,
+    four more after it, then cut. Times are multiples of 1/32 s, exact in binary."""
+    t, gaps = steady_s, []
+    while t < window[0]:
+        gaps.append(steady_s)
+        t += steady_s
+    while t < window[1]:
+        gaps.append(stall_s)
+        t += stall_s
+    gaps += [steady_s] * 4
+    return _timed(17, 0.0, steady_s, gaps, cut=cut)
+
+
+def test_convoy_reports_the_window_itl_the_steady_itl_and_the_long_prompts_ttft_as_ratios() -> None:
     events: list[Any] = []
-    # chunkwise's streams never stall over 20 ms; vLLM's stall 100 ms once per run. Long TTFT 300 vs 200 ms.
-    scripts = {"chunkwise": ([10.0, 20.0, 10.0], 300.0), "vllm": ([10.0, 100.0, 10.0], 200.0)}
+    # The long prompt arrives at 0.5 s. chunkwise: steady 62.5 ms, 125 ms gaps in its window, first token
+    # after 250 ms; vLLM: steady 31.25 ms, 250 ms gaps, first token after 500 ms.
+    scripts = {"chunkwise": (1 / 16, 1 / 8, 0.25), "vllm": (1 / 32, 1 / 4, 0.5)}
 
     def serve(url: str, items: Sequence[WorkItem], name: str) -> RunResult:
         engine = url.removeprefix("http://")
         events.append(("serve", name.removesuffix(" float32")))
-        itl, ttft = scripts[engine]
+        steady, stall, ttft = scripts[engine]
         records = [
-            _record(
-                len(it.prompt_token_ids or ()), itl if len(it.prompt_token_ids or ()) < 100 else [5.0], ttft
-            )
+            _stream(steady, stall, (0.5, 0.5 + ttft))
+            if len(it.prompt_token_ids or ()) < 100
+            else _timed(100, it.arrival_s, ttft, [steady])
             for it in items
         ]
         return RunResult(name, records, [], 2.0)
@@ -382,19 +416,75 @@ def test_convoy_reports_the_streams_itl_and_the_long_prompts_ttft_as_ratios() ->
     def start(engine: EngineName, dtype: str) -> FakeServer:
         return FakeServer(engine, dtype, events)
 
-    report = compare_convoy(_convoy, ["float32"], 2, 100, start, serve, log=lambda _: None)
+    report = compare_convoy(
+        _convoy, ["float32"], 2, 100, start, serve, log=lambda _: None, quiet_interval_s=0.001
+    )
     served = [e[1] for e in events if e[0] == "serve"]
     # Each server is warmed up once, right after it starts, then the measured runs alternate.
     assert served == ["chunkwise warm-up", "vllm warm-up", "chunkwise", "vllm", "vllm", "chunkwise"]
-    p99, mx, ttft = report.ratios
-    assert p99.label == "chunkwise/vLLM p99 ITL of the 3 streams, float32"
-    # Nine pooled gaps: p99 of [10]*6 + [20]*3 is 20; of [10]*6 + [100]*3 is 100.
-    assert p99.values == pytest.approx([0.2, 0.2])
-    assert mx.values == pytest.approx([0.2, 0.2])
-    assert ttft.values == pytest.approx([1.5, 1.5])
+    p99, steady, ttft = report.ratios
+    assert p99.label == "chunkwise/vLLM p99 ITL of the 3 streams inside the window, float32 (lower is better)"
+    assert p99.values == pytest.approx([0.5, 0.5])
+    assert steady.values == pytest.approx([2.0, 2.0])
+    assert ttft.values == pytest.approx([0.5, 0.5])
     run = report.runs[0]
-    assert run["num_streams"] == 3 and run["num_long"] == 1 and run["long_ttft_ms"] == pytest.approx([300.0])
+    assert run["engine"] == "chunkwise" and run["num_streams"] == 3 and run["num_long"] == 1
+    assert run["window_s"] == [0.5, 0.75] and run["num_window_gaps"] == 3 * 2
+    assert run["window_p99_itl_ms"] == run["window_max_itl_ms"] == 125.0
+    assert run["steady_p50_itl_ms"] == 62.5 and run["long_ttft_ms"] == [250.0] and run["num_cut"] == 3
     assert report.as_dict()["mode"] == "convoy"
+    assert "steady p50 ms" in peer.format_report(report)
+
+
+def test_convoy_metrics_count_only_the_gaps_inside_the_window() -> None:
+    # A 500 ms gap before the long prompt arrives (say, the streams' own start) and a 2 s gap after the
+    # window: neither is the convoy's. Inside it (0.5-0.75 s) the streams stall 125 ms.
+    items = _convoy(0)
+    streams = [_timed(17, 0.0, 0.0625, [0.5, 0.125, 0.125, 0.125, 2.0], cut=True) for _ in range(3)]
+    long = _timed(100, 0.5, 0.25, [0.0625])
+    m = convoy_metrics(RunResult("x", [*streams, long], [], 4.0), items, 100)
+    assert m["window_s"] == [0.5, 0.75]
+    # Gap 0.5625-0.6875 and 0.6875-0.8125 overlap the window; 0.0625-0.5625 does too (it ends inside it).
+    assert m["window_max_itl_ms"] == 500.0
+    streams = [_timed(17, 0.0, 0.0625, [0.4375, 0.125, 0.125, 2.0], cut=True) for _ in range(3)]
+    m = convoy_metrics(RunResult("x", [*streams, long], [], 4.0), items, 100)
+    # Now the first gap ends as the window opens: outside. Pooled over the run (the old figure) max was 2 s.
+    assert m["window_max_itl_ms"] == m["window_p99_itl_ms"] == 125.0 and m["num_window_gaps"] == 6
+    assert m["steady_p50_itl_ms"] == pytest.approx(1218.75)
+
+
+def test_convoy_metrics_refuse_a_stream_that_ended_before_the_window_closed() -> None:
+    items = _convoy(0)
+    long = _timed(100, 0.5, 0.25, [0.0625])
+    alive = [_stream(1 / 16, 1 / 8, (0.5, 0.75)) for _ in range(2)]
+    # Stream 1 asked for too few tokens: its last came at 0.25 s, before the long prompt arrived at 0.5 s.
+    short = _timed(17, 0.0, 0.0625, [0.0625] * 3)
+    with pytest.raises(
+        PeerError,
+        match=r"x: stream 1 finished at 0.25 s, before a long prompt arrived at 0.50 s.*raise --median-output",
+    ):
+        convoy_metrics(RunResult("x", [alive[0], short, alive[1], long], [], 1.0), items, 100)
+    # One that ended after the arrival but before the last long prompt's first token (0.75 s) is refused too.
+    mid = _timed(17, 0.0, 0.0625, [0.0625] * 9)
+    with pytest.raises(
+        PeerError, match=r"stream 2 finished at 0.62 s, before the last long prompt's first token"
+    ):
+        convoy_metrics(RunResult("x", [*alive, mid, long], [], 1.0), items, 100)
+    # The same stream, cut by the client at 0.625 s, was still running: it is the client that stopped.
+    assert convoy_metrics(
+        RunResult("x", [*alive, _stream(1 / 16, 1 / 8, (0.5, 0.75)), long], [], 1.0), items, 100
+    )
+
+
+def test_wait_quiet_waits_for_the_server_to_stop_using_the_cpu() -> None:
+    class Busy(FakeServer):
+        def cpu_seconds(self) -> float | None:
+            self.cpu += 1.0  # a whole CPU-second per look, however short the interval
+            return self.cpu
+
+    busy, idle = Busy("vllm", "float32", []), FakeServer("chunkwise", "float32", [])
+    assert peer.wait_quiet(idle, interval_s=0.001, timeout_s=1.0)
+    assert not peer.wait_quiet(busy, interval_s=0.001, timeout_s=0.01)
 
 
 def test_convoy_metrics_refuse_failed_requests() -> None:
@@ -403,6 +493,142 @@ def test_convoy_metrics_refuse_failed_requests() -> None:
     records[-1].success, records[-1].error = False, "HTTP 429: busy"
     with pytest.raises(PeerError, match="1 request\\(s\\) failed"):
         convoy_metrics(RunResult("x", records, [], 1.0), items, 100)
+
+
+# -- served, with fake servers and a fake client ---------------------------------------------------------------
+def _random(rep: int) -> list[WorkItem]:
+    return [WorkItem(tuple(range(3 + rep, 19 + rep)), 8) for _ in range(6)]
+
+
+def _figures(engine: str, rep: int) -> dict[str, Any]:
+    # chunkwise: 300 tok/s, TPOT 20 ms, p99 ITL 30 ms; vLLM: 200 tok/s, TPOT 25 ms, p99 ITL 60 ms. The second
+    # repeat's vLLM is slower (150 tok/s), so the two repeats' ratios differ.
+    tok_s = {"chunkwise": 300.0, "vllm": 200.0 if rep == 0 else 150.0}[engine]
+    tpot, itl = {"chunkwise": (20.0, 30.0), "vllm": (25.0, 60.0)}[engine]
+    return {
+        "completed": 6,
+        "failed": 0,
+        "total_output_tokens": 48,
+        "duration": 48 / tok_s,
+        "output_throughput": tok_s,
+        "mean_tpot_ms": tpot,
+        "median_tpot_ms": tpot - 1,
+        "p99_itl_ms": itl,
+        "mean_ttft_ms": 100.0,
+    }
+
+
+def test_served_alternates_pauses_the_peer_and_reports_per_repeat_ratios() -> None:
+    events: list[Any] = []
+
+    def serve(url: str, items: Sequence[WorkItem], rep: int, name: str) -> dict[str, Any]:
+        engine = url.removeprefix("http://")
+        events.append(("serve", name, rep, (items[0].prompt_token_ids or (None,))[0]))
+        return served_figures(_figures(engine, rep), items, name)
+
+    def warm_up(url: str, name: str) -> None:
+        events.append(("warm-up", name))
+
+    def start(engine: EngineName, dtype: str) -> FakeServer:
+        return FakeServer(engine, dtype, events)
+
+    report = compare_served(_random, ["float32", "bfloat16"], 2, start, serve, warm_up, log=lambda _: None)
+    f32 = [e for e in events if e[0] in ("serve", "warm-up")][:6]
+    assert f32 == [
+        ("warm-up", "chunkwise warm-up"),
+        ("warm-up", "vllm warm-up"),
+        ("serve", "chunkwise float32", 0, 3),
+        ("serve", "vllm float32", 0, 3),
+        ("serve", "vllm float32", 1, 4),
+        ("serve", "chunkwise float32", 1, 4),
+    ]
+    for i, e in enumerate(events):
+        if e[0] == "serve":
+            other = "vllm" if e[1].startswith("chunkwise") else "chunkwise"
+            assert events[i - 1][:2] == ("pause", other) and events[i + 1][:2] == ("resume", other)
+    tok_s, tpot, itl = report.ratios[:3]
+    assert tok_s.label == "chunkwise/vLLM output tok/s, float32 (higher is better)"
+    assert tok_s.values == pytest.approx([1.5, 2.0])
+    assert tpot.label == "chunkwise/vLLM mean TPOT, float32 (lower is better)"
+    assert tpot.values == pytest.approx([0.8, 0.8])
+    assert itl.label == "chunkwise/vLLM p99 ITL, float32 (lower is better)"
+    assert itl.values == pytest.approx([0.5, 0.5])
+    assert [r.label.split(", ")[1] for r in report.ratios[3:]] == [
+        "bfloat16 (higher is better)",
+        "bfloat16 (lower is better)",
+        "bfloat16 (lower is better)",
+    ]
+    run = report.runs[0]
+    assert (run["engine"], run["dtype"], run["repeat"], run["median_tpot_ms"]) == (
+        "chunkwise",
+        "float32",
+        0,
+        19.0,
+    )
+    text = peer.format_report(report)
+    assert "median TPOT ms" in text and "chunkwise float32 #1" in text
+    assert report.as_dict()["mode"] == "served"
+
+
+def test_served_figures_refuse_lost_requests_and_lost_tokens() -> None:
+    items = _random(0)
+    assert served_figures(_figures("vllm", 0), items, "x")["output_throughput"] == 200.0
+    with pytest.raises(PeerError, match=r"x: 5 of 6 requests completed \(1 failed\)"):
+        served_figures({**_figures("vllm", 0), "completed": 5, "failed": 1}, items, "x")
+    with pytest.raises(PeerError, match="x: 47 output tokens, expected 48"):
+        served_figures({**_figures("vllm", 0), "total_output_tokens": 47}, items, "x")
+
+
+def test_vllm_bench_command_has_the_workloads_shape_and_refuses_one_it_cannot_send(tmp_path: Path) -> None:
+    cmd = vllm_bench_command("py", "http://h:1", "/m", _random(0), 4, 7, tmp_path, "r.json")
+    assert cmd[:3] == ["py", "-c", peer.VLLM_BENCH_WRAPPER]
+    flags = " ".join(cmd[3:])
+    for want in (
+        "--base-url http://h:1 --endpoint /v1/completions",
+        "--model /m --served-model-name bench --tokenizer /m",
+        "--dataset-name random --random-input-len 16 --random-output-len 8 --num-prompts 6",
+        "--max-concurrency 4 --ignore-eos --temperature 0 --seed 7",
+        f"--save-result --result-dir {tmp_path} --result-filename r.json",
+        "--disable-tqdm",
+    ):
+        assert want in flags
+    assert vllm_random_shape(_random(0)) == (16, 8)
+    with pytest.raises(ValueError, match="one length"):
+        vllm_random_shape([*_random(0), WorkItem((5, 6), 8)])
+    with pytest.raises(ValueError, match="one length"):
+        vllm_random_shape([*_random(0), WorkItem(tuple(range(3, 19)), 9)])
+    with pytest.raises(ValueError, match="request-rate inf"):
+        vllm_random_shape([*_random(0), WorkItem(tuple(range(3, 19)), 8, arrival_s=1.0)])
+
+
+FAKE_VLLM_CLIENT = """\
+#!{python}
+# Stands in for vLLM's interpreter running `vllm bench serve`: writes the result JSON it was asked for.
+import json, sys
+args = sys.argv[3:]
+opt = {{k: v for k, v in zip(args, args[1:]) if k.startswith("--")}}
+n, out = int(opt["--num-prompts"]), int(opt["--random-output-len"])
+if opt["--base-url"].endswith(":9"):
+    print("connection refused"); sys.exit(1)
+result = {{"completed": n, "failed": 0, "total_output_tokens": n * out, "duration": 2.0,
+          "output_throughput": n * out / 2.0, "mean_tpot_ms": 10.0, "median_tpot_ms": 9.0,
+          "p99_itl_ms": 30.0, "mean_ttft_ms": 50.0, "seed": int(opt["--seed"])}}
+with open(opt["--result-dir"] + "/" + opt["--result-filename"], "w") as f:
+    json.dump(result, f)
+"""
+
+
+def test_vllm_client_runs_the_command_and_reads_its_result_json(tmp_path: Path) -> None:
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_VLLM_CLIENT.format(python=sys.executable))
+    fake.chmod(0o755)
+    settings = PeerSettings(model="/m", vllm_python=str(fake))
+    serve = vllm_client(settings, tmp_path, 4, 10, False, lambda _: None)
+    got = serve("http://127.0.0.1:8", _random(0), 1, "vllm float32")
+    assert got["client"] == "vllm bench serve" and got["output_throughput"] == 24.0
+    assert json.loads(Path(got["result"]).read_text())["seed"] == 11
+    with pytest.raises(PeerError, match=r"(?s)exited with status 1.*connection refused"):
+        serve("http://127.0.0.1:9", _random(0), 0, "chunkwise float32")
 
 
 # -- the command ----------------------------------------------------------------------------------------------
@@ -422,6 +648,9 @@ def test_missing_vllm_says_how_to_install_it(tmp_path: Path, capsys: pytest.Capt
     with pytest.raises(SystemExit) as exit_:
         main(["bench", "compare", "vllm", "--cpus", CPU, "--vllm-python", sys.executable])
     assert "uninstall -y torchvision torchaudio torchcodec" in str(exit_.value.code)
+    # The served mode's flags belong to it (checked before vLLM is looked for).
+    with pytest.raises(SystemExit, match="apply to --mode served"):
+        main(["bench", "compare", "vllm", "--cpus", CPU, "--max-concurrency", "4"])
 
 
 @pytest.fixture
@@ -438,7 +667,23 @@ def parsed() -> Iterator[Any]:
 def test_mode_defaults_fill_only_what_was_not_given(parsed: Any) -> None:
     args = parsed(["--mode", "convoy", "--num-requests", "4"])
     peer.resolve_mode_defaults(args)
-    assert (args.workload, args.max_model_len, args.num_requests, args.max_output) == ("convoy", 4096, 4, 128)
+    assert (args.workload, args.max_model_len, args.num_requests, args.max_output) == (
+        "convoy",
+        4096,
+        4,
+        4000,
+    )
+    assert (args.median_output, args.sigma, args.max_num_seqs, args.max_concurrency) == (4000, 0.0, 32, None)
+    args = parsed(["--mode", "served", "--max-concurrency", "8"])
+    peer.resolve_mode_defaults(args)
+    assert (args.model, args.num_requests, args.min_prompt, args.max_prompt) == ("pylm", 400, 256, 256)
+    assert (args.median_output, args.sigma, args.max_output, args.request_rate) == (
+        128,
+        0.0,
+        128,
+        float("inf"),
+    )
+    assert (args.max_num_seqs, args.max_concurrency, args.vllm_client) == (64, 8, False)
     args = parsed([])
     peer.resolve_mode_defaults(args)
     assert (args.workload, args.max_model_len, args.num_requests, args.min_prompt, args.max_prompt) == (

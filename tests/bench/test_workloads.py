@@ -41,6 +41,12 @@ def test_useful_work_fraction_by_hand() -> None:
     assert useful_work_fraction([5, 5, 5], 3) == 1.0
 
 
+def test_long_tailed_with_sigma_zero_asks_for_exactly_the_median() -> None:
+    for median in (32, 128, 4000):
+        items = long_tailed(16, vocab_size=VOCAB, median_output=median, sigma=0.0, max_output=median)
+        assert {it.output_len for it in items} == {median}
+
+
 def test_long_tailed_is_reproducible_and_valid() -> None:
     a = long_tailed(64, vocab_size=VOCAB, seed=3, max_output=100)
     b = long_tailed(64, vocab_size=VOCAB, seed=3, max_output=100)

@@ -2,7 +2,7 @@
 
     chunkwise bench serve --base-url http://127.0.0.1:8000 --model tiny --workload long-tailed --request-rate 4
     chunkwise bench compare batching|chunked|prefix|hf|sched-overhead|preemption [--model small]
-    chunkwise bench compare vllm --vllm-python ~/vllm-venv/bin/python [--mode convoy]
+    chunkwise bench compare vllm --vllm-python ~/vllm-venv/bin/python [--mode convoy|served]
     chunkwise bench workload --workload agent --num-requests 200 --out agent.jsonl
 
 Everything heavy (torch, the engine, httpx, matplotlib) is imported inside the run functions, so that
@@ -151,17 +151,28 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "default a random 57M-parameter Llama written to ~/.cache/chunkwise/bench), taking turns; prints "
         "chunkwise/vLLM ratios. throughput: offline output tok/s (defaults: 64 requests, 32-256-token "
         "prompts, long-tailed outputs, max_model_len 2048). convoy: both OpenAI servers driven by the same "
-        "streaming client, 8 decoding streams (16-64-token prompts, 128 output tokens) with two 3000-token "
-        "prompts injected at 2 s and 6 s (max_model_len 4096); reports the streams' p99 and max ITL and the "
-        "long prompts' TTFT. vLLM runs under --vllm-python.",
+        "streaming client, 8 decoding streams (16-64-token prompts, up to 4000 output tokens, cut when the "
+        "window closes) with two 3000-token prompts injected at 2 s and 6 s (max_model_len 4096); reports the "
+        "streams' p99 and max ITL inside the window (first long prompt's arrival to the last one's first "
+        "token), their steady p50 ITL outside it, and the long prompts' TTFT. served: both OpenAI servers "
+        "(the bundled pylm unless --model) driven by one client at --max-concurrency on vLLM's random shape "
+        "(400 requests, 256-token prompts, 128 output tokens, EOS ignored; max_num_seqs 64); reports output "
+        "tok/s, mean and median TPOT, p99 ITL and mean TTFT; --vllm-client measures with `vllm bench serve` "
+        "instead. vLLM runs under --vllm-python.",
     )
     vl.add_argument(
         "--mode",
-        choices=["throughput", "convoy"],
+        choices=["throughput", "convoy", "served"],
         default="throughput",
-        help="throughput: offline output tok/s; convoy: served, streams' ITL and long prompts' TTFT (throughput)",
+        help="throughput: offline output tok/s; convoy: served, streams' ITL and long prompts' TTFT; "
+        "served: one client at a fixed concurrency, output tok/s, TPOT, ITL (throughput)",
     )
-    vl.add_argument("--model", default=None, help="an existing HF model directory (default: the benchmark's)")
+    vl.add_argument(
+        "--model",
+        default=None,
+        help="an existing HF model directory or a bundled model's name (default: the benchmark's; pylm in "
+        "served mode)",
+    )
     vl.add_argument(
         "--checkpoint-dir",
         default=None,
@@ -179,12 +190,26 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     vl.add_argument(
         "--vllm-python", default=sys.executable, help="the interpreter that has vllm (default: this one)"
     )
-    vl.add_argument("--max-num-seqs", type=positive_int, default=32, help="both engines (32)")
+    vl.add_argument(
+        "--max-num-seqs", type=positive_int, default=None, help="both engines (32; 64 in served mode)"
+    )
     vl.add_argument("--max-num-batched-tokens", type=positive_int, default=1024, help="both engines (1024)")
     vl.add_argument(
         "--max-model-len", type=positive_int, default=None, help="both engines (2048; 4096 in convoy mode)"
     )
     vl.add_argument("--kv-cache-gib", type=positive_float, default=2.0, help="KV cache of each engine (2)")
+    vl.add_argument(
+        "--max-concurrency",
+        type=positive_int,
+        default=None,
+        help="served mode: most requests the client keeps in flight, as vllm bench serve's (64)",
+    )
+    vl.add_argument(
+        "--vllm-client",
+        action="store_true",
+        help="served mode: measure each server with vLLM's own `vllm bench serve` (under --vllm-python, "
+        "its random dataset in the workload's shape) instead of chunkwise's client",
+    )
     vl.add_argument("--json", dest="json_out", default=None, help="write the results as JSON to this file")
     vl.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     # Unset workload flags take the mode's defaults (chunkwise.bench.peer.MODE_DEFAULTS).

@@ -40,12 +40,24 @@ class RequestRecord:
     # When the request was sent (seconds since the run started) and how many times it was preempted.
     start_s: float = 0.0
     num_preemptions: int = 0
+    # The client cancelled it while it was still streaming, when the run was cut (bench.serve's
+    # `cut_after_first_token_of`): its output_len and latency stop at the last chunk received.
+    cut: bool = False
 
     @property
     def tpot(self) -> float | None:
         if not self.success or self.output_len <= 1:
             return None
         return (self.latency - self.ttft) / (self.output_len - 1)
+
+    def chunk_times(self) -> list[float]:
+        """When each chunk arrived, in seconds since the run started: start + TTFT, then each ITL gap."""
+        t = self.start_s + self.ttft
+        out = [t]
+        for gap in self.itl:
+            t += gap
+            out.append(t)
+        return out
 
 
 def parse_slos(specs: Sequence[str]) -> dict[str, float]:
@@ -112,6 +124,9 @@ def summarize(
         report["slos_ms"] = dict(slos_ms)
     for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
         report.update(_stats(name, values, percentiles))
+    cut = sum(1 for r in ok if r.cut)
+    if cut:
+        report["cut"] = cut
     errors = sorted({r.error for r in records if not r.success and r.error})
     if errors:
         report["errors"] = errors[:10]

@@ -5,6 +5,11 @@ slot as `vllm bench serve` does), each as a streaming /v1/completions call with 
 so the server's own token count is used. Timings are taken at the client: TTFT from sending to the first
 chunk, ITL between chunks, latency to the last chunk (see chunkwise.bench.metrics for the definitions).
 While it runs, the server's /metrics (if it has one) is scraped for the queue depth and KV-cache usage.
+
+A run can be cut short (`cut_after_first_token_of`): once every listed request has its first chunk, and
+every other request still streaming has had a chunk since, the client cancels what is still in flight (the
+connection is closed, so the server aborts those requests) and marks those records `cut`. The convoy uses
+this to keep its decoding streams alive, with a generous max_tokens, exactly as long as its window lasts.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import contextlib
 import json
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from chunkwise.bench.metrics import RequestRecord
@@ -64,7 +69,56 @@ def payload(item: WorkItem, model: str, ignore_eos: bool = True) -> dict[str, An
     return body
 
 
-async def _one(client: Any, url: str, body: dict[str, Any], rec: RequestRecord, t0: float) -> None:
+class _Cut:
+    """When to cut a run: once every watched request has its first chunk (or has ended without one), at
+    time T, and every other request still streaming has had a chunk at or after T."""
+
+    def __init__(self, watch: Collection[int]) -> None:
+        self.pending_first = set(watch)
+        self.window_end: float | None = None
+        self.streaming: set[int] = set()
+        self.behind: set[int] = set()
+        self.done = asyncio.Event()
+        if not self.pending_first:
+            raise ValueError("a cut needs at least one request to watch")
+
+    def chunk(self, i: int, now: float) -> None:
+        self.streaming.add(i)
+        if self.window_end is None:
+            self.pending_first.discard(i)
+            if not self.pending_first:
+                self._close(now, i)
+        else:
+            self.behind.discard(i)
+            self._check()
+
+    def ended(self, i: int, now: float) -> None:
+        self.streaming.discard(i)
+        self.behind.discard(i)
+        if self.window_end is None and i in self.pending_first:
+            self.pending_first.discard(i)
+            if not self.pending_first:
+                self._close(now, i)
+        self._check()
+
+    def _close(self, now: float, i: int) -> None:
+        self.window_end = now
+        self.behind = self.streaming - {i}
+        self._check()
+
+    def _check(self) -> None:
+        if self.window_end is not None and not self.behind:
+            self.done.set()
+
+
+async def _one(
+    client: Any,
+    url: str,
+    body: dict[str, Any],
+    rec: RequestRecord,
+    t0: float,
+    on_chunk: Callable[[float], None] | None = None,
+) -> None:
     st = time.perf_counter()
     rec.start_s = st - t0
     last = st
@@ -95,10 +149,18 @@ async def _one(client: Any, url: str, body: dict[str, Any], rec: RequestRecord, 
                         rec.itl.append(now - last)
                     last = now
                     chunks += 1
+                    if on_chunk is not None:
+                        on_chunk(now)
                 usage = obj.get("usage")
                 if usage and usage.get("completion_tokens") is not None:
                     usage_tokens = int(usage["completion_tokens"])
                     usage_prompt = usage.get("prompt_tokens")
+    except asyncio.CancelledError:  # the run was cut: what was received so far is the record
+        rec.cut = True
+        rec.output_len = chunks
+        if chunks:
+            rec.latency = last - st
+        raise
     except Exception as e:  # any transport failure is this request's failure, not the benchmark's
         rec.success, rec.error = False, f"{type(e).__name__}: {e}"
         return
@@ -140,6 +202,7 @@ async def run_serve_async(
     scrape_metrics: bool = True,
     progress: bool = True,
     name: str = "serve",
+    cut_after_first_token_of: Collection[int] = (),
 ) -> RunResult:
     import httpx
 
@@ -151,6 +214,8 @@ async def run_serve_async(
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = Progress(len(items), name) if progress else None
     timeline: list[tuple[float, float, float, float]] = []
+    cut = _Cut(cut_after_first_token_of) if cut_after_first_token_of else None
+    cut_s: float | None = None
     limits = httpx.Limits(
         max_connections=max_concurrency or max(1, len(items)), max_keepalive_connections=None
     )
@@ -161,27 +226,61 @@ async def run_serve_async(
         if scrape_metrics:
             scraper = asyncio.create_task(_scrape(client, f"{base}/metrics", t0, timeline, stop))
 
+        def on_chunk(i: int) -> Callable[[float], None] | None:
+            if cut is None:
+                return None
+            watch = cut
+            return lambda now: watch.chunk(i, now)
+
         async def send(i: int) -> None:
-            delay = items[i].arrival_s - (time.perf_counter() - t0)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            if sem is None:
-                await _one(client, url, payload(items[i], model, ignore_eos), records[i], t0)
-            else:
-                async with sem:
-                    await _one(client, url, payload(items[i], model, ignore_eos), records[i], t0)
+            try:
+                delay = items[i].arrival_s - (time.perf_counter() - t0)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                body = payload(items[i], model, ignore_eos)
+                if sem is None:
+                    await _one(client, url, body, records[i], t0, on_chunk(i))
+                else:
+                    async with sem:
+                        await _one(client, url, body, records[i], t0, on_chunk(i))
+            except asyncio.CancelledError:
+                rec = records[i]
+                rec.cut = True
+                if not rec.output_len:
+                    rec.success, rec.error = False, "cut by the client before its first chunk"
+                raise
+            if cut is not None:
+                cut.ended(i, time.perf_counter())
             if bar:
                 bar.update()
 
-        await asyncio.gather(*(send(i) for i in range(len(items))))
+        tasks = [asyncio.create_task(send(i)) for i in range(len(items))]
+
+        async def cutter() -> None:
+            nonlocal cut_s
+            assert cut is not None
+            await cut.done.wait()
+            cut_s = time.perf_counter() - t0
+            for task in tasks:
+                task.cancel()  # a no-op on a task that has ended
+
+        cutting = asyncio.create_task(cutter()) if cut is not None else None
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        if cutting is not None:
+            cutting.cancel()
         duration = time.perf_counter() - t0
         stop.set()
         if scraper is not None:
             await scraper
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException) and not isinstance(outcome, asyncio.CancelledError):
+                raise outcome
     if bar:
         bar.close()
     result = RunResult(name, records, [], duration, timeline=timeline)
     result.extra["endpoint"] = url
+    if cut_s is not None:
+        result.extra["cut_s"] = cut_s
     return result
 
 

@@ -108,7 +108,10 @@ def long_tailed(
     seed's regime. `client_max_tokens=False` hides the lengths (target_len) from admission.
     """
     rng = np.random.default_rng(seed)
-    lengths = np.clip(rng.lognormal(math.log(median_output), sigma, num_requests).astype(int), 1, max_output)
+    draws = rng.lognormal(math.log(median_output), sigma, num_requests)
+    # exp(log(m)) can land a hair below m (128 -> 127.99999999999997): without the nudge, truncation would
+    # make sigma 0 ask for one token less than the median (127 for vLLM's --random-output-len 128).
+    lengths = np.clip((draws + 1e-9).astype(int), 1, max_output)
     items = []
     for n_out in lengths:
         n_in = int(rng.integers(prompt_len[0], prompt_len[1] + 1))

@@ -14,13 +14,20 @@ from typing import TYPE_CHECKING, Any
 from chunkwise.bench.peer.base import PeerError, PeerReport, PeerSettings, check_vllm
 from chunkwise.bench.peer.convoy import compare_convoy, http_serve, process_servers
 from chunkwise.bench.peer.offline import compare_throughput, process_workers
+from chunkwise.bench.peer.served import (
+    compare_served,
+    http_served,
+    http_warm_up,
+    vllm_client,
+    vllm_random_shape,
+)
 from chunkwise.bench.workloads import WorkItem
 from chunkwise.models import resolve_model_path
 
 if TYPE_CHECKING:
     import argparse
 
-MODES = ("throughput", "convoy")
+MODES = ("throughput", "convoy", "served")
 
 # Defaults that differ between the modes (the CLI leaves these flags unset and fills them in here).
 MODE_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -33,16 +40,35 @@ MODE_DEFAULTS: dict[str, dict[str, Any]] = {
         "sigma": 1.0,
         "max_output": 512,
         "max_model_len": 2048,
+        "max_num_seqs": 32,
     },
+    # The streams ask for as many tokens as fit beside their prompts: the client cuts them once the last long
+    # prompt has its first token, and convoy_metrics refuses a stream that ended before.
     "convoy": {
         "workload": "convoy",
         "num_requests": 8,
         "min_prompt": 16,
         "max_prompt": 64,
+        "median_output": 4000,
+        "sigma": 0.0,
+        "max_output": 4000,
+        "max_model_len": 4096,
+        "max_num_seqs": 32,
+    },
+    # vLLM's `vllm bench serve --dataset-name random --random-input-len 256 --random-output-len 128
+    # --num-prompts 400 --max-concurrency 64 --ignore-eos`, on the bundled pylm, with room for all 64 to run.
+    "served": {
+        "model": "pylm",
+        "workload": "long-tailed",
+        "num_requests": 400,
+        "min_prompt": 256,
+        "max_prompt": 256,
         "median_output": 128,
         "sigma": 0.0,
         "max_output": 128,
-        "max_model_len": 4096,
+        "max_model_len": 2048,
+        "max_num_seqs": 64,
+        "max_concurrency": 64,
     },
 }
 
@@ -58,12 +84,29 @@ def format_report(report: PeerReport) -> str:
                 f"{name:<28}{r['output_throughput']:>14.1f}{r['cpu_output_throughput']:>14.1f}"
                 f"{r['seconds']:>10.1f}{r['cpu_seconds']:>10.1f}"
             )
-    else:
-        lines.append(f"{'run':<28}{'p99 ITL ms':>12}{'max ITL ms':>12}{'long TTFT ms':>22}")
+    elif report.mode == "convoy":
+        lines.append(
+            f"{'run':<28}{'p99 ITL in window ms':>22}{'max in window ms':>18}{'steady p50 ms':>15}"
+            f"{'long TTFT ms':>22}"
+        )
         for r in report.runs:
             name = f"{r['engine']} {r['dtype']} #{r['repeat'] + 1}"
             ttft = ", ".join(f"{t:.0f}" for t in r["long_ttft_ms"])
-            lines.append(f"{name:<28}{r['p99_itl_ms']:>12.1f}{r['max_itl_ms']:>12.1f}{ttft:>22}")
+            lines.append(
+                f"{name:<28}{r['window_p99_itl_ms']:>22.1f}{r['window_max_itl_ms']:>18.1f}"
+                f"{r['steady_p50_itl_ms']:>15.1f}{ttft:>22}"
+            )
+    else:
+        lines.append(
+            f"{'run':<28}{'output tok/s':>14}{'mean TPOT ms':>14}{'median TPOT ms':>16}{'p99 ITL ms':>12}"
+            f"{'mean TTFT ms':>14}"
+        )
+        for r in report.runs:
+            name = f"{r['engine']} {r['dtype']} #{r['repeat'] + 1}"
+            lines.append(
+                f"{name:<28}{r['output_throughput']:>14.1f}{r['mean_tpot_ms']:>14.2f}{r['median_tpot_ms']:>16.2f}"
+                f"{r['p99_itl_ms']:>12.2f}{r['mean_ttft_ms']:>14.1f}"
+            )
     for key, value in report.info.items():
         lines.append(f"{key}: {json.dumps(value)}")
     lines += [ratio.line() for ratio in report.ratios]
@@ -116,8 +159,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         raise SystemExit("--repeats must be at least 1")
     if args.mode == "convoy" and args.workload != "convoy":
         raise SystemExit("--mode convoy runs the convoy workload (--workload convoy)")
-    if args.mode == "throughput" and args.workload == "convoy":
-        raise SystemExit("the convoy workload needs arrival times: use --mode convoy")
+    if args.mode != "convoy" and args.workload == "convoy":
+        raise SystemExit("the convoy workload needs the convoy's metrics: use --mode convoy")
+    if args.mode != "served" and (args.max_concurrency is not None or args.vllm_client):
+        raise SystemExit("--max-concurrency and --vllm-client apply to --mode served")
     try:
         version = check_vllm(args.vllm_python)
     except PeerError as e:
@@ -160,6 +205,11 @@ def run_from_args(args: argparse.Namespace) -> int:
             f"{len(too_long)} request(s) need more than --max-model-len {args.max_model_len} tokens "
             f"(prompt + output); raise it or shorten the workload"
         )
+    if args.mode == "served" and args.vllm_client:
+        try:
+            vllm_random_shape(first)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     _log(f"workload: {describe(first)}; {args.repeats} repeat(s), a fresh seed each")
     # Kept afterwards: it holds the engines' logs, which are what one reads when a ratio looks wrong.
     workdir = Path(tempfile.mkdtemp(prefix="chunkwise-peer-"))
@@ -169,16 +219,34 @@ def run_from_args(args: argparse.Namespace) -> int:
         report = compare_throughput(
             make_workload, dtypes, args.repeats, process_workers(settings, workdir, _log), workdir, _log
         )
-    else:
+    elif args.mode == "convoy":
         report = compare_convoy(
             make_workload,
             dtypes,
             args.repeats,
             args.long_len,
             process_servers(settings, workdir, _log),
-            http_serve(not args.no_progress),
+            http_serve(not args.no_progress, args.long_len),
             _log,
         )
+    else:
+        if args.vllm_client:
+            client = vllm_client(
+                settings, workdir, args.max_concurrency, args.seed, not args.no_progress, _log
+            )
+        else:
+            client = http_served(not args.no_progress, args.max_concurrency)
+        report = compare_served(
+            make_workload,
+            dtypes,
+            args.repeats,
+            process_servers(settings, workdir, _log),
+            client,
+            http_warm_up(),
+            _log,
+        )
+        report.info["client"] = "vllm bench serve" if args.vllm_client else "chunkwise.bench.serve"
+        report.info["max_concurrency"] = args.max_concurrency
     report.info.update(
         {
             "model": settings.model,
