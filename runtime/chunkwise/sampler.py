@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from chunkwise.kernels import argmax
+from chunkwise.kernels import argmax, exponential_race, exponential_race_available
 from chunkwise.sampling_params import SamplingParams
 
 
@@ -281,6 +281,9 @@ class Sampler:
         greedy = (batch.temperature == 0.0) | (batch.top_k == 1)
         # Greedy rows take the argmax below; a stand-in temperature keeps their throwaway sample finite.
         temperature = torch.where(greedy, 1.0, batch.temperature).unsqueeze(1)
+        if exponential_race_available(logits):
+            sampled = Sampler._race_on_cpu(logits, temperature, batch)
+            return torch.where(greedy, argmax(logits), sampled)
         # Shifting by the row max first keeps a tiny temperature from overflowing to inf (inf - inf = nan).
         scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
         if batch.any_top_k_or_p:
@@ -296,3 +299,17 @@ class Sampler:
         q.clamp_(min=torch.finfo(q.dtype).tiny)
         sampled = argmax(probs / q)
         return torch.where(greedy, argmax(logits), sampled)
+
+    @staticmethod
+    def _race_on_cpu(logits: Tensor, temperature: Tensor, batch: SamplingBatch) -> Tensor:
+        """The same race in one kernel pass (kernels.exponential_race): its uniforms come from a seed per
+        row, drawn from the row's own generator when it has one, else from torch's global one."""
+        seeds = torch.randint(0, 1 << 62, (logits.shape[0],), dtype=torch.int64)
+        for row, generator in enumerate(batch.generators):
+            if generator is not None:
+                seeds[row] = int(torch.randint(0, 1 << 62, (1,), generator=generator))
+        if batch.any_top_k_or_p:
+            scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+            scaled = apply_top_k_top_p(scaled, batch.top_k, batch.top_p)
+            return exponential_race(scaled, torch.ones(logits.shape[0]), seeds)
+        return exponential_race(logits, temperature.squeeze(1).reciprocal(), seeds)

@@ -228,3 +228,30 @@ def test_avx512_builds_target_avx512_with_bf16_and_the_isa_override_never_builds
     # Asked below it: an AVX2 build on an AVX-512 machine, as a real AVX2 CPU gets.
     assert kernels_for("avx2", "amx") == ("avx2", kernels.AVX2_FLAGS)
     assert kernels_for("aarch64", "aarch64") == ("aarch64", [])
+
+
+@pytest.mark.parametrize("vocab", [5, 17, 40])
+def test_exponential_race_draws_from_the_softmax_of_the_scaled_row(vocab):
+    """Token frequencies over many rows (one seed each) against softmax(x / T), by chi-square at p = 0.001;
+    -inf tokens never drawn; the same seed draws the same token, wherever its row sits."""
+    gen = torch.Generator().manual_seed(vocab)
+    row = torch.randn(vocab, generator=gen) * 1.5
+    row[vocab // 2] = float("-inf")
+    rows = 60000
+    x = row.expand(rows, vocab).contiguous()
+    seeds = torch.randint(0, 1 << 62, (rows,), generator=gen)
+    for temperature in (1.0, 0.5, 3.0):
+        tokens = kernels.exponential_race(x, torch.full((rows,), 1 / temperature), seeds)
+        counts = torch.bincount(tokens, minlength=vocab).double()
+        assert counts[vocab // 2] == 0
+        probs = (row.double() / temperature).softmax(-1)
+        keep = probs > 0
+        expected = probs[keep] * rows
+        chi2 = float(((counts[keep] - expected) ** 2 / expected).sum())
+        # The 0.001 critical value of chi-square grows about as df + 3.1 sqrt(df) + 6 up to df = 40.
+        df = int(keep.sum()) - 1
+        assert chi2 < df + 3.1 * df**0.5 + 6, (temperature, chi2, df)
+    again = kernels.exponential_race(x[:50].flip(0), torch.ones(50), seeds[:50].flip(0))
+    assert torch.equal(again.flip(0), kernels.exponential_race(x[:50], torch.ones(50), seeds[:50]))
+    # Different seeds do not all agree (the hash is not constant).
+    assert len(set(kernels.exponential_race(x[:200], torch.ones(200), seeds[:200]).tolist())) > 2

@@ -26,6 +26,14 @@ CPU = torch.device("cpu")
 CHI2_CRITICAL_0_001 = {3: 16.266, 5: 20.515}
 
 
+@pytest.fixture(autouse=True, params=["kernel", "torch"])
+def race(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs both samplers of random rows: the CPU kernel's race and torch's (what CUDA runs)."""
+    if request.param == "torch":
+        monkeypatch.setattr("chunkwise.sampler.exponential_race_available", lambda x: False)
+    return str(request.param)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_default_rng() -> Iterator[None]:
     # Unseeded rows draw from the global generator: pin it so every test is deterministic, and restore it.

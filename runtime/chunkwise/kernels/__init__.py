@@ -209,6 +209,26 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+def exponential_race_available(x: torch.Tensor) -> bool:
+    """Whether exponential_race runs for logits like `x` (CPU float32 rows, and the kernels load)."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and available()
+
+
+def exponential_race(x: torch.Tensor, inv_temperature: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """One token per row of `x` [rows, vocab], drawn from softmax(x * inv_temperature[row]) by the
+    exponential race with uniforms hashed from seeds[row] (int64): the same seed and row give the same token.
+    CPU only (exponential_race_available)."""
+    if x.shape[0] == 0:
+        return torch.empty(0, dtype=torch.int64)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    torch.ops.chunkwise.exponential_race(
+        out, x, inv_temperature.to(torch.float32).contiguous(), seeds.to(torch.int64).contiguous()
+    )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     force = "--force" in (argv if argv is not None else sys.argv[1:])

@@ -668,6 +668,98 @@ void argmax_rows(at::Tensor out, const at::Tensor& x) {
   });
 }
 
+// ---- sampling: the exponential race over each row ------------------------------------------------------
+// out[r] = argmax_i exp((x[r,i] - max_r x[r]) * inv_t[r]) / E_ri, E_ri = -log(U_ri): the index of the smallest
+// Exp(1) arrival scaled by each token's weight, which is token i with probability softmax(x[r] * inv_t[r])_i.
+// No softmax, no normalisation and no stored noise: the uniforms U_ri are a counter-based hash of (seeds[r], i)
+// made on the fly, so a row's draw depends on its own seed only. torch's exponential_ alone took three quarters
+// of a served step's sampling (a scalar Mersenne twister and a log per element); this is one pass of vector
+// arithmetic after the row max. -inf (a token cut by top-k/top-p or a grammar) weighs exactly 0.
+
+// Chris Wellons' lowbias32 integer hash, W lanes at once.
+inline vu hash32(vu x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// log(x) for positive normal x, Cephes' logf (relative error about 1e-7), W lanes at once.
+inline vf vlog(vf x) {
+  const vi bits = (vi)x;
+  vi e = ((bits >> 23) & 0xff) - 126;
+  vf m = (vf)((bits & static_cast<int32_t>(0x807fffffu)) | 0x3f000000);  // in [0.5, 1)
+  const vi small = m < 0.707106781186547524f;
+  e -= small & 1;
+  m = (small ? m + m : m) - 1.0f;
+  const vf z = m * m;
+  vf y = splat(7.0376836292E-2f);
+  y = y * m - 1.1514610310E-1f;
+  y = y * m + 1.1676998740E-1f;
+  y = y * m - 1.2420140846E-1f;
+  y = y * m + 1.4249322787E-1f;
+  y = y * m - 1.6668057665E-1f;
+  y = y * m + 2.0000714765E-1f;
+  y = y * m - 2.4999993993E-1f;
+  y = y * m + 3.3333331174E-1f;
+  y = y * m * z;
+  const vf ef = __builtin_convertvector(e, vf);
+  y += ef * -2.12194440e-4f;
+  y -= z * 0.5f;
+  return m + y + ef * 0.693359375f;
+}
+
+void exponential_race(at::Tensor out, const at::Tensor& x, const at::Tensor& inv_temperature,
+                      const at::Tensor& seeds) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(n > 0, "chunkwise::exponential_race: empty rows");
+  const float* xp = x.const_data_ptr<float>();
+  const float* tp = inv_temperature.const_data_ptr<float>();
+  const int64_t* sp = seeds.const_data_ptr<int64_t>();
+  int64_t* op = out.mutable_data_ptr<int64_t>();
+  const int64_t xs = x.stride(0);
+  vi lane_ids;
+  for (int i = 0; i < W; ++i) lane_ids[i] = i;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* p = xp + r * xs;
+      vf mv = splat(-INFINITY);
+      int64_t j = 0;
+      for (; j + W <= n; j += W) mv = vmax(mv, vload<float>(p + j));
+      float m = -INFINITY;
+      for (int i = 0; i < W; ++i) m = std::max(m, mv[i]);
+      for (; j < n; ++j) m = std::max(m, p[j]);
+      const float inv_t = tp[r];
+      const uint64_t seed = static_cast<uint64_t>(sp[r]);
+      const uint32_t k1 = static_cast<uint32_t>(seed), k2 = static_cast<uint32_t>(seed >> 32);
+      vf best = splat(-1.0f);
+      vi where = lane_ids, idx = lane_ids;
+      for (j = 0; j < n; j += W) {
+        const int64_t left = n - j;
+        const vf v = left >= W ? vload<float>(p + j) : vload_part<float>(p + j, left);
+        const vu h = hash32(hash32((vu)idx + k1) ^ k2);
+        const vf u = (__builtin_convertvector((vi)(h >> 8), vf) + 0.5f) * (1.0f / 16777216.0f);  // (0, 1)
+        const vf weight = vexp((v - m) * inv_t);
+        vf score = weight / -vlog(u);
+        // Cut tokens (-inf) and the lanes past the row's end never win.
+        const vi out_of_row = idx >= static_cast<int32_t>(n);
+        score = (v == -INFINITY) | out_of_row ? splat(-1.0f) : score;
+        const vi gt = score > best;
+        best = gt ? score : best;
+        where = gt ? idx : where;
+        idx += W;
+      }
+      float bv = -2.0f;
+      int64_t bi = 0;
+      for (int i = 0; i < W; ++i)
+        if (best[i] > bv || (best[i] == bv && where[i] < bi)) bv = best[i], bi = where[i];
+      op[r] = bi;
+    }
+  });
+}
+
 // ---- a linear layer over a few rows ---------------------------------------------------------------------
 // out [M, N] = x [M, K] . W [N, K]^T (+ bias), fp32, W in Hugging Face's row-major layout.
 // At decode's few rows a linear layer is a stream over its weight. oneDNN's GEMMs, tuned for many rows, reach
@@ -818,6 +910,7 @@ TORCH_LIBRARY(chunkwise, m) {
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("linear_small_m(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
   m.def("argmax(Tensor(a!) out, Tensor x) -> ()");
+  m.def("exponential_race(Tensor(a!) out, Tensor x, Tensor inv_temperature, Tensor seeds) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(chunkwise, CPU, m) {
@@ -827,4 +920,5 @@ TORCH_LIBRARY_IMPL(chunkwise, CPU, m) {
   m.impl("silu_and_mul", TORCH_FN(silu_and_mul));
   m.impl("linear_small_m", TORCH_FN(linear_small_m));
   m.impl("argmax", TORCH_FN(argmax_rows));
+  m.impl("exponential_race", TORCH_FN(exponential_race));
 }
