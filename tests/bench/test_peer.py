@@ -580,7 +580,7 @@ def test_served_figures_refuse_lost_requests_and_lost_tokens() -> None:
 
 
 def test_vllm_bench_command_has_the_workloads_shape_and_refuses_one_it_cannot_send(tmp_path: Path) -> None:
-    cmd = vllm_bench_command("py", "http://h:1", "/m", _random(0), 4, 7, tmp_path, "r.json")
+    cmd = vllm_bench_command("py", "http://h:1", "/m", _random(0), 4, 7, tmp_path, "r.json", temperature=0.0)
     assert cmd[:3] == ["py", "-c", peer.VLLM_BENCH_WRAPPER]
     flags = " ".join(cmd[3:])
     for want in (
@@ -592,6 +592,10 @@ def test_vllm_bench_command_has_the_workloads_shape_and_refuses_one_it_cannot_se
         "--disable-tqdm",
     ):
         assert want in flags
+    # Sampled unless told: what both servers do when a client sends no temperature.
+    assert "--temperature 1 " in " ".join(
+        vllm_bench_command("py", "u", "/m", _random(0), 4, 7, tmp_path, "r")
+    )
     assert vllm_random_shape(_random(0)) == (16, 8)
     with pytest.raises(ValueError, match="one length"):
         vllm_random_shape([*_random(0), WorkItem((5, 6), 8)])

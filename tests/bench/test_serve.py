@@ -272,3 +272,18 @@ def test_a_cut_run_ends_once_the_watched_requests_have_a_first_token(scripted: S
         time.sleep(0.01)
     assert scripted.in_flight == 0 and scripted.disconnected >= 3
     assert result.report()["cut"] >= 3
+
+
+def test_the_request_body_carries_the_workloads_length_and_the_asked_temperature() -> None:
+    from chunkwise.bench.serve import payload
+
+    item = WorkItem((3, 4, 5), 7)
+    body = payload(item, "m")
+    assert (body["prompt"], body["max_tokens"], body["temperature"], body["ignore_eos"]) == (
+        [3, 4, 5],
+        7,
+        0.0,
+        True,
+    )
+    assert payload(item, "m", temperature=1.0)["temperature"] == 1.0
+    assert "ignore_eos" not in payload(item, "m", ignore_eos=False)

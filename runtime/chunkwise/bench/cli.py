@@ -205,6 +205,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         help="served mode: most requests the client keeps in flight, as vllm bench serve's (64)",
     )
     vl.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="served mode: the requests' temperature (1.0: what both servers use when a client sends none, "
+        "as vllm bench serve sends none unless told; 0 for greedy)",
+    )
+    vl.add_argument(
         "--vllm-client",
         action="store_true",
         help="served mode: measure each server with vLLM's own `vllm bench serve` (under --vllm-python, "

@@ -53,14 +53,14 @@ def _base(url: str) -> str:
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
-def payload(item: WorkItem, model: str, ignore_eos: bool = True) -> dict[str, Any]:
+def payload(item: WorkItem, model: str, ignore_eos: bool = True, temperature: float = 0.0) -> dict[str, Any]:
     """The request body. A hidden target length cannot be hidden from an HTTP server: it is sent as
     max_tokens (with EOS ignored, so the output has exactly the workload's length)."""
     body: dict[str, Any] = {
         "model": model,
         "prompt": list(item.prompt_token_ids) if item.prompt_token_ids is not None else item.prompt,
         "max_tokens": item.output_len,
-        "temperature": 0.0,
+        "temperature": temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -199,6 +199,7 @@ async def run_serve_async(
     max_concurrency: int | None = None,
     timeout_s: float = 600.0,
     ignore_eos: bool = True,
+    temperature: float = 0.0,
     scrape_metrics: bool = True,
     progress: bool = True,
     name: str = "serve",
@@ -237,7 +238,7 @@ async def run_serve_async(
                 delay = items[i].arrival_s - (time.perf_counter() - t0)
                 if delay > 0:
                     await asyncio.sleep(delay)
-                body = payload(items[i], model, ignore_eos)
+                body = payload(items[i], model, ignore_eos, temperature)
                 if sem is None:
                     await _one(client, url, body, records[i], t0, on_chunk(i))
                 else:

@@ -69,6 +69,8 @@ MODE_DEFAULTS: dict[str, dict[str, Any]] = {
         "max_model_len": 2048,
         "max_num_seqs": 64,
         "max_concurrency": 64,
+        # Sampled, as both servers do when a client sends no temperature (vllm bench serve sends none).
+        "temperature": 1.0,
     },
 }
 
@@ -161,8 +163,12 @@ def run_from_args(args: argparse.Namespace) -> int:
         raise SystemExit("--mode convoy runs the convoy workload (--workload convoy)")
     if args.mode != "convoy" and args.workload == "convoy":
         raise SystemExit("the convoy workload needs the convoy's metrics: use --mode convoy")
-    if args.mode != "served" and (args.max_concurrency is not None or args.vllm_client):
-        raise SystemExit("--max-concurrency and --vllm-client apply to --mode served")
+    if args.mode != "served" and (
+        args.max_concurrency is not None or args.vllm_client or args.temperature is not None
+    ):
+        raise SystemExit("--max-concurrency, --temperature and --vllm-client apply to --mode served")
+    if args.mode == "served" and args.temperature is not None and args.temperature < 0:
+        raise SystemExit(f"--temperature must be at least 0, got {args.temperature}")
     try:
         version = check_vllm(args.vllm_python)
     except PeerError as e:
@@ -232,10 +238,16 @@ def run_from_args(args: argparse.Namespace) -> int:
     else:
         if args.vllm_client:
             client = vllm_client(
-                settings, workdir, args.max_concurrency, args.seed, not args.no_progress, _log
+                settings,
+                workdir,
+                args.max_concurrency,
+                args.seed,
+                not args.no_progress,
+                _log,
+                temperature=args.temperature,
             )
         else:
-            client = http_served(not args.no_progress, args.max_concurrency)
+            client = http_served(not args.no_progress, args.max_concurrency, temperature=args.temperature)
         report = compare_served(
             make_workload,
             dtypes,
@@ -247,6 +259,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         )
         report.info["client"] = "vllm bench serve" if args.vllm_client else "chunkwise.bench.serve"
         report.info["max_concurrency"] = args.max_concurrency
+        report.info["temperature"] = args.temperature
     report.info.update(
         {
             "model": settings.model,

@@ -18,7 +18,7 @@ sys.argv[1:]; from vllm.entrypoints.cli.main import main; main()' \
         --backend openai --base-url http://127.0.0.1:PORT --endpoint /v1/completions \
         --model MODEL_DIR --served-model-name bench --tokenizer MODEL_DIR \
         --dataset-name random --random-input-len 256 --random-output-len 128 --num-prompts 400 \
-        --max-concurrency 64 --ignore-eos --temperature 0 --seed 0 \
+        --max-concurrency 64 --ignore-eos --temperature 1 --seed 0 \
         --percentile-metrics ttft,tpot,itl --metric-percentiles 50,99 \
         --save-result --result-dir DIR --result-filename run.json
 
@@ -94,7 +94,7 @@ def served_figures(report: dict[str, Any], items: Sequence[WorkItem], name: str)
 
 
 # -- the clients ----------------------------------------------------------------------------------------------
-def http_served(progress: bool, max_concurrency: int) -> ServedFn:
+def http_served(progress: bool, max_concurrency: int, temperature: float = 1.0) -> ServedFn:
     """chunkwise's streaming client, at most `max_concurrency` requests in flight."""
 
     def serve(url: str, items: Sequence[WorkItem], rep: int, name: str) -> dict[str, Any]:
@@ -106,6 +106,7 @@ def http_served(progress: bool, max_concurrency: int) -> ServedFn:
             items,
             model=SERVED_MODEL_NAME,
             max_concurrency=max_concurrency,
+            temperature=temperature,
             progress=progress,
             name=name,
             scrape_metrics=False,
@@ -151,6 +152,7 @@ def vllm_bench_command(
     result_dir: Path,
     result_name: str,
     progress: bool = False,
+    temperature: float = 1.0,
 ) -> list[str]:
     """`vllm bench serve` (through VLLM_BENCH_WRAPPER) with the shape of `items`, saving its result JSON to
     result_dir/result_name."""
@@ -161,7 +163,7 @@ def vllm_bench_command(
         *("--model", model, "--served-model-name", SERVED_MODEL_NAME, "--tokenizer", model),
         *("--dataset-name", "random", "--random-input-len", str(input_len)),
         *("--random-output-len", str(output_len), "--num-prompts", str(len(items))),
-        *("--max-concurrency", str(max_concurrency), "--ignore-eos", "--temperature", "0"),
+        *("--max-concurrency", str(max_concurrency), "--ignore-eos", "--temperature", f"{temperature:g}"),
         *("--seed", str(seed)),
         *("--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99"),
         *("--save-result", "--result-dir", str(result_dir), "--result-filename", result_name),
@@ -178,6 +180,7 @@ def vllm_client(
     seed: int,
     progress: bool,
     log: Callable[[str], None],
+    temperature: float = 1.0,
 ) -> ServedFn:
     """vLLM's own client under --vllm-python: its result JSON's figures, and its log beside the engines'."""
 
@@ -195,6 +198,7 @@ def vllm_client(
             workdir,
             result.name,
             progress,
+            temperature,
         )
         log(f"  vllm bench serve against {url}; its log: {log_path}")
         with open(log_path, "wb") as out:
