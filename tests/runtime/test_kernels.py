@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from chunkwise import kernels
-from chunkwise.model.layers import SMALL_M_ROWS, Linear, Rope, RotaryEmbedding, small_m_rows
+from chunkwise.model.layers import SMALL_M_ROWS, Linear, Rope, RotaryEmbedding
 
 # Its expectations depend on the CPU's choices: `make test` runs it again under each CHUNKWISE_CPU_ISA.
 pytestmark = pytest.mark.isa
@@ -102,9 +102,11 @@ def test_linear_small_m_matches_torch_at_every_row_count_of_its_tiles(k, n):
 
 def test_linear_runs_the_small_row_kernel_up_to_its_rows_and_onednn_past_them(monkeypatch):
     """Both paths of a prepared fp32 Linear compute F.linear; which one ran is seen by counting the kernel's
-    calls (the op is looked up at call time, so a counting wrapper stands in for it)."""
+    calls (the op is looked up at call time, so a counting wrapper stands in for it). An AVX2 CPU's choice,
+    pinned so it runs on any x86 build (with AVX-512 the weight is packed for oneDNN instead)."""
     if kernels.isa() not in ("avx2", "avx512"):
         pytest.skip(f"the small-row kernel runs on x86 builds only (this build: {kernels.isa()})")
+    monkeypatch.setattr("chunkwise.model.layers.cpu_has_avx512", lambda: False)
     torch.manual_seed(0)
     layer = Linear(96, 200, bias=True)
     with torch.no_grad():
@@ -122,7 +124,7 @@ def test_linear_runs_the_small_row_kernel_up_to_its_rows_and_onednn_past_them(mo
             return real(*args)
 
     monkeypatch.setattr(torch.ops, "chunkwise", CountingOps())
-    bound = small_m_rows()
+    bound = SMALL_M_ROWS
     for m in (1, bound, bound + 1, 300):
         x = torch.randn(m, 96)
         torch.testing.assert_close(layer(x), F.linear(x, want_w, want_b), atol=1e-4, rtol=1e-5)
@@ -255,3 +257,24 @@ def test_exponential_race_draws_from_the_softmax_of_the_scaled_row(vocab):
     assert torch.equal(again.flip(0), kernels.exponential_race(x[:50], torch.ones(50), seeds[:50]))
     # Different seeds do not all agree (the hash is not constant).
     assert len(set(kernels.exponential_race(x[:200], torch.ones(200), seeds[:200]).tolist())) > 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_packed_linear_computes_f_linear_at_every_row_count(monkeypatch, dtype):
+    """With AVX-512 (pinned here, so this runs on any CPU) fp32 and bf16 weights go to oneDNN's layout."""
+    monkeypatch.setattr("chunkwise.model.layers.cpu_has_avx512", lambda: True)
+    torch.manual_seed(0)
+    layer = Linear(96, 200, bias=True)
+    with torch.no_grad():
+        layer.weight.normal_()
+        layer.bias.normal_()
+    layer.to(dtype)
+    want_w, want_b = layer.weight.detach().clone(), layer.bias.detach().clone()
+    layer.prepare(widen_half_on_cpu=False)
+    assert layer.kernel == "onednn-packed" and layer.weight.is_mkldnn
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for m in (0, 1, 3, 64, 300):
+        x = torch.randn(m, 96).to(dtype)
+        got = layer(x)
+        assert got.dtype == dtype and got.shape == (m, 200)
+        torch.testing.assert_close(got, F.linear(x, want_w, want_b), atol=tol * 10, rtol=tol)

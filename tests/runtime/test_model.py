@@ -25,6 +25,7 @@ from chunkwise.model import PRESETS, LoadedModel, load_model
 from chunkwise.model.layers import Linear
 from chunkwise.model.llama import LlamaForCausalLM as ChunkwiseLlama
 from chunkwise.model.loader import hf_state_dict
+from chunkwise.platform import cpu_has_avx512
 from chunkwise.tokenizer import ByteTokenizer
 
 # Its expectations depend on the CPU's choices: `make test` runs it again under each CHUNKWISE_CPU_ISA.
@@ -320,10 +321,10 @@ def test_prepared_model_computes_what_the_plain_one_does(dtype, widen):
     fast = load_model("small", dtype=dtype, device="cpu", backend=backend, prepare=False)
     fast.model.prepare(widen_half_on_cpu=widen)
     kernels = {m.kernel for m in fast.model.modules() if isinstance(m, Linear)}
-    # float32 always, bf16 when widened. The small-row kernel on x86 builds.
+    # float32 always, bf16 when widened: packed for oneDNN with AVX-512, else the small-row kernel on x86.
     expected = "small-m+onednn" if chunkwise_kernels.isa() in ("avx2", "avx512") else "onednn"
-    if dtype != torch.float32 and not widen:
-        expected = "onednn-packed"  # bf16 kept: oneDNN over its own layout of the weight
+    if cpu_has_avx512() or (dtype != torch.float32 and not widen):
+        expected = "onednn-packed"  # oneDNN over its own layout of the weight
     assert kernels == {expected}, kernels
     got, want = _two_step_logits(fast, dtype), _two_step_logits(plain, dtype)
     if dtype == torch.float32:

@@ -32,16 +32,11 @@ def cpu_kernels_for(t: torch.Tensor) -> bool:
     return kernels.available()
 
 
-# Up to this many rows a linear layer runs chunkwise's small-row kernel, past it oneDNN, over the same weight:
-# where the two cross on an AVX2 CPU (bench/cpu/linear_small_m.py: the kernel 2.75x oneDNN over the same weight
-# at 4 rows, 1.06x at 64, 0.98x at 96). Where oneDNN has AVX-512 (twice the FLOPs per cycle; not measured) the kernel keeps only
-# the rows where a step is bound by reading the weight, not by arithmetic.
+# Up to this many rows an fp32 linear layer on an AVX2 CPU runs chunkwise's small-row kernel, past it oneDNN,
+# over the same weight: where the two cross there (bench/cpu/linear_small_m.py: the kernel 2.75x oneDNN over
+# the same weight at 4 rows, 1.06x at 64, 0.98x at 96). With AVX-512 oneDNN's packed layout wins at every
+# row count instead (same script on an AVX-512 EPYC: 1.05-1.5x the kernel from 1 to 256 rows).
 SMALL_M_ROWS = 64
-SMALL_M_ROWS_AVX512 = 4
-
-
-def small_m_rows() -> int:
-    return SMALL_M_ROWS_AVX512 if cpu_has_avx512() else SMALL_M_ROWS
 
 
 def _onednn_available() -> bool:
@@ -62,22 +57,22 @@ class Linear(nn.Module):
     """y = x W^T (+ b), weight [out_features, in_features] as in nn.Linear and Hugging Face checkpoints.
 
     `prepare()` picks the kernel once the weights are final:
-    - CPU, float32: the weight stays in Hugging Face's row-major layout, one copy (a tied LM head shares the
-      embedding's). Up to small_m_rows() rows (decode), chunkwise's small-row kernel streams it once per
-      tile of rows; past that (prefill chunks), oneDNN's GEMM. A copy prepacked for oneDNN would be 1-9%
-      faster at a prefill chunk's rows and 2.5x slower at decode's few (bench/cpu/linear_small_m.py), and
-      a second copy of every weight is not worth the difference.
-    - CPU, bfloat16/float16 without hardware support for them (cpu_has_bf16_matmul() is False): torch's
-      half-precision matmul is a scalar fallback (5 GFLOP/s here). The weight, already rounded to the half
+    - CPU with AVX-512 (cpu_has_avx512()), float32 or bfloat16: the weight is reordered once into oneDNN's
+      blocked layout and replaces the plain one (a tied LM head gets its own packed copy; the embedding
+      keeps the plain one). Measured on an AVX-512-BF16 EPYC over the benchmark model's weights: bf16
+      1.3-2.2x F.linear at decode's rows (bench/cpu/linear_bf16.py), 2.3x on its LM head at one row, even
+      at 1,024; fp32 1.05-1.6x the plain layout and the small-row kernel from 1 to 256 rows
+      (bench/cpu/linear_small_m.py). Issue 29's figures on an AMX Xeon: bf16 1.9-2.3x at decode.
+    - CPU with AVX2 only, float32: the weight stays in Hugging Face's row-major layout, one copy (a tied LM
+      head shares the embedding's). Up to SMALL_M_ROWS rows (decode), chunkwise's small-row kernel streams
+      it once per tile of rows; past that (prefill chunks), oneDNN's GEMM. A copy prepacked for oneDNN was
+      1-9% faster at a prefill chunk's rows there and 2.5x slower at decode's few.
+    - CPU, bfloat16/float16 without bf16 units (cpu_has_bf16_matmul() is False): torch's half-precision
+      matmul is a scalar fallback (5 GFLOP/s on an AVX2 EPYC). The weight, already rounded to the half
       dtype by loading, is kept as float32 and the input is widened per call: the same numbers as a bf16
       GEMM with fp32 accumulation (bf16 products are exact in fp32), at float32 speed, for twice the
       half-precision weight memory. The output is rounded back to the half dtype.
-    - CPU, bfloat16 with bf16 units (cpu_has_bf16_matmul()): the weight is reordered once into oneDNN's
-      blocked layout and replaces the plain one (a tied LM head gets its own packed copy; the embedding
-      keeps the plain one). Measured on an AVX-512-BF16 EPYC (bench/cpu/linear_bf16.py): 1.3-2.2x F.linear
-      at decode's rows over the benchmark model's weights, 2.3x on its LM head at one row, even at 1,024
-      rows; the issue-29 figures on an AMX Xeon show the same, 1.9-2.3x at decode.
-    - CPU float16, CUDA, or no oneDNN: F.linear as it is.
+    - CPU float16 with bf16 units, CUDA, or no oneDNN: F.linear as it is.
     """
 
     def __init__(
@@ -96,55 +91,54 @@ class Linear(nn.Module):
         self.stacked = stacked
         self.weight: torch.Tensor = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        # "torch", "onednn", "small-m+onednn" (the small-row kernel up to small_m_rows() rows, fp32), or
-        # "onednn-packed" (bf16, the weight in oneDNN's layout).
+        # "torch", "onednn", "small-m+onednn" (fp32: the small-row kernel up to SMALL_M_ROWS rows), or
+        # "onednn-packed" (the weight in oneDNN's layout).
         self.kernel = "torch"
         self._out_dtype: torch.dtype | None = None
-        self._small_m_rows = 0
+        # Half-precision weights held as fp32 (a CPU without bf16 units): inputs widened, outputs narrowed.
+        self._widen = False
 
     def prepare(self, widen_half_on_cpu: bool) -> None:
-        w = self.weight
+        w = self.weight.detach()
         if w.device.type != "cpu" or not _onednn_available():
             return
-        if w.dtype == torch.bfloat16 and not widen_half_on_cpu:
-            configure_onednn()
-            # An opaque oneDNN tensor: only _linear_pointwise reads it (the plain copy is dropped).
-            self.weight = nn.Parameter(
-                torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous()), requires_grad=False
-            )
-            self.kernel = "onednn-packed"
-            return
-        if w.dtype != torch.float32 and not widen_half_on_cpu:
+        self._widen = w.dtype != torch.float32 and widen_half_on_cpu
+        if w.dtype == torch.float16 and not self._widen:
             return
         configure_onednn()
         self._out_dtype = w.dtype
-        w32 = w.detach().float().contiguous()
-        if w32.data_ptr() != w.data_ptr():  # widened: a new fp32 tensor
-            self.weight = nn.Parameter(w32, requires_grad=False)
-        if self.bias is not None and self.bias.dtype != torch.float32:
-            self.bias = nn.Parameter(self.bias.detach().float(), requires_grad=False)
-        self.kernel = "small-m+onednn" if _small_m_kernel_for(w32) else "onednn"
-        self._small_m_rows = small_m_rows()
+        if self._widen:
+            w = w.float()
+            if self.bias is not None:
+                self.bias = nn.Parameter(self.bias.detach().float(), requires_grad=False)
+        if w.dtype == torch.bfloat16 or cpu_has_avx512():
+            # An opaque oneDNN tensor: only _linear_pointwise reads it (the plain copy is dropped).
+            self.weight = nn.Parameter(
+                torch.ops.mkldnn._reorder_linear_weight(w.contiguous()), requires_grad=False
+            )
+            self.kernel = "onednn-packed"
+            return
+        if self._widen:
+            self.weight = nn.Parameter(w.contiguous(), requires_grad=False)
+        self.kernel = "small-m+onednn" if _small_m_kernel_for(w) else "onednn"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "torch":
             return F.linear(x, self.weight, self.bias)
-        if self.kernel == "onednn-packed":
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        x32 = x.float()
-        if x32.shape[0] == 0:  # a step whose last layer keeps no rows; oneDNN refuses empty inputs
+        if x.shape[0] == 0:  # a step whose last layer keeps no rows; oneDNN refuses empty inputs
             return x.new_empty(0, self.out_features)
+        xin = x.float() if self._widen else x
         if (
             self.kernel == "small-m+onednn"
-            and x32.dim() == 2
-            and x32.shape[0] <= self._small_m_rows
-            and x32.stride(-1) == 1
+            and xin.dim() == 2
+            and xin.shape[0] <= SMALL_M_ROWS
+            and xin.stride(-1) == 1
         ):
-            y = x32.new_empty(x32.shape[0], self.out_features)
-            torch.ops.chunkwise.linear_small_m(y, x32, self.weight, self.bias)
+            y = xin.new_empty(xin.shape[0], self.out_features)
+            torch.ops.chunkwise.linear_small_m(y, xin, self.weight, self.bias)
         else:
-            y = torch.ops.mkldnn._linear_pointwise(x32, self.weight, self.bias, "none", [], "")
-        return y if self._out_dtype == torch.float32 else y.to(self._out_dtype)
+            y = torch.ops.mkldnn._linear_pointwise(xin, self.weight, self.bias, "none", [], "")
+        return y.to(self._out_dtype) if self._widen else y
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, kernel={self.kernel}"
