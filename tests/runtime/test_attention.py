@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from chunkwise.attention import get_attention_backend
 from chunkwise.attention.backend import AttentionMetadata, kv_cache_shape
@@ -294,3 +295,26 @@ def test_get_attention_backend():
     # Selecting Triton is tested in test_triton_attention.py.
     with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
         get_attention_backend("flash", "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "prefix", "n"), [(8, 2, 1, 7), (4, 4, 300, 100), (6, 2, 64, 513)]
+)
+def test_a_chunk_after_its_prefix_is_the_masked_attention(dtype, heads, kv_heads, prefix, n):
+    """The prefix and the chunk's own triangle, merged by log-sum-exp, against one masked SDPA call."""
+    from chunkwise.attention.cpu_backend import attend_after_prefix
+
+    gen = torch.Generator().manual_seed(prefix + n)
+    q = torch.randn(1, n, heads, 64, generator=gen).to(dtype).transpose(1, 2)  # strided, as the backend's
+    k = torch.randn(1, prefix + n, kv_heads, 64, generator=gen).to(dtype).transpose(1, 2)
+    v = torch.randn(1, prefix + n, kv_heads, 64, generator=gen).to(dtype).transpose(1, 2)
+    ctx = prefix + n
+    mask = torch.arange(ctx)[None, :] <= torch.arange(prefix, ctx)[:, None]
+    want = F.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=mask, scale=0.125, enable_gqa=True
+    )
+    got = attend_after_prefix(q, k, v, prefix, 0.125)
+    assert got.dtype == dtype and got.shape == want.shape
+    tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)

@@ -45,8 +45,8 @@ class PrefillChunk:
     start: int  # first query token in the batch
     num_query: int
     slots: torch.Tensor  # [seq_len] cache slot of every context position
-    # None for a chunk that is its whole context (a fresh prompt): plain causal attention.
-    mask: torch.Tensor | None
+    # Context positions before the chunk (0 for a fresh prompt: plain causal attention).
+    prefix: int
 
 
 @dataclass
@@ -110,12 +110,8 @@ class CpuAttentionBackend:
             plan.block_tables = _int64(meta.block_tables)
         for row, start, n in long:
             seq_len = meta.seq_lens_host[row]
-            mask = None
-            if seq_len != n:
-                pos = torch.arange(seq_len)
-                mask = pos[None, :] <= torch.arange(seq_len - n, seq_len)[:, None]
             plan.prefill.append(
-                PrefillChunk(start, n, context_slots(meta, row, seq_len, meta.block_size), mask)
+                PrefillChunk(start, n, context_slots(meta, row, seq_len, meta.block_size), seq_len - n)
             )
         return plan
 
@@ -168,16 +164,43 @@ class CpuAttentionBackend:
             v = flat[1].index_select(0, c.slots)
             if widen:
                 q, k, v = q.float(), k.float(), v.float()
-            o = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None],
-                k.transpose(0, 1)[None],
-                v.transpose(0, 1)[None],
-                attn_mask=c.mask,
-                is_causal=c.mask is None,
-                scale=scale,
-                enable_gqa=True,
-            )
+            qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+            if c.prefix == 0:
+                o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                o = attend_after_prefix(qh, kh, vh, c.prefix, scale)
             out[c.start : c.start + c.num_query] = o[0].transpose(0, 1).to(out.dtype)
+
+
+def attend_after_prefix(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float
+) -> torch.Tensor:
+    """Causal attention of a chunk whose queries are the last q.shape[2] of the context: q [1, H, n, D],
+    k and v [1, KV, prefix + n, D]. SDPA's causal triangle sits top-left, so one call would need an explicit
+    mask, which makes flash attention score every (query, key) pair and add the mask. Instead: the prefix,
+    which every query sees whole (no mask), and the chunk itself (is_causal, half the square skipped), merged
+    by their log-sum-exps in fp32. 1.2-1.5x the masked call at 1,024-token chunks over 1,024-3,000 tokens of
+    context on an AVX-512 EPYC (bf16 and fp32)."""
+    if _flash_with_lse is None:  # a torch without the op: the masked call
+        n, ctx = q.shape[2], k.shape[2]
+        mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    if k.shape[1] != q.shape[1]:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    o_chunk, lse_chunk = _flash_with_lse(q, k[:, :, prefix:], v[:, :, prefix:], is_causal=True, scale=scale)[
+        :2
+    ]
+    o_prefix, lse_prefix = _flash_with_lse(q, k[:, :, :prefix], v[:, :, :prefix], scale=scale)[:2]
+    top = torch.maximum(lse_chunk, lse_prefix)
+    w_chunk = (lse_chunk - top).exp_().unsqueeze(-1)
+    w_prefix = (lse_prefix - top).exp_().unsqueeze(-1)
+    merged = (o_chunk.float() * w_chunk).add_(o_prefix.float() * w_prefix).div_(w_chunk + w_prefix)
+    return merged.to(q.dtype)
+
+
+# Flash attention that also returns each query's log-sum-exp (what merging two partial results needs).
+_flash_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _int64(t: torch.Tensor) -> torch.Tensor:
