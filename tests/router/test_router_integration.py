@@ -153,7 +153,9 @@ async def test_a_burst_is_spread_not_herded(replicas: list[str], start_router: o
     router = start_router(replicas, "--policy", "predicted-completion")  # type: ignore[operator]
 
     async def one(http: httpx.AsyncClient, i: int) -> str:
-        body = {"model": "tiny", "prompt": f"burst {i} " * 20, "max_tokens": 48, "ignore_eos": True}
+        # Long enough that none finishes while the others are still being picked, even on a loaded machine
+        # (at 48 tokens the first finished before the last was picked once, under two test workers).
+        body = {"model": "tiny", "prompt": f"burst {i} " * 20, "max_tokens": 256, "ignore_eos": True}
         resp = await http.post(router.url + "/v1/completions", json=body)
         assert resp.status_code == 200
         return resp.headers["x-chunkwise-replica"]
