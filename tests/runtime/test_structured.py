@@ -310,3 +310,32 @@ def test_each_of_n_choices_follows_the_grammar_with_its_own_matcher() -> None:
     llm.engine.step()
     grammar = llm.engine.runner.grammar
     assert grammar is not None and len(grammar) == 0
+
+
+def test_an_engine_without_llguidance_serves_plain_requests_and_refuses_structured_ones() -> None:
+    """llguidance is imported on first use: a machine without it (the GPU bench's) loads and generates, and a
+    structured request is refused at admission with the fix, not an ImportError at start-up."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "sys.modules['llguidance'] = None  # import llguidance raises ImportError from here on\n"
+        "from chunkwise.config import engine_config_from_kwargs\n"
+        "from chunkwise.engine import EngineCore\n"
+        "from chunkwise.sampling_params import SamplingParams\n"
+        "from chunkwise.structured.spec import StructuredOutput\n"
+        "core = EngineCore(engine_config_from_kwargs('tiny', max_model_len=64))\n"
+        "core.add_request('a', [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))\n"
+        "while core.has_unfinished():\n"
+        "    core.step()\n"
+        "print('plain ok')\n"
+        "try:\n"
+        "    core.add_request('b', [5], SamplingParams(max_tokens=3, structured=StructuredOutput('regex', 'a+')))\n"
+        "except ValueError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "plain ok" in out.stdout
+    assert "refused: structured outputs need the llguidance package" in out.stdout, out.stdout

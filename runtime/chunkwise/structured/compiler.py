@@ -12,13 +12,13 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
-
-import llguidance
-from llguidance import LLMatcher, LLTokenizer
+from typing import TYPE_CHECKING, Any
 
 from chunkwise.structured.spec import StructuredOutput
 from chunkwise.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher, LLTokenizer
 
 # How JSON is written: one separator and no free whitespace, so a weak (or random) model cannot spend its
 # tokens on blanks, and the output reads like json.dumps's. A schema's own "x-guidance" may override these.
@@ -32,6 +32,19 @@ class StructuredOutputError(ValueError):
 
 class StructuredOutputUnavailable(StructuredOutputError):
     """This engine cannot constrain its output (no tokenizer llguidance can read, no EOS token)."""
+
+
+def llg() -> Any:
+    """llguidance, imported on first use: an engine that never constrains an output (a GPU bench, a machine
+    without the package) loads without it. Missing, it makes structured outputs unavailable, with the fix."""
+    try:
+        import llguidance
+    except ImportError as e:
+        raise StructuredOutputUnavailable(
+            f"structured outputs need the llguidance package, which is not installed ({e}): "
+            "pip install 'llguidance>=1.9,<2'"
+        ) from None
+    return llguidance
 
 
 class _ByteTokens:
@@ -57,12 +70,13 @@ def build_lltokenizer(tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequ
             "structured outputs need an EOS token to end the output where the grammar does; this model has none"
         )
     eos = list(eos_token_ids)
+    llguidance = llg()  # its own message when it is missing
     try:
         if isinstance(tokenizer, ByteTokenizer):
             wrapper = llguidance.TokenizerWrapper(_ByteTokens(max(vocab_size, ByteTokenizer.VOCAB_SIZE)))
-            return LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=eos)
+            return llguidance.LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=eos)
         if isinstance(tokenizer, HFTokenizer):
-            return LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size, eos_token=eos)
+            return llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size, eos_token=eos)
     except Exception as e:  # llguidance refuses some tokenizers (unusual pre-tokenizers, decoders)
         raise StructuredOutputUnavailable(
             f"structured outputs are not available for this model: llguidance cannot read its tokenizer ({e})"
@@ -77,14 +91,14 @@ def grammar_text(spec: StructuredOutput) -> str:
     """The llguidance grammar for a spec (not yet checked)."""
     try:
         if spec.kind == "json":
-            return LLMatcher.grammar_from_json_schema(spec.schema(), defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+            return llg().LLMatcher.grammar_from_json_schema(spec.schema(), defaults=JSON_OPTIONS)
         if spec.kind == "regex":
-            return LLMatcher.grammar_from_regex(spec.spec)
+            return llg().LLMatcher.grammar_from_regex(spec.spec)
         if spec.kind == "choice":
             # Lark string literals are JSON's: json.dumps escapes quotes, backslashes and control characters.
             alternatives = " | ".join(json.dumps(c) for c in spec.choices())
-            return LLMatcher.grammar_from_lark(f"start: {alternatives}\n")
-        return LLMatcher.grammar_from_lark(spec.spec)
+            return llg().LLMatcher.grammar_from_lark(f"start: {alternatives}\n")
+        return llg().LLMatcher.grammar_from_lark(spec.spec)
     except ValueError as e:
         raise StructuredOutputError(f"structured_outputs: invalid {_NAMES[spec.kind]}: {e}") from e
 
@@ -140,10 +154,10 @@ class GrammarCompiler:
         # Compiled outside the lock (llguidance drops the GIL while it builds): two threads compiling the
         # same new spec at once both build it, and one of the two copies is kept.
         grammar = grammar_text(spec)
-        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, lltok)
+        is_error, messages = llg().LLMatcher.validate_grammar_with_warnings(grammar, lltok)
         if is_error:
             raise StructuredOutputError(f"structured_outputs: invalid {_NAMES[spec.kind]}: {messages[0]}")
-        matcher = LLMatcher(lltok, grammar, log_level=0)
+        matcher = llg().LLMatcher(lltok, grammar, log_level=0)
         if matcher.is_error():
             raise StructuredOutputError(
                 f"structured_outputs: invalid {_NAMES[spec.kind]}: {matcher.get_error()}"

@@ -11,15 +11,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import llguidance
 import numpy as np
 import torch
-from llguidance import LLMatcher
 
 from chunkwise.sampler import GrammarMask
-from chunkwise.structured.compiler import GrammarCompiler
+from chunkwise.structured.compiler import GrammarCompiler, llg
 from chunkwise.structured.spec import StructuredOutput
+
+if TYPE_CHECKING:
+    import llguidance
+    from llguidance import LLMatcher
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +85,7 @@ class GrammarState:
         nbytes = self.words * 4
         if len(matchers) > 1:
             if self._executor is None:
-                self._executor = llguidance.LLExecutor()
+                self._executor = llg().LLExecutor()
             self._executor.unsafe_compute_mask_ptr(
                 [(m, j) for j, m in enumerate(matchers)], bits.data_ptr(), nbytes, len(matchers)
             )
