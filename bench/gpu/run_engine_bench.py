@@ -13,7 +13,7 @@ reference eager):
 3. convoy: 32 decoding streams with 8k-token prompts injected, p99 and max inter-token latency of the streams.
 Results go to DIR/engine_bench.json and DIR/engine_bench.md, rewritten after every measurement.
 
-Imports only this repository, torch and triton.
+Imports only this repository, torch and triton (llguidance is imported only by structured outputs).
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ SMOKE = Shape(
     streams=3,
     long_prompt=60,
     num_long=1,
-    budget=32,
+    # Under batch x context, so the prompts of a decode measurement take several steps, as on the GPU.
+    budget=12,
     max_num_seqs=4,
     max_model_len=128,
     kv_bytes=1 << 24,
@@ -187,11 +188,15 @@ class Bench:
 
         s = self.shape
         cfg = engine.loaded.config
-        sp = SamplingParams(max_tokens=s.decode_steps + 4, temperature=0.0, ignore_eos=True)
-        for i in range(batch):
-            engine.add_request(f"dec-{batch}-{i}", [3 + (i + j) % 250 for j in range(s.context)], sp)
+        # Long enough that the first requests are still decoding when the last prompt is prefilled: the
+        # prompts take about batch * context / (budget - batch) steps, during which the early ones decode.
+        prefill_steps = -(-batch * s.context // max(1, s.budget - batch))
+        sp = SamplingParams(max_tokens=prefill_steps + s.decode_steps + 8, temperature=0.0, ignore_eos=True)
+        ids = [f"dec-{batch}-{i}" for i in range(batch)]
+        for i, rid in enumerate(ids):
+            engine.add_request(rid, [3 + (i + j) % 250 for j in range(s.context)], sp)
         times = []
-        while engine.has_unfinished():
+        while engine.has_unfinished() and len(times) < s.decode_steps:
             self.sync()
             t0 = time.perf_counter()
             engine.step()
@@ -199,6 +204,9 @@ class Bench:
             st = engine.last_step
             if st is not None and st.num_prefill_tokens == 0 and st.num_decode_rows == batch:
                 times.append(time.perf_counter() - t0)
+        engine.abort(ids)  # the timed steps are what was wanted; the rest would only take the budget
+        if not times:
+            raise RuntimeError(f"no decode-only step of {batch} rows happened (max_tokens {sp.max_tokens})")
         step_s = statistics.median(times)
         weight_bytes = sum(p.numel() * p.element_size() for p in engine.loaded.model.parameters())
         kv_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
