@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import random
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -152,3 +153,105 @@ def test_steady_decode_steps_visit_only_the_tables_that_grew():
     rows[0].block_table.append(next(next_block))
     stale = batch.fill(rows, decode=decode_step(rows, []))
     assert stale.meta.block_tables[0, len(rows[0].block_table) - 1].item() == 0
+
+
+# -- the copies to the device: no buffer rewritten or dropped before the device has read it ------------------
+
+
+@dataclass
+class LateDevice:
+    """A device that runs behind the host: a copy issued during a fill reads its source only when a fence
+    recorded after it is waited on (or at drain), as a GPU does when no sampling step synchronises. A copy
+    whose source was rewritten in between, or dropped, is an error: the device would have read the next
+    step's values, or freed memory."""
+
+    log: list[tuple[str, int]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    unmarked: list[tuple] = field(default_factory=list)  # copies issued since the last record
+    fences: list[LateFence] = field(default_factory=list)
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        base = t._base if t._base is not None else t
+        # The source's base weakly (the batch's reference is what keeps it alive), and where the view lies.
+        self.unmarked.append((weakref.ref(base), t.storage_offset(), t.size(), t.stride(), t.clone()))
+        return t.clone()
+
+    def run(self, copies: list[tuple]) -> None:
+        for ref, offset, size, stride, issued in copies:
+            base = ref()
+            if base is None:
+                self.errors.append("a copy's source was dropped before the copy ran")
+            elif not torch.equal(base.as_strided(size, stride, offset), issued):
+                self.errors.append("a copy's source was rewritten before the copy ran")
+
+    def drain(self) -> None:
+        for f in self.fences:
+            self.run(f.pending)
+            f.pending = []
+        self.run(self.unmarked)
+        self.unmarked = []
+
+
+class LateFence:
+    def __init__(self, device: LateDevice) -> None:
+        self.device = device
+        self.id = len(device.fences)
+        self.pending: list[tuple] = []
+        device.fences.append(self)
+
+    def record(self) -> None:
+        self.device.log.append(("record", self.id))
+        self.pending += self.device.unmarked
+        self.device.unmarked = []
+
+    def wait(self) -> None:
+        self.device.log.append(("wait", self.id))
+        self.device.run(self.pending)
+        self.pending = []
+
+
+class LateBatch(InputBatch):
+    def __init__(self, device: LateDevice, **sizes: int) -> None:
+        self.late = device
+        super().__init__(device=torch.device("cpu"), fence=lambda: LateFence(device), block_size=4, **sizes)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        self.late.log.append(("copy", len(self.late.fences)))
+        return self.late.copy(t)
+
+
+def test_prompt_only_steps_never_rewrite_a_buffer_the_device_has_not_read():
+    """A long prompt's chunks, step after step with no sampling step to synchronise: each fill's copies still
+    read that fill's values, and the host runs one step ahead (a fill waits on the fill before last only)."""
+    device = LateDevice()
+    batch = LateBatch(device, max_num_tokens=8, max_num_reqs=2, max_blocks_per_req=16)
+    table = list(range(100, 116))
+    for k in range(6):
+        rows = [Row([k * 10 + i for i in range(8)], 8 * k, table, "a")]
+        if k % 2:
+            rows.append(Row([k], k, [7, 8], "b"))  # sizes change from step to step too
+        got = batch.fill(rows)
+        assert got.input_ids.tolist() == rows[0].token_ids + ([k] if k % 2 else [])
+    device.drain()
+    assert device.errors == []
+    events = [e for e in device.log if e[0] != "copy"]
+    # Fence 0 serves fills 0, 2, 4; fence 1 (made at fill 1) fills 1, 3, 5. Each fill waits on its set's
+    # fence, never on the one the fill before it just recorded.
+    assert events == [e for k in range(6) for e in (("wait", k % 2), ("record", k % 2))]
+    copies = [i for i, e in enumerate(device.log) if e[0] == "copy"]
+    records = [i for i, e in enumerate(device.log) if e[0] == "record"]
+    assert len(copies) == 6 * 6 and all(max(copies[6 * k : 6 * k + 6]) < records[k] for k in range(6))
+
+
+def test_a_buffer_regrown_while_its_copies_are_queued_is_dropped_only_after_they_ran():
+    """A step with more tokens and rows than its set holds regrows it: the old buffers go only after the
+    device has read them."""
+    device = LateDevice()
+    batch = LateBatch(device, max_num_tokens=4, max_num_reqs=1, max_blocks_per_req=16)
+    batch.fill([Row([1, 2, 3], 0, [5], "a")])  # set 0
+    batch.fill([Row([4], 3, [5], "a")])  # set 1
+    rows = [Row(list(range(10, 22)), 4, [5, 6, 7, 8], "a"), Row([9, 9], 0, [3], "b")]
+    assert batch.fill(rows).input_ids.tolist() == [*range(10, 22), 9, 9]  # set 0, regrown
+    assert batch.max_num_tokens >= 14 and batch.max_num_reqs >= 2
+    device.drain()
+    assert device.errors == []

@@ -5,12 +5,17 @@ copy to the device is one asynchronous transfer per tensor), with each request's
 persistent row that a step only extends by the blocks added since the last one. Positions and slots are
 computed for the whole step with numpy, not per token in Python. `build_batch` is the same fill into fresh
 buffers, for callers that run a batch once (the draft proposer, tests).
+
+The copies are asynchronous and only a sampling step synchronises, so consecutive prompt-only steps can leave
+the device behind the host: a step's buffers must not be rewritten before the device has read them. There are
+two sets of buffers, used by alternate fills, and a fence (`CopyFence`) recorded after a fill's copies; a fill
+waits on its set's fence before writing into it (or regrowing it), so the host runs up to one step ahead.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -63,6 +68,95 @@ def _host(shape: tuple[int, ...], pin: bool) -> tuple[torch.Tensor, np.ndarray]:
     return t, t.numpy()
 
 
+class CopyFence(Protocol):
+    """Marks the host-to-device copies issued from one set of buffers."""
+
+    def record(self) -> None:
+        """After a fill's copies are issued: mark them (on the stream they were issued on)."""
+        ...
+
+    def wait(self) -> None:
+        """Block the host until the copies last marked have run (at once if none were)."""
+        ...
+
+
+class NoFence:
+    """Nothing to wait for: on the CPU a step's tensors are the buffers' own views and the work synchronous."""
+
+    def record(self) -> None:
+        pass
+
+    def wait(self) -> None:
+        pass
+
+
+class CudaFence:
+    """An event on the device's current stream, the one `.to(device, non_blocking=True)` copies on."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._event = torch.cuda.Event()
+
+    def record(self) -> None:
+        self._event.record(torch.cuda.current_stream(self._device))
+
+    def wait(self) -> None:
+        self._event.synchronize()  # an event never recorded is complete
+
+
+def default_fence(device: torch.device) -> Callable[[], CopyFence]:
+    if device.type == "cuda":
+        return lambda: CudaFence(device)
+    return NoFence
+
+
+class _Buffers:
+    """One set of the host buffers a step is written into and copied to the device from, and the fence of
+    its last copies. Sizes are the set's own: each grows when a step it serves outgrows it."""
+
+    def __init__(
+        self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int, pin: bool, fence: CopyFence
+    ) -> None:
+        self.pin = pin
+        self.max_blocks_per_req = max_blocks_per_req
+        self.fence = fence
+        self.alloc_tokens(max_num_tokens)
+        self.alloc_reqs(max_num_reqs)
+
+    # Called only after fence.wait(): the buffers dropped here are no copy's source any more.
+    def alloc_tokens(self, n: int) -> None:
+        self.view_cache: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
+        self.max_num_tokens = n
+        self.ids_t, self.ids = _host((n,), self.pin)
+        self.pos_t, self.pos = _host((n,), self.pin)
+        self.slots_t, self.slots = _host((n,), self.pin)
+
+    def alloc_reqs(self, n: int) -> None:
+        self.view_cache = {}
+        self.max_num_reqs = n
+        self.qsl_t, self.qsl = _host((n + 1,), self.pin)
+        self.seq_t, self.seq = _host((n,), self.pin)
+        self.bt_t, self.bt = _host((n, self.max_blocks_per_req), self.pin)
+
+    def views(self, n: int, total: int, width: int) -> tuple[torch.Tensor, ...]:
+        # A step's tensors are views of the buffers at its sizes; the steady state repeats the same sizes,
+        # and six slicings a step cost more than the lookup.
+        key = (n, total, width)
+        views = self.view_cache.get(key)
+        if views is None:
+            if len(self.view_cache) >= 64:
+                self.view_cache.clear()
+            views = self.view_cache[key] = (
+                self.qsl_t[: n + 1],
+                self.seq_t[:n],
+                self.bt_t[:n, :width],
+                self.slots_t[:total],
+                self.ids_t[:total],
+                self.pos_t[:total],
+            )
+        return views
+
+
 class InputBatch:
     def __init__(
         self,
@@ -73,6 +167,7 @@ class InputBatch:
         block_size: int,
         device: torch.device,
         sink_block: int | None = None,
+        fence: Callable[[], CopyFence] | None = None,
     ) -> None:
         self.block_size = block_size
         self.device = device
@@ -80,8 +175,15 @@ class InputBatch:
         self.sink_block = sink_block
         self.max_blocks_per_req = max_blocks_per_req
         self._pin = device.type == "cuda"
-        self._alloc_tokens(max_num_tokens)
-        self._alloc_reqs(max_num_reqs)
+        # A new fence per set of buffers (the seam the tests fake): by default an event on CUDA, none on CPU.
+        self._new_fence = fence if fence is not None else default_fence(device)
+        # The two sets alternate between fills; the second is made on the first fill that needs it (a
+        # build_batch fills once).
+        self._sets: list[_Buffers] = [
+            _Buffers(max_num_tokens, max_num_reqs, max_blocks_per_req, self._pin, self._new_fence())
+        ]
+        self._cur = 0  # the set the last fill wrote into
+        self._filled = False
         # Persistent block tables: one row per live request, extended as its table grows. Per request:
         # [its row, the live list the KV manager grows, how many of its entries the row holds].
         self._tables = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int64)
@@ -91,19 +193,30 @@ class InputBatch:
         # reuses the index and updates only the tables that grew (DecodeStep.grown).
         self._last_decode: tuple[list[RowLike], np.ndarray] | None = None
 
-    def _alloc_tokens(self, n: int) -> None:
-        self._view_cache: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
-        self.max_num_tokens = n
-        self._ids_t, self._ids = _host((n,), self._pin)
-        self._pos_t, self._pos = _host((n,), self._pin)
-        self._slots_t, self._slots = _host((n,), self._pin)
+    @property
+    def max_num_tokens(self) -> int:
+        """The last filled set's size (each set grows on its own)."""
+        return self._sets[self._cur].max_num_tokens
 
-    def _alloc_reqs(self, n: int) -> None:
-        self._view_cache = {}
-        self.max_num_reqs = n
-        self._qsl_t, self._qsl = _host((n + 1,), self._pin)
-        self._seq_t, self._seq = _host((n,), self._pin)
-        self._bt_t, self._bt = _host((n, self.max_blocks_per_req), self._pin)
+    @property
+    def max_num_reqs(self) -> int:
+        return self._sets[self._cur].max_num_reqs
+
+    def _next_buffers(self) -> _Buffers:
+        """The set this fill writes into: not the last fill's, whose copies may still be queued, and this
+        one's own last copies waited for before anything is written into it or it is regrown."""
+        if self._filled:
+            self._cur = 1 - self._cur
+        self._filled = True
+        if self._cur == len(self._sets):
+            last = self._sets[0]
+            fresh = _Buffers(
+                last.max_num_tokens, last.max_num_reqs, self.max_blocks_per_req, self._pin, self._new_fence()
+            )
+            self._sets.append(fresh)
+        buf = self._sets[self._cur]
+        buf.fence.wait()
+        return buf
 
     # -- persistent block tables ------------------------------------------------------------------------
 
@@ -191,8 +304,6 @@ class InputBatch:
         if num_pad and self.sink_block is None:
             raise ValueError("padding rows need a sink block")
         n = num_real + num_pad
-        if n > self.max_num_reqs:
-            self._alloc_reqs(max(n, 2 * self.max_num_reqs))
         # What only Python can read: tokens, lengths, start positions. Comprehensions, not an append loop:
         # at hundreds of rows this pass is most of the fill.
         if decode is not None:
@@ -211,10 +322,14 @@ class InputBatch:
             flat = [r.token_ids[0] for r in rows] if decode_only else [t for r in rows for t in r.token_ids]
             if num_pad:
                 flat.extend([PADDING_TOKEN] * num_pad)
-        if total > self.max_num_tokens:
-            self._alloc_tokens(max(total, 2 * self.max_num_tokens))
+        # Nothing is written into the buffers before this.
+        buf = self._next_buffers()
+        if n > buf.max_num_reqs:
+            buf.alloc_reqs(max(n, 2 * buf.max_num_reqs))
+        if total > buf.max_num_tokens:
+            buf.alloc_tokens(max(total, 2 * buf.max_num_tokens))
         bs = self.block_size
-        ids, pos, slots, qsl, seq = self._ids, self._pos, self._slots, self._qsl, self._seq
+        ids, pos, slots, qsl, seq = buf.ids, buf.pos, buf.slots, buf.qsl, buf.seq
         ids[:total] = flat
         starts = np.array(starts_l, dtype=np.int64)
         qsl[0] = 0
@@ -232,7 +347,7 @@ class InputBatch:
             raise ValueError(
                 f"a context of {max_seq} tokens needs {width} blocks; the batch holds {self.max_blocks_per_req}"
             )
-        tables = self._bt[:n, :width]
+        tables = buf.bt[:n, :width]
         if rows[0].req_id is not None:
             # First: either may grow the persistent tables.
             if decode is not None:
@@ -258,7 +373,7 @@ class InputBatch:
         p = pos[:total]
         np.add(tables[token_row, p // bs] * bs, p % bs, out=slots[:total])
 
-        qsl_t, seq_t, bt_t, slots_t, ids_t, pos_t = self._views(n, total, width)
+        qsl_t, seq_t, bt_t, slots_t, ids_t, pos_t = buf.views(n, total, width)
         meta = AttentionMetadata(
             query_start_loc=self._to_device(qsl_t),
             seq_lens=self._to_device(seq_t),
@@ -270,25 +385,10 @@ class InputBatch:
             max_seq_len=max_seq,
             block_size=bs,
         )
-        return StepInputs(self._to_device(ids_t), self._to_device(pos_t), meta)
-
-    def _views(self, n: int, total: int, width: int) -> tuple[torch.Tensor, ...]:
-        # A step's tensors are views of the buffers at its sizes; the steady state repeats the same sizes,
-        # and six slicings a step cost more than the lookup.
-        key = (n, total, width)
-        views = self._view_cache.get(key)
-        if views is None:
-            if len(self._view_cache) >= 64:
-                self._view_cache.clear()
-            views = self._view_cache[key] = (
-                self._qsl_t[: n + 1],
-                self._seq_t[:n],
-                self._bt_t[:n, :width],
-                self._slots_t[:total],
-                self._ids_t[:total],
-                self._pos_t[:total],
-            )
-        return views
+        step = StepInputs(self._to_device(ids_t), self._to_device(pos_t), meta)
+        # After every copy from this set: the next fill into it waits until the device has read them.
+        buf.fence.record()
+        return step
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":
