@@ -43,6 +43,13 @@ def _onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def onednn_bf16_available() -> bool:
+    """Whether torch's oneDNN ops take bf16 on this CPU: they refuse it without AVX512-BW/VL/DQ or
+    AVX-NE-CONVERT ("bf16 path needs the cpu support ..."), e.g. on an AVX2 EPYC told CHUNKWISE_CPU_ISA=amx."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return _onednn_available() and check is not None and bool(check())
+
+
 def _small_m_kernel_for(t: torch.Tensor) -> bool:
     """Whether the small-row kernel runs here: it is written for AVX2's 16 registers and FMA, which AVX-512
     builds have too."""
@@ -105,6 +112,8 @@ class Linear(nn.Module):
         self._widen = w.dtype != torch.float32 and widen_half_on_cpu
         if w.dtype == torch.float16 and not self._widen:
             return
+        if w.dtype == torch.bfloat16 and not self._widen and not onednn_bf16_available():
+            return  # torch's own bf16 GEMM: slow without bf16 units, but it runs
         configure_onednn()
         self._out_dtype = w.dtype
         if self._widen:
