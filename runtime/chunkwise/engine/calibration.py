@@ -34,6 +34,11 @@ class StartupProbe:
         self.kv = kv
         self.max_model_len = max_model_len
 
+    def _sync(self) -> None:
+        """Wait for the device's queued work (a no-op on CPU, where work is done when the call returns)."""
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
+
     def time_forward(self, num_tokens: int) -> float:
         """Seconds of one warm prefill of num_tokens tokens through the first blocks.
 
@@ -45,8 +50,12 @@ class StartupProbe:
         )
         so = SchedulerOutput(scheduled=[sr], num_batched_tokens=n)
         self.runner.execute(so)  # warm-up
+        # A step that samples nothing never waits for the device: without these the time would be the
+        # enqueueing, and the recompute rate the preemption cost model starts from would be the host's.
+        self._sync()
         t0 = time.perf_counter()
         self.runner.execute(so)
+        self._sync()
         elapsed = time.perf_counter() - t0
         # The runner keeps per-request state (a block-table row) until told the request is gone.
         self.runner.execute(SchedulerOutput(scheduled=[], num_batched_tokens=0, finished_req_ids={sr.req_id}))
@@ -79,7 +88,7 @@ class StartupProbe:
         if n_max == 0:
             return 0.0, 1.0  # no swap space: swap never happens, recompute is the only choice
         sizes = sorted({1, max(1, n_max // 4), n_max})
-        sync = torch.cuda.synchronize if self.runner.device.type == "cuda" else (lambda: None)
+        sync = self._sync
 
         def round_trip(n: int) -> float:
             pairs = [(i, i) for i in range(n)]
