@@ -68,7 +68,7 @@ class Linear(nn.Module):
       blocked layout and replaces the plain one (a tied LM head gets its own packed copy; the embedding
       keeps the plain one). Measured on an AVX-512-BF16 EPYC over the benchmark model's weights: bf16
       1.3-2.2x F.linear at decode's rows (bench/cpu/linear_bf16.py), 2.3x on its LM head at one row, even
-      at 1,024; fp32 1.05-1.6x the plain layout and the small-row kernel from 1 to 256 rows
+      at 1,024; fp32 1.05-1.8x the plain layout and 1.05-1.5x the small-row kernel from 1 to 256 rows
       (bench/cpu/linear_small_m.py). Issue 29's figures on an AMX Xeon: bf16 1.9-2.3x at decode.
     - CPU with AVX2 only, float32: the weight stays in Hugging Face's row-major layout, one copy (a tied LM
       head shares the embedding's). Up to SMALL_M_ROWS rows (decode), chunkwise's small-row kernel streams
