@@ -145,8 +145,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.
 def uniform_sdpa_fn(case: Case) -> Callable[[], torch.Tensor]:
     """SDPA over the same shapes with K/V materialised contiguously (built once, outside the timing).
 
-    Requests must share (computed, new). Chunks that start at position 0 use is_causal; later chunks need
-    an explicit mask (SDPA's causal triangle is aligned top-left)."""
+    Requests must share (computed, new). Chunks that start at position 0 use is_causal; later chunks
+    causal_lower_right (SDPA's is_causal triangle is aligned top-left)."""
     computed, new = case.requests[0]
     if any(r != case.requests[0] for r in case.requests):
         raise ValueError("uniform_sdpa_fn needs identical requests")
@@ -160,9 +160,12 @@ def uniform_sdpa_fn(case: Case) -> Callable[[], torch.Tensor]:
     if new > 1 and computed == 0:
         kw["is_causal"] = True
     elif new > 1:
-        seq_len = computed + new
-        q_pos = torch.arange(computed, seq_len, device=q.device)
-        kw["attn_mask"] = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        # The causal triangle aligned to the bottom right (queries are the last `new` positions): a mask
+        # object flash attention takes. A boolean mask would send SDPA to its masked math path, a baseline
+        # slower than any real alternative.
+        from torch.nn.attention.bias import causal_lower_right
+
+        kw["attn_mask"] = causal_lower_right(new, computed + new)
     return lambda: sdpa(q, k, v, **kw)
 
 
@@ -944,7 +947,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=480.0, help="start no new measurement after this long")
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--no-e2e", action="store_true")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--sections",
+        type=lambda v: [x for x in v.split(",") if x],
+        default=list(SECTIONS),
+        help=f"comma-separated, run in this order: {','.join(SECTIONS)} (default: all; correctness always runs)",
+    )
+    args = p.parse_args(argv)
+    if set(args.sections) - set(SECTIONS):
+        p.error(
+            f"--sections: unknown {sorted(set(args.sections) - set(SECTIONS))}; choose from {','.join(SECTIONS)}"
+        )
+    return args
+
+
+SECTIONS = ("correctness", "decode", "prefill", "mixed", "e2e_decode", "sweep")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -966,13 +983,11 @@ def main(argv: list[str] | None = None) -> int:
         bench.write()
         print("correctness failed; nothing timed", file=sys.stderr)
         return 1
-    bench.section("decode", bench.decode)
-    bench.section("prefill", bench.prefill)
-    bench.section("mixed", bench.mixed)
-    if not args.no_e2e:
-        bench.section("e2e_decode", bench.e2e_decode)
-    if not args.no_sweep:
-        bench.section("sweep", bench.sweep)
+    skipped = {"e2e_decode"} if args.no_e2e else set()
+    skipped |= {"sweep"} if args.no_sweep else set()
+    for name in SECTIONS[1:]:
+        if name in args.sections and name not in skipped:
+            bench.section(name, getattr(bench, name))
     print(f"wrote {bench.out_dir / 'attention_bench.json'} and attention_bench.md", flush=True)
     return 1 if bench.failed else 0
 

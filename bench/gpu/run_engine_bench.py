@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import platform
 import statistics
@@ -32,8 +33,16 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO / "runtime") not in sys.path:
-    sys.path.insert(0, str(REPO / "runtime"))
+for _dir in (REPO / "runtime", Path(__file__).resolve().parent):
+    if str(_dir) not in sys.path:
+        sys.path.insert(0, str(_dir))
+
+import token_gate  # noqa: E402  (beside this file; stdlib only)
+
+# The token check's tolerances (token_gate.py), per dtype: how far two configurations' log-probs of the same
+# token may differ, and how close two candidates must be for a split between them to count as a tie. bf16
+# rounding through 32 layers moves log-probs by hundredths of a nat; a wrong input moves them by nats.
+GATE_TOLERANCE = {"float32": (1e-3, 1e-3), "bfloat16": (0.25, 0.25), "float16": (0.1, 0.1)}
 
 
 @dataclass(frozen=True)
@@ -83,6 +92,9 @@ SMOKE = Shape(
 )
 
 
+MEASURES = ("tokens", "race", "decode", "prefill", "convoy")
+
+
 @dataclass(frozen=True)
 class Config:
     name: str
@@ -94,10 +106,11 @@ class Config:
 
 def configs(device: str) -> list[Config]:
     if device == "cuda":
+        # The torch reference first: the token check compares the others with it.
         return [
+            Config("torch-eager", "torch", True),
             Config("triton-eager", "triton", True),
             Config("triton-graphs", "triton", False),
-            Config("torch-eager", "torch", True),
         ]
     # CPU: the interpreted Triton kernels, the C++ kernels, and the bucketed path graphs would replay.
     return [
@@ -106,6 +119,25 @@ def configs(device: str) -> list[Config]:
         Config("cpu-buckets", "cpu", False),
         Config("triton-interpreted", "triton", True, timed=False),
     ]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank percentile (no interpolation: with 24 steps, p99 is the slowest)."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def decode_step_bytes(engine: Any, batch: int, context: int) -> int:
+    """What one decode step must read from memory: every weight once, except the embedding table, of which
+    a step reads only its rows' vectors (an untied table is ~7% of an 8B model), plus each row's K/V."""
+    cfg = engine.loaded.config
+    model = engine.loaded.model
+    embed = model.model.embed_tokens.weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not cfg.tie_word_embeddings:  # tied: the LM head reads the whole table anyway
+        weights -= embed.numel() * embed.element_size() - batch * embed.shape[1] * embed.element_size()
+    kv_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * embed.element_size()
+    return weights + batch * context * kv_token
 
 
 class Bench:
@@ -169,25 +201,72 @@ class Bench:
 
     # -- measurements -----------------------------------------------------------------------------------
 
-    def tokens(self, engine: Any) -> list[list[int]]:
+    def tokens(self, engine: Any) -> list[list[token_gate.Step]]:
+        """Greedy output of six prompts of different lengths, each token with its top-5 log-probs."""
         from chunkwise.sampling_params import SamplingParams
 
         prompts = [[3 + (i * 37 + j * 11) % 250 for j in range(5 + 7 * i)] for i in range(6)]
-        sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
         for i, p in enumerate(prompts):
             engine.add_request(f"tok-{i}", p, sp)
-        out: dict[str, list[int]] = {f"tok-{i}": [] for i in range(len(prompts))}
+        out: dict[str, list[token_gate.Step]] = {f"tok-{i}": [] for i in range(len(prompts))}
         while engine.has_unfinished():
             for o in engine.step():
-                out[o.request_id].extend(o.outputs[0].token_ids)
+                # Each output carries this step's new tokens and their log-probs.
+                c = o.outputs[0]
+                if len(c.logprobs or []) != len(c.token_ids):
+                    raise RuntimeError(f"{o.request_id}: {len(c.token_ids)} tokens, log-probs for fewer")
+                out[o.request_id] += [(lp.token_id, lp.logprob, list(lp.top)) for lp in c.logprobs or []]
         return [out[f"tok-{i}"] for i in range(len(prompts))]
 
-    def decode(self, engine: Any, batch: int) -> dict[str, float]:
-        """Decode-only steps of `batch` requests at `context` tokens: tok/s and the HBM bandwidth reached."""
+    def gate(self, reference: list[list[token_gate.Step]], other: list[list[token_gate.Step]]) -> dict:
+        tol, tie = GATE_TOLERANCE[self.shape.dtype]
+        return token_gate.compare(
+            reference,
+            other,
+            logprob_tol=self.args.logprob_tol or tol,
+            tie_tol=self.args.tie_tol or tie,
+        ).as_dict()
+
+    def race(self, engine: Any) -> dict[str, Any]:
+        """Issue 30's race on the pinned input buffers, on the device: a prompt of several chunks alone, so
+        its steps are prompt-only and nothing synchronises between them, run as usual and then with the host
+        waiting for the device after every step. The two must give the same tokens and log-probs exactly
+        (same batches, same kernels); with the race, the first run's chunks read the next step's inputs."""
         from chunkwise.sampling_params import SamplingParams
 
         s = self.shape
-        cfg = engine.loaded.config
+        prompt = [3 + (j * 29) % 250 for j in range(3 * s.budget + s.budget // 2)]
+        sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=5)
+        runs = []
+        for synced in (False, True):
+            rid = f"race-{synced}"
+            engine.add_request(rid, prompt, sp)
+            got: list[tuple[int, float]] = []
+            prompt_only = 0
+            while engine.has_unfinished():
+                for o in engine.step():
+                    got += [(lp.token_id, lp.logprob) for lp in o.outputs[0].logprobs or []]
+                st = engine.last_step
+                if st is not None and st.num_decode_rows == 0 and st.num_prefill_tokens == s.budget:
+                    prompt_only += 1
+                if synced:
+                    self.sync()
+            runs.append({"tokens": got, "prompt_only_steps": prompt_only})
+        return {
+            "prompt_tokens": len(prompt),
+            "prompt_only_steps": runs[0]["prompt_only_steps"],
+            "identical": runs[0]["tokens"] == runs[1]["tokens"] and len(runs[0]["tokens"]) == 4,
+            "unsynced": runs[0]["tokens"],
+            "synced": runs[1]["tokens"],
+        }
+
+    def decode(self, engine: Any, batch: int) -> dict[str, float]:
+        """Decode-only steps of `batch` requests at `context` tokens: tok/s, p50/p99 step time, the HBM
+        bandwidth reached, and the host's share of the step (StepStats: everything outside the forward)."""
+        from chunkwise.sampling_params import SamplingParams
+
+        s = self.shape
         # Long enough that the first requests are still decoding when the last prompt is prefilled: the
         # prompts take about batch * context / (budget - batch) steps, during which the early ones decode.
         prefill_steps = -(-batch * s.context // max(1, s.budget - batch))
@@ -195,7 +274,8 @@ class Bench:
         ids = [f"dec-{batch}-{i}" for i in range(batch)]
         for i, rid in enumerate(ids):
             engine.add_request(rid, [3 + (i + j) % 250 for j in range(s.context)], sp)
-        times = []
+        times: list[float] = []
+        stats: list[Any] = []
         while engine.has_unfinished() and len(times) < s.decode_steps:
             self.sync()
             t0 = time.perf_counter()
@@ -204,19 +284,60 @@ class Bench:
             st = engine.last_step
             if st is not None and st.num_prefill_tokens == 0 and st.num_decode_rows == batch:
                 times.append(time.perf_counter() - t0)
+                stats.append(st)
         engine.abort(ids)  # the timed steps are what was wanted; the rest would only take the budget
         if not times:
             raise RuntimeError(f"no decode-only step of {batch} rows happened (max_tokens {sp.max_tokens})")
         step_s = statistics.median(times)
-        weight_bytes = sum(p.numel() * p.element_size() for p in engine.loaded.model.parameters())
-        kv_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
-        kv_read = batch * (s.context + s.decode_steps // 2) * kv_token
+        step_bytes = decode_step_bytes(engine, batch, s.context + s.decode_steps // 2)
+
+        def ms(values: list[float]) -> float:
+            return statistics.median(values) * 1e3
+
         return {
             "steps_timed": len(times),
             "step_ms": step_s * 1e3,
+            "p99_step_ms": percentile(times, 0.99) * 1e3,
             "output_tokens_per_s": batch / step_s,
-            "hbm_tbps": (weight_bytes + kv_read) / step_s / 1e12,
-            "fraction_of_peak": (weight_bytes + kv_read) / step_s / (self.args.peak_tbps * 1e12),
+            "hbm_tbps": step_bytes / step_s / 1e12,
+            "fraction_of_peak": step_bytes / step_s / (self.args.peak_tbps * 1e12),
+            # The forward is the device's share up to the sampled ids on the host; the rest is host work
+            # during which the device idles (no overlap of scheduling with the forward yet).
+            "forward_ms": ms([st.forward_seconds for st in stats]),
+            "host_ms": ms([st.host_seconds for st in stats]),
+            "schedule_ms": ms([st.schedule_seconds for st in stats]),
+            "prepare_ms": ms([st.prepare_seconds for st in stats]),
+            "sample_ms": ms([st.sample_seconds for st in stats]),
+            "update_ms": ms([st.update_seconds for st in stats]),
+            "output_ms": ms([st.output_seconds for st in stats]),
+        }
+
+    def prefill(self, engine: Any) -> dict[str, float]:
+        """Prompt-only steps of a full token budget: prefill tok/s and p50/p99 step time."""
+        from chunkwise.sampling_params import SamplingParams
+
+        s = self.shape
+        sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        ids = [f"pre-{i}" for i in range(2)]
+        for i, rid in enumerate(ids):
+            engine.add_request(rid, [3 + (i * 7 + j) % 250 for j in range(s.long_prompt)], sp)
+        times: list[float] = []
+        while engine.has_unfinished():
+            self.sync()
+            t0 = time.perf_counter()
+            engine.step()
+            self.sync()
+            st = engine.last_step
+            if st is not None and st.num_decode_rows == 0 and st.num_prefill_tokens == s.budget:
+                times.append(time.perf_counter() - t0)
+        if not times:
+            raise RuntimeError(f"no prompt-only step of {s.budget} tokens happened")
+        return {
+            "steps_timed": len(times),
+            "chunk_tokens": s.budget,
+            "step_ms": statistics.median(times) * 1e3,
+            "p99_step_ms": percentile(times, 0.99) * 1e3,
+            "prefill_tokens_per_s": s.budget / statistics.median(times),
         }
 
     def convoy(self, engine: Any) -> dict[str, float]:
@@ -242,7 +363,7 @@ class Bench:
         gaps = sorted(g * 1e3 for r in result.records if r.prompt_len < s.long_prompt for g in r.itl)
         long_ttft = [r.ttft * 1e3 for r in result.records if r.prompt_len >= s.long_prompt]
         return {
-            "p99_itl_ms": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))],
+            "p99_itl_ms": percentile(gaps, 0.99),
             "max_itl_ms": gaps[-1],
             "median_itl_ms": statistics.median(gaps),
             "long_prompt_ttft_ms": statistics.mean(long_ttft),
@@ -251,8 +372,17 @@ class Bench:
     # -- driver -----------------------------------------------------------------------------------------
 
     def run(self) -> int:
-        reference: list[list[int]] | None = None
-        for cfg in configs(self.device):
+        """Every configuration asked for (--configs), each through the measurements asked for (--measure),
+        in order. The first configuration run is the token check's reference."""
+        reference: list[list[token_gate.Step]] | None = None
+        measures = self.args.measure
+        chosen = [c for c in configs(self.device) if not self.args.configs or c.name in self.args.configs]
+        if self.args.configs and len(chosen) != len(self.args.configs):
+            known = [c.name for c in configs(self.device)]
+            raise SystemExit(
+                f"--configs {','.join(self.args.configs)}: on {self.device} the configurations are {known}"
+            )
+        for cfg in chosen:
             if not self.time_left(cfg.name):
                 break
             entry: dict[str, Any] = {
@@ -267,30 +397,54 @@ class Bench:
                 engine = self.engine(cfg)
                 entry["start_s"] = time.monotonic() - t0
                 entry["graphs"] = engine.runner.graphs is not None
-                tokens = self.tokens(engine)
-                if reference is None:
-                    reference = tokens
-                entry["tokens_match_first_config"] = tokens == reference
-                if tokens != reference:
-                    self.failed = True
-                print(f"  tokens identical to the first config: {tokens == reference}", flush=True)
-                if not cfg.timed:
-                    continue
-                entry["decode"] = {}
-                for batch in self.shape.batches:
-                    if not self.time_left(f"{cfg.name} decode {batch}"):
-                        break
-                    if cfg.attention_backend == "torch" and batch > 64 and not self.smoke:
-                        continue  # the reference's per-step gathers at 256 x 512 tokens add nothing to learn
-                    d = self.decode(engine, batch)
-                    entry["decode"][str(batch)] = d
+                if "tokens" in measures:
+                    tokens = self.tokens(engine)
+                    if reference is None:
+                        reference = tokens
+                        entry["reference"] = True
+                    gate = self.gate(reference, tokens)
+                    entry["token_check"] = gate
+                    self.failed |= not gate["ok"]
                     print(
-                        f"  batch {batch}: {d['step_ms']:.2f} ms/step, {d['output_tokens_per_s']:.0f} tok/s, "
-                        f"{d['hbm_tbps']:.2f} TB/s",
+                        f"  token check against the first config: {'ok' if gate['ok'] else 'FAILED'} "
+                        f"({gate['compared']}/{gate['positions']} positions, max |dlogprob| "
+                        f"{gate['max_abs_logprob_diff']:.2e}, {len(gate['ties'])} tie(s)) {gate['failures'][:3]}",
                         flush=True,
                     )
+                if "race" in measures and "race" not in self.report:
+                    race = self.report["race"] = {"config": cfg.name, **self.race(engine)}
+                    self.failed |= not race["identical"]
+                    print(
+                        f"  race check ({race['prompt_only_steps']} prompt-only steps): "
+                        f"{'identical' if race['identical'] else 'DIFFERENT'}",
+                        flush=True,
+                    )
+                if not cfg.timed:
+                    continue
+                if "decode" in measures:
+                    entry["decode"] = {}
+                    for batch in self.shape.batches:
+                        if not self.time_left(f"{cfg.name} decode {batch}"):
+                            break
+                        if cfg.attention_backend == "torch" and batch > 64 and not self.smoke:
+                            continue  # the reference's per-step gathers at 256 x 512 tokens add nothing
+                        d = self.decode(engine, batch)
+                        entry["decode"][str(batch)] = d
+                        print(
+                            f"  batch {batch}: {d['step_ms']:.2f} ms/step (p99 {d['p99_step_ms']:.2f}, host "
+                            f"{d['host_ms']:.2f}), {d['output_tokens_per_s']:.0f} tok/s, {d['hbm_tbps']:.2f} TB/s",
+                            flush=True,
+                        )
+                        self.write()
+                if "prefill" in measures and self.time_left(f"{cfg.name} prefill"):
+                    entry["prefill"] = self.prefill(engine)
+                    print(f"  prefill: {entry['prefill']}", flush=True)
                     self.write()
-                if self.time_left(f"{cfg.name} convoy") and cfg.attention_backend != "torch":
+                if (
+                    "convoy" in measures
+                    and self.time_left(f"{cfg.name} convoy")
+                    and cfg.attention_backend != "torch"
+                ):
                     entry["convoy"] = self.convoy(engine)
                     print(f"  convoy: {entry['convoy']}", flush=True)
             except Exception as exc:
@@ -314,22 +468,74 @@ class Bench:
 
 
 def render(report: dict[str, Any]) -> str:
+    nan = float("nan")
     lines = [
         "# Engine benchmark" + (" (smoke run: the timings mean nothing)" if report["smoke"] else ""),
         "",
         f"{report['device']}, torch {report['torch']}, model {report['shape']['model']} {report['shape']['dtype']}",
         "",
-        "| config | graphs | same tokens | batch | ms/step | tok/s | HBM TB/s | p99 ITL ms (convoy) | max ITL ms |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| config | graphs | token check (compared/positions, max abs dlogprob, ties) | start s |",
+        "|---|---|---|---|",
     ]
     for name, entry in report["configs"].items():
-        convoy = entry.get("convoy", {})
-        for batch, d in entry.get("decode", {}).items() or [("-", {})]:
+        g = entry.get("token_check")
+        check = (
+            "reference"
+            if entry.get("reference")
+            else "-"
+            if g is None
+            else f"{'ok' if g['ok'] else 'FAILED'} ({g['compared']}/{g['positions']}, "
+            f"{g['max_abs_logprob_diff']:.2e}, {len(g['ties'])})"
+        )
+        lines.append(f"| {name} | {entry.get('graphs', '-')} | {check} | {entry.get('start_s', nan):.1f} |")
+    race = report.get("race")
+    if race:
+        lines += [
+            "",
+            f"Race check ({race['config']}, a {race['prompt_tokens']}-token prompt alone, "
+            f"{race['prompt_only_steps']} prompt-only steps): "
+            + (
+                "identical with and without a sync after every step" if race["identical"] else "**DIFFERENT**"
+            ),
+        ]
+    decode_rows = [(n, b, d) for n, e in report["configs"].items() for b, d in e.get("decode", {}).items()]
+    if decode_rows:
+        lines += [
+            "",
+            "| config | batch | ms/step p50 | p99 | tok/s | HBM TB/s | % of peak | forward ms | host ms "
+            "(schedule / prepare / sample / update / output) |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for name, batch, d in decode_rows:
             lines.append(
-                f"| {name} | {entry.get('graphs', '-')} | {entry.get('tokens_match_first_config', '-')} | {batch} "
-                f"| {d.get('step_ms', float('nan')):.2f} | {d.get('output_tokens_per_s', float('nan')):.0f} "
-                f"| {d.get('hbm_tbps', float('nan')):.2f} | {convoy.get('p99_itl_ms', float('nan')):.1f} "
-                f"| {convoy.get('max_itl_ms', float('nan')):.1f} |"
+                f"| {name} | {batch} | {d['step_ms']:.2f} | {d['p99_step_ms']:.2f} | {d['output_tokens_per_s']:.0f} "
+                f"| {d['hbm_tbps']:.2f} | {100 * d['fraction_of_peak']:.0f} | {d['forward_ms']:.2f} "
+                f"| {d['host_ms']:.2f} ({d['schedule_ms']:.2f} / {d['prepare_ms']:.2f} / {d['sample_ms']:.2f} / "
+                f"{d['update_ms']:.2f} / {d['output_ms']:.2f}) |"
+            )
+    prefill_rows = [(n, e["prefill"]) for n, e in report["configs"].items() if "prefill" in e]
+    if prefill_rows:
+        lines += [
+            "",
+            "| config | chunk tokens | ms/step p50 | p99 | prefill tok/s |",
+            "|---|---|---|---|---|",
+        ]
+        for name, d in prefill_rows:
+            lines.append(
+                f"| {name} | {d['chunk_tokens']} | {d['step_ms']:.1f} | {d['p99_step_ms']:.1f} "
+                f"| {d['prefill_tokens_per_s']:.0f} |"
+            )
+    convoy_rows = [(n, e["convoy"]) for n, e in report["configs"].items() if "convoy" in e]
+    if convoy_rows:
+        lines += [
+            "",
+            "| config | streams' p50 ITL ms | p99 | max | long prompts' mean TTFT ms |",
+            "|---|---|---|---|---|",
+        ]
+        for name, c in convoy_rows:
+            lines.append(
+                f"| {name} | {c['median_itl_ms']:.1f} | {c['p99_itl_ms']:.1f} | {c['max_itl_ms']:.1f} "
+                f"| {c['long_prompt_ttft_ms']:.0f} |"
             )
     if report["errors"]:
         lines += ["", "Errors:", *[f"- {e.splitlines()[-1] if e else e}" for e in report["errors"]]]
@@ -342,7 +548,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, to check the code paths")
     p.add_argument("--peak-tbps", type=float, default=4.8, help="HBM peak for the fraction (H200: 4.8)")
     p.add_argument("--budget-s", type=float, default=480.0, help="start no new measurement after this long")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--configs",
+        type=lambda v: [x for x in v.split(",") if x],
+        default=[],
+        help="comma-separated configurations to run, in their usual order (default: all)",
+    )
+    p.add_argument(
+        "--measure",
+        type=lambda v: set(v.split(",")),
+        default=set(MEASURES),
+        help=f"comma-separated measurements (default: all of {','.join(MEASURES)})",
+    )
+    p.add_argument(
+        "--logprob-tol", type=float, default=0.0, help="token check: override the dtype's tolerance"
+    )
+    p.add_argument(
+        "--tie-tol", type=float, default=0.0, help="token check: override the dtype's tie tolerance"
+    )
+    args = p.parse_args(argv)
+    if args.measure - set(MEASURES):
+        p.error(
+            f"--measure: unknown {sorted(args.measure - set(MEASURES))}; choose from {','.join(MEASURES)}"
+        )
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
