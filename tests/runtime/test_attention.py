@@ -318,3 +318,34 @@ def test_a_chunk_after_its_prefix_is_the_masked_attention(dtype, heads, kv_heads
     assert got.dtype == dtype and got.shape == want.shape
     tol = 1e-5 if dtype == torch.float32 else 1.6e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_backend_runs_bf16_prefill_on_its_own_kernel_only_at_the_avx512_level(monkeypatch, dtype):
+    """bf16 prefill chunks go to chunkwise's kernel where the level is avx512 (bf16 dot products, no AMX)
+    and the kernels have it; torch's flash attention on AMX (its tiles) and below AVX-512. `make isa`
+    runs this under every level."""
+    from chunkwise import kernels
+    from chunkwise.platform import cpu_isa
+
+    calls = []
+    real = kernels.prefill_attention
+    monkeypatch.setattr(kernels, "prefill_attention", lambda *a: (calls.append(a[1].shape), real(*a))[1])
+    backend = CpuAttentionBackend()
+    out, ref = run_case(
+        [(0, 40), (30, 20), (50, 1)],
+        num_heads=8,
+        num_kv_heads=2,
+        block_size=16,
+        dtype=dtype,
+        seed=9,
+        backend=backend,
+    )
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    mine = (
+        dtype == torch.bfloat16
+        and cpu_isa().name == "avx512"
+        and kernels.prefill_attention_available(torch.empty(1, 1, 16, dtype=dtype))
+    )
+    assert [tuple(s) for s in calls] == ([(40, 8, 16), (20, 8, 16)] if mine else [])

@@ -281,3 +281,92 @@ def test_a_packed_linear_computes_f_linear_at_every_row_count(monkeypatch, dtype
         got = layer(x)
         assert got.dtype == dtype and got.shape == (m, 200)
         torch.testing.assert_close(got, F.linear(x, want_w, want_b), atol=tol * 10, rtol=tol)
+
+
+# -- bf16 prefill attention (csrc/prefill_attention.cpp) --------------------------------------------------
+
+
+def _masked_fp32(q, k, v, scale):
+    """The reference: fp32 SDPA with the chunk's queries at the end of the context."""
+    n, ctx = q.shape[0], k.shape[0]
+    mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1),
+        k.float().transpose(0, 1),
+        v.float().transpose(0, 1),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(0, 1)
+
+
+def _need_prefill_kernel():
+    if not kernels.prefill_attention_available(torch.empty(1, 1, 64, dtype=torch.bfloat16)):
+        pytest.skip(f"the kernels are built for {kernels.isa()} here: no AVX512-BF16, no prefill kernel")
+
+
+@pytest.mark.parametrize("head_dim", kernels.ATTENTION_HEAD_DIMS)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "prefix", "n"),
+    [
+        (8, 2, 0, 1),  # one token, nothing before it
+        (8, 2, 0, 37),  # a first chunk: the causal triangle alone
+        (4, 4, 130, 5),  # a group of one: a tile's four rows are four queries
+        (6, 2, 17, 23),  # a group of three: tiles straddle queries
+        (16, 2, 300, 129),  # a group of eight: two tiles a query; ctx past two key blocks of 128
+        (8, 8, 1000, 64),
+    ],
+)
+def test_prefill_attention_kernel_matches_fp32_attention(head_dim, heads, kv_heads, prefix, n):
+    _need_prefill_kernel()
+    gen = torch.Generator().manual_seed(head_dim * 1000 + prefix + n)
+    bf = torch.bfloat16
+    # Strided rows, as the backend passes them: query a slice of a wider [tokens, H, D] batch, key and value
+    # one half of a [ctx, 2, KV, D] pair.
+    q = (torch.randn(n + 3, heads, head_dim, generator=gen) * 1.5).to(bf)[2 : 2 + n]
+    kv = torch.randn(prefix + n, 2, kv_heads, head_dim, generator=gen).to(bf)
+    k, v = kv[:, 0], kv[:, 1]
+    scale = head_dim**-0.5
+    out = torch.full((n, heads, head_dim), float("nan"), dtype=bf)
+    kernels.prefill_attention(out, q, k, v, scale)
+    want = _masked_fp32(q, k, v, scale)
+    # The probabilities are rounded to bf16 before the values are summed (as torch's flash attention does
+    # in bf16), and the output to bf16: errors of a few bf16 ulps.
+    torch.testing.assert_close(out.float(), want, atol=1.6e-2, rtol=1.6e-2)
+
+
+def test_prefill_attention_kernel_with_a_peaked_softmax_and_a_late_maximum():
+    """Scores that grow along the context: each key block brings a new maximum, so the running sums and
+    outputs are rescaled block after block; and one query's scores dwarf the others."""
+    _need_prefill_kernel()
+    bf = torch.bfloat16
+    n, prefix, heads, d = 40, 600, 4, 64
+    ctx = prefix + n
+    k = (torch.linspace(0, 6, ctx)[:, None, None] * torch.ones(ctx, 1, d)).to(bf)
+    v = torch.randn(ctx, 1, d, generator=torch.Generator().manual_seed(0)).to(bf)
+    q = torch.ones(n, heads, d).to(bf)
+    q[3] *= 4
+    out = torch.empty(n, heads, d, dtype=bf)
+    kernels.prefill_attention(out, q, k, v, d**-0.5)
+    torch.testing.assert_close(out.float(), _masked_fp32(q, k, v, d**-0.5), atol=2e-2, rtol=2e-2)
+
+
+def test_prefill_attention_kernel_refuses_what_it_does_not_compute():
+    _need_prefill_kernel()
+    bf = torch.bfloat16
+    q, k = torch.zeros(4, 8, 64, dtype=bf), torch.zeros(8, 2, 64, dtype=bf)
+    out = torch.empty_like(q)
+    with pytest.raises(RuntimeError, match="bf16 tensors only"):
+        kernels.prefill_attention(out, q.float(), k, k, 1.0)
+    with pytest.raises(RuntimeError, match="context must include the chunk"):
+        kernels.prefill_attention(out, q, k[:3], k[:3], 1.0)
+    with pytest.raises(RuntimeError, match="multiple of KV heads"):
+        kernels.prefill_attention(
+            out[:, :6], q[:, :6], torch.zeros(8, 4, 64, dtype=bf), k.new_zeros(8, 4, 64), 1.0
+        )
+    with pytest.raises(RuntimeError, match="no kernel for head_dim 48"):
+        q48 = torch.zeros(4, 8, 48, dtype=bf)
+        kernels.prefill_attention(
+            torch.empty_like(q48), q48, torch.zeros(8, 2, 48, dtype=bf), torch.zeros(8, 2, 48, dtype=bf), 1.0
+        )

@@ -1,5 +1,7 @@
 """The CPU attention backend: decode rows through chunkwise's C++ paged-attention kernel, prefill chunks
-through torch's flash attention over their gathered context.
+over their gathered context through torch's flash attention, or in bf16 on an AVX-512 CPU without AMX
+through chunkwise's own kernel (csrc/prefill_attention.cpp: 1.4-2x torch's there, whose bf16 flash
+attention is built for AMX tiles).
 
 A decode row reads its context in place, block by block through its block table (kernels/csrc/cpu_ops.cpp):
 no gather, no padding to a common length, no mask. On the 57M-parameter benchmark model (8 heads over 2 KV
@@ -32,7 +34,7 @@ from chunkwise.attention.torch_ref import (
     one_token_queries,
     split_short_rows,
 )
-from chunkwise.platform import cpu_has_avx512, cpu_has_bf16_matmul
+from chunkwise.platform import cpu_has_avx512, cpu_has_bf16_matmul, cpu_isa
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,11 @@ class CpuAttentionBackend:
         # 0..n-1, sliced for each decode step's rows (a view costs less than a new arange every step).
         self._row_ids = torch.arange(0, dtype=torch.int64)
         self.paged_prefill_max_context = 0 if cpu_has_avx512() else PAGED_PREFILL_MAX_CONTEXT
+        # bf16 prefill chunks on an AVX-512 CPU without AMX: chunkwise's kernel on the bf16 dot-product units,
+        # 1.4-2x torch's flash attention there. With AMX, torch's flash attention runs on the tiles.
+        self.bf16_prefill_kernel = cpu_isa().name == "avx512" and bool(
+            torch.ops.chunkwise.has_prefill_attention()
+        )
 
     def plan(self, meta: AttentionMetadata, num_heads: int, num_kv_heads: int, head_dim: int) -> CpuPlan:
         plan = CpuPlan(meta, num_heads, num_kv_heads, head_dim)
@@ -147,8 +154,8 @@ class CpuAttentionBackend:
             self._prefill(query, kv_cache, plan.prefill, scale, out)
         return out
 
-    @staticmethod
     def _prefill(
+        self,
         query: torch.Tensor,
         kv_cache: torch.Tensor,
         chunks: list[PrefillChunk],
@@ -158,10 +165,14 @@ class CpuAttentionBackend:
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
         widen = query.dtype != torch.float32 and not cpu_has_bf16_matmul()
+        own_kernel = self.bf16_prefill_kernel and kernels.prefill_attention_available(query)
         for c in chunks:
             q = query[c.start : c.start + c.num_query]
             k = flat[0].index_select(0, c.slots)
             v = flat[1].index_select(0, c.slots)
+            if own_kernel:
+                kernels.prefill_attention(out[c.start : c.start + c.num_query], q, k, v, scale)
+                continue
             if widen:
                 q, k, v = q.float(), k.float(), v.float()
             qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]

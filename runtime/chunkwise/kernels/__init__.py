@@ -1,4 +1,4 @@
-"""chunkwise's CPU kernels (csrc/cpu_ops.cpp): built once per machine with the system C++ compiler, cached,
+"""chunkwise's CPU kernels (csrc/*.cpp): built once per machine with the system C++ compiler, cached,
 and loaded as torch ops (torch.ops.chunkwise.*).
 
 The build is keyed by the source, the torch version and the instruction set it targets, so a cache shared
@@ -30,7 +30,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+# cpu_ops.cpp: decode attention, norms, rotary, activations, small-row linears, sampling; prefill_attention.cpp:
+# bf16 prefill attention on AVX512-BF16 (an empty op elsewhere).
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "prefill_attention.cpp"))
 # The head sizes csrc/cpu_ops.cpp instantiates its attention kernel for.
 ATTENTION_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 ATTENTION_MAX_HEADS = 128
@@ -97,7 +99,7 @@ def _build_command(cxx: str, isa_flags: list[str], out: Path) -> list[str]:
         *isa_flags,
         "-I",
         str(torch_dir / "include"),
-        str(SOURCE),
+        *(str(s) for s in SOURCES),
         "-L",
         str(torch_dir / "lib"),
         "-lc10",
@@ -110,7 +112,11 @@ def _build_command(cxx: str, isa_flags: list[str], out: Path) -> list[str]:
 
 def _library_name(isa: str, isa_flags: list[str]) -> str:
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(isa_flags).encode()):
+    for part in (
+        *(s.read_bytes() for s in SOURCES),
+        torch.__version__.encode(),
+        " ".join(isa_flags).encode(),
+    ):
         key.update(part)
         key.update(b"\0")
     return f"chunkwise_cpu_ops-{isa}-{key.hexdigest()[:16]}.so"
@@ -140,8 +146,9 @@ def _writable_dir(preferred: Path) -> Path:
 
 def build(force: bool = False) -> Path:
     """Build the library if this machine has no build of the current source yet; returns its path."""
-    if not SOURCE.is_file():
-        raise KernelUnavailable(f"the kernel source {SOURCE} is missing from this installation")
+    missing = [s for s in SOURCES if not s.is_file()]
+    if missing:
+        raise KernelUnavailable(f"the kernel source {missing[0]} is missing from this installation")
     isa, isa_flags = _isa_flags()
     name = _library_name(isa, isa_flags)
     prebuilt = os.environ.get("CHUNKWISE_KERNEL_DIR")
@@ -164,7 +171,7 @@ def build(force: bool = False) -> Path:
     if result.returncode != 0:
         tmp.unlink(missing_ok=True)
         tail = "\n".join(result.stderr.strip().splitlines()[-15:])
-        raise KernelUnavailable(f"building {SOURCE.name} failed (exit {result.returncode}):\n{tail}")
+        raise KernelUnavailable(f"building the CPU kernels failed (exit {result.returncode}):\n{tail}")
     # Atomic: a process loading concurrently sees the old state or the whole library, never a partial file.
     os.replace(tmp, target)
     log.info("built chunkwise's CPU kernels in %.1fs", time.monotonic() - t0)
@@ -227,6 +234,28 @@ def exponential_race(x: torch.Tensor, inv_temperature: torch.Tensor, seeds: torc
         out, x, inv_temperature.to(torch.float32).contiguous(), seeds.to(torch.int64).contiguous()
     )
     return out
+
+
+def prefill_attention_available(query: torch.Tensor) -> bool:
+    """Whether prefill_attention runs for a query like `query` [n, H, D]: bf16 on CPU, a head size it is
+    built for, and a build with AVX512-BF16 (the kernels built for an AVX-512 level)."""
+    return (
+        query.device.type == "cpu"
+        and query.dtype == torch.bfloat16
+        and query.dim() == 3
+        and query.shape[-1] in ATTENTION_HEAD_DIMS
+        and available()
+        and bool(torch.ops.chunkwise.has_prefill_attention())
+    )
+
+
+def prefill_attention(
+    out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> None:
+    """Causal attention of a chunk whose queries are the last n positions of the context, into `out`
+    [n, H, D]: query [n, H, D], key and value [ctx, KV, D], bf16 (csrc/prefill_attention.cpp). CPU with
+    AVX512-BF16 only (prefill_attention_available)."""
+    torch.ops.chunkwise.prefill_attention(out, query, key, value, scale)
 
 
 def main(argv: list[str] | None = None) -> int:
