@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 
 from chunkwise_operator import manifests
-from chunkwise_operator.spec import ServiceSpec, parse
+from chunkwise_operator.spec import ServiceSpec, SpecError, parse
 
 MINIMAL = {"model": {"preset": "tiny"}, "image": "chunkwise:dev"}
 GPU_ROUTER: dict[str, Any] = {
@@ -560,6 +560,21 @@ def test_triton_cache_goes_on_a_shared_cache_claim_for_gpu_engines_only() -> Non
     for variant in (cpu, GPU_ROUTER, MINIMAL):
         pod = manifests.runtime_deployment("q", "ml", spec(variant))["spec"]["template"]["spec"]
         assert triton_cache(pod) == ([], []), variant
+
+
+def test_every_path_the_operator_mounts_into_the_engine_is_reserved() -> None:
+    """spec.pod.volumeMounts may not use them: Kubernetes refuses a pod with one mount path twice."""
+    from chunkwise_operator.spec import RESERVED_MOUNT_PATHS
+
+    for variant in (HF_GPU, GPU_ROUTER, MINIMAL, IMAGE_PATH):
+        pod = manifests.runtime_deployment("q", "ml", spec(variant))["spec"]["template"]["spec"]
+        for mount in pod["containers"][0]["volumeMounts"]:
+            assert mount["mountPath"] in RESERVED_MOUNT_PATHS, mount
+    with pytest.raises(SpecError, match="'/triton-cache/x' is under one the operator mounts"):
+        data = copy.deepcopy(HF_GPU)
+        data["pod"]["volumes"] = [{"name": "v", "emptyDir": {}}]
+        data["pod"]["volumeMounts"] = [{"name": "v", "mountPath": "/triton-cache/x"}]
+        spec(data)
 
 
 def test_a_triton_cache_dir_in_the_spec_is_kept() -> None:
