@@ -219,8 +219,9 @@ def test_the_profiled_step_is_the_largest_the_scheduler_can_compose_and_samples_
     )
     assert (step.num_rows, step.num_tokens) == (rows, tokens)  # num_rows counts the rows the runner sampled
     assert asked == [blocks]
-    # Its KV cache (the runner adds a sink block) is what the real cache will replace.
-    per_layer = 2 * (blocks + 1) * 16 * cfg.num_key_value_heads * cfg.head_dim * 4
+    # Its KV blocks are what the real cache will replace; the sink block the runner adds stays in the peak,
+    # since the real runner has one too.
+    per_layer = 2 * blocks * 16 * cfg.num_key_value_heads * cfg.head_dim * 4
     assert step.kv_bytes == cfg.num_hidden_layers * per_layer
 
 

@@ -84,7 +84,9 @@ class CudaMemoryStats:
 class ProfileStep:
     num_rows: int  # rows the step sampled
     num_tokens: int
-    kv_bytes: int  # the step's own KV cache, which the real one replaces
+    # The step's own KV blocks, which the real cache replaces (not the runner's sink block: the real runner
+    # has one too, so it stays in the peak).
+    kv_bytes: int
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,8 @@ def run_profile_step(
         )
     runner = make_runner(next_block)
     out = runner.execute(SchedulerOutput(scheduled=scheduled, num_batched_tokens=tokens))
-    kv_bytes = sum(t.numel() * t.element_size() for t in runner.kv_caches)
+    # Per layer [2, blocks + 1 (the sink), ...] (attention/backend.py): bytes per block times the step's blocks.
+    kv_bytes = sum(t.numel() * t.element_size() // t.shape[1] for t in runner.kv_caches) * next_block
     return ProfileStep(num_rows=len(out.sampled), num_tokens=tokens, kv_bytes=kv_bytes)
 
 
