@@ -22,6 +22,13 @@ MODEL_MOUNT_PATH = "/models"
 # Where a fetched model is kept (emptyDir or a shared PVC); each URI gets a directory of its own below it.
 MODEL_CACHE_MOUNT_PATH = "/model-cache"
 SHM_MOUNT_PATH = "/dev/shm"
+# A GPU engine's Triton kernels and launchers, compiled at its first steps (seconds each), kept in a directory
+# of the model cache so that a cache that outlives the pod (a PVC) spares the next pod the compiles. Mounted
+# read-write at a path of its own: the model beside it stays read-only. No fetched model's directory has
+# this name (cache_directory ends in a hash). Triton writes each entry to a temporary file and renames it,
+# so replicas sharing one claim can fill it at once.
+TRITON_CACHE_SUBPATH = "triton-cache"
+TRITON_CACHE_MOUNT_PATH = "/triton-cache"
 GPU_RESOURCE = "nvidia.com/gpu"
 # The runtime image's user (runtime/Dockerfile); fsGroup makes the cache volumes writable for it.
 RUNTIME_UID = 65532
@@ -270,8 +277,11 @@ def _tolerations(spec: ServiceSpec) -> list[Manifest]:
     return result
 
 
-def _env(spec: ServiceSpec) -> list[Manifest]:
+def _env(spec: ServiceSpec, triton_cache: bool = False) -> list[Manifest]:
+    """The pod's env; with triton_cache, TRITON_CACHE_DIR on the cache volume unless the spec sets it."""
     result: list[Manifest] = []
+    if triton_cache and not any(var.name == "TRITON_CACHE_DIR" for var in spec.pod.env):
+        result.append({"name": "TRITON_CACHE_DIR", "value": TRITON_CACHE_MOUNT_PATH})
     for var in spec.pod.env:
         item: Manifest = {"name": var.name}
         if var.value is not None:
@@ -330,8 +340,19 @@ def _model_volumes(spec: ServiceSpec) -> tuple[list[Manifest], list[Manifest]]:
             if model.cache.size_limit is not None:
                 empty["sizeLimit"] = model.cache.size_limit
             volume = {"name": "model-cache", "emptyDir": empty}
-        return [volume], [{"name": "model-cache", "mountPath": MODEL_CACHE_MOUNT_PATH, "readOnly": True}]
+        mounts = [{"name": "model-cache", "mountPath": MODEL_CACHE_MOUNT_PATH, "readOnly": True}]
+        if _triton_cache(spec):
+            mounts.append(
+                {"name": "model-cache", "mountPath": TRITON_CACHE_MOUNT_PATH, "subPath": TRITON_CACHE_SUBPATH}
+            )
+        return [volume], mounts
     return [], []
+
+
+def _triton_cache(spec: ServiceSpec) -> bool:
+    """Whether the engine keeps Triton's cache on the model-cache volume: a GPU engine (the only one that
+    runs Triton) with a fetched model (the only source with a volume the pod may write)."""
+    return bool(spec.resources.gpu) and spec.model.source == "uri"
 
 
 def runtime_deployment(name: str, namespace: str, spec: ServiceSpec) -> Manifest:
@@ -366,7 +387,7 @@ def runtime_deployment(name: str, namespace: str, spec: ServiceSpec) -> Manifest
     }
     if spec.image_pull_policy is not None:
         container["imagePullPolicy"] = spec.image_pull_policy
-    env = _env(spec)
+    env = _env(spec, triton_cache=_triton_cache(spec))
     if env:
         container["env"] = env
 

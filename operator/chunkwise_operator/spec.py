@@ -805,7 +805,8 @@ def _pod(spec: Mapping[str, Any]) -> PodOverrides:
 
 # Volumes and mount paths of the operator's own; spec.pod.volumes must keep clear of them.
 RESERVED_VOLUMES = ("model", "model-cache", "dshm")
-RESERVED_MOUNT_PATHS = ("/models", "/model-cache", "/dev/shm")
+# /triton-cache: a GPU engine's Triton cache, a directory of the model cache (manifests.TRITON_CACHE_MOUNT_PATH).
+RESERVED_MOUNT_PATHS = ("/models", "/model-cache", "/dev/shm", "/triton-cache")
 
 
 def _objects(data: Mapping[str, Any], key: str, path: str, reason: str) -> list[Mapping[str, Any]]:

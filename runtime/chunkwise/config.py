@@ -121,7 +121,16 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = option(
         None,
         help="KV cache capacity in bytes",
-        unset="sized for the device: modest on CPU, most of the free GPU memory on CUDA",
+        unset="1 GiB on CPU; on CUDA what --gpu-memory-utilization leaves after the weights and a profiled "
+        "step",
+    )
+    # vLLM's name, default and meaning (a fraction of the device's total, not of what is free), so that a
+    # deployment moved from vLLM keeps its setting. Sized in engine/calibration.py.
+    gpu_memory_utilization: float = option(
+        0.9,
+        help="on CUDA, the fraction of the device's total memory this engine may use: weights, the activation "
+        "peak of the largest step (profiled at start-up), memory outside torch, and the KV cache in what is "
+        "left; --num-blocks or --kv-cache-memory-bytes override it",
     )
     enable_prefix_caching: bool = option(True, help="reuse the KV blocks of a prompt prefix already computed")
     swap_space_bytes: int = option(1 << 30, help="host memory for KV blocks swapped out by preemption")
@@ -135,6 +144,11 @@ class CacheConfig:
         _positive("block_size", self.block_size)
         _positive("num_blocks", self.num_blocks)
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                "gpu_memory_utilization (--gpu-memory-utilization) is a fraction of the device's memory, in "
+                f"(0, 1]; got {self.gpu_memory_utilization!r}"
+            )
         if self.num_blocks is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("give the KV cache capacity as num_blocks or kv_cache_memory_bytes, not both")
         if self.swap_space_bytes < 0:

@@ -125,6 +125,57 @@ def test_runtime_image_torch_is_the_pinned_one() -> None:
     assert "TORCH_INDEX=https://download.pytorch.org/whl/cpu" in args  # CPU unless asked otherwise
 
 
+def install_cc_step() -> str:
+    """The runtime image's final-stage RUN that installs Triton's C compiler, and proof that it runs as root
+    (before USER) in the stage the container runs."""
+    final = final_stage(DOCKERFILES["runtime"])
+    (i,) = [i for i, (k, a) in enumerate(final) if k == "RUN" and "INSTALL_CC" in a]
+    assert ("ARG", "INSTALL_CC=auto") in final[:i]
+    assert i < [k for k, _ in final].index("USER")
+    return final[i][1]
+
+
+@pytest.mark.parametrize(
+    ("install_cc", "torch_cuda", "installs"),
+    [("auto", "12.8", True), ("auto", None, False), ("1", None, True), ("0", "12.8", False)],
+)
+def test_runtime_image_has_a_c_compiler_for_triton_when_its_torch_is_a_cuda_build(
+    tmp_path: Path, install_cc: str, torch_cuda: str | None, installs: bool
+) -> None:
+    """The step itself, run by sh with apt-get and rm stood in for (they record their arguments) and a torch
+    package that only says which build it is."""
+    bin_dir, fake = tmp_path / "bin", tmp_path / "site"
+    bin_dir.mkdir()
+    (fake / "torch").mkdir(parents=True)
+    (fake / "torch" / "__init__.py").write_text("from torch import version\n")
+    (fake / "torch" / "version.py").write_text(f"cuda = {torch_cuda!r}\n")
+    log = tmp_path / "log"
+    for tool in ("apt-get", "rm", "gcc"):
+        (bin_dir / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >> {log}\n')
+        (bin_dir / tool).chmod(0o755)
+    script = install_cc_step().replace("/opt/venv/bin/python", sys.executable)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHONPATH": str(fake), "INSTALL_CC": install_cc}
+    subprocess.run(["sh", "-c", script], env=env, check=True, timeout=60)
+    calls = log.read_text().splitlines() if log.exists() else []
+    if not installs:
+        assert calls == []
+        return
+    import sysconfig
+
+    headers = Path(sysconfig.get_paths()["include"], "Python.h").exists()
+    packages = "gcc libc6-dev" + ("" if headers else " python3-dev")
+    assert calls[:2] == ["apt-get update", f"apt-get install -y --no-install-recommends {packages}"]
+    assert calls[2].startswith("rm -rf /var/lib/apt/lists/")  # the glob expanded on this machine
+    assert len(calls) == 3
+
+
+def test_runtime_image_refuses_an_unknown_install_cc() -> None:
+    env = {"PATH": "/usr/bin:/bin", "INSTALL_CC": "yes"}
+    result = subprocess.run(["sh", "-c", install_cc_step()], env=env, capture_output=True, text=True)
+    assert result.returncode == 1
+    assert "INSTALL_CC must be auto, 1 or 0, got 'yes'" in result.stderr
+
+
 def test_operator_image_runs_what_the_deployment_runs() -> None:
     deployment = yaml.safe_load((ROOT / "manifests" / "operator" / "operator.yaml").read_text())
     (container,) = deployment["spec"]["template"]["spec"]["containers"]

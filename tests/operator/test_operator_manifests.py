@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 
 from chunkwise_operator import manifests
-from chunkwise_operator.spec import ServiceSpec, parse
+from chunkwise_operator.spec import ServiceSpec, SpecError, parse
 
 MINIMAL = {"model": {"preset": "tiny"}, "image": "chunkwise:dev"}
 GPU_ROUTER: dict[str, Any] = {
@@ -473,6 +473,16 @@ def test_a_gpu_service_from_hugging_face() -> None:
     assert fetch["volumeMounts"] == [{"name": "model-cache", "mountPath": "/model-cache"}]
     assert {"name": "model-cache", "mountPath": "/model-cache", "readOnly": True} in engine["volumeMounts"]
     assert {"name": "model-cache", "emptyDir": {}} in pod["volumes"]
+    # Triton's compiled kernels go to a writable directory of the same volume, at a path of its own.
+    assert engine["volumeMounts"] == [
+        {"name": "model-cache", "mountPath": "/model-cache", "readOnly": True},
+        {"name": "model-cache", "mountPath": "/triton-cache", "subPath": "triton-cache"},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    assert engine["env"] == [
+        {"name": "TRITON_CACHE_DIR", "value": "/triton-cache"},
+        {"name": "HF_ENDPOINT", "value": "http://mirror.internal"},
+    ]
     assert pod["imagePullSecrets"] == [{"name": "r"}]
     assert restricted_violations(pod) == []
 
@@ -523,3 +533,52 @@ def test_every_pod_meets_the_restricted_profile(variant: dict[str, Any]) -> None
     for child in manifests.children("svc", "ml", spec(variant)):
         if child["kind"] == "Deployment":
             assert restricted_violations(child["spec"]["template"]["spec"]) == [], child["metadata"]["name"]
+
+
+def triton_cache(pod: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    (engine,) = pod["containers"]
+    mounts = [m for m in engine["volumeMounts"] if m.get("subPath") == "triton-cache"]
+    env = [e for e in engine.get("env", []) if e["name"] == "TRITON_CACHE_DIR"]
+    return mounts, env
+
+
+def test_triton_cache_goes_on_a_shared_cache_claim_for_gpu_engines_only() -> None:
+    """A cache claim outlives the pod: the next GPU pod finds Triton's kernels compiled. A CPU engine runs no
+    Triton; a model from a claim (read-only) or a preset leaves no volume the pod may write."""
+    data = copy.deepcopy(HF_GPU)
+    data["model"] = {"uri": "s3://weights/qwen3-8b", "cache": {"claimName": "models-rw"}}
+    pod = manifests.runtime_deployment("q", "ml", spec(data))["spec"]["template"]["spec"]
+    assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "models-rw"}} in pod["volumes"]
+    assert triton_cache(pod) == (
+        [{"name": "model-cache", "mountPath": "/triton-cache", "subPath": "triton-cache"}],
+        [{"name": "TRITON_CACHE_DIR", "value": "/triton-cache"}],
+    )
+    assert restricted_violations(pod) == []
+
+    cpu = copy.deepcopy(data)
+    cpu["resources"] = {"cpu": "8", "memory": "48Gi"}
+    for variant in (cpu, GPU_ROUTER, MINIMAL):
+        pod = manifests.runtime_deployment("q", "ml", spec(variant))["spec"]["template"]["spec"]
+        assert triton_cache(pod) == ([], []), variant
+
+
+def test_every_path_the_operator_mounts_into_the_engine_is_reserved() -> None:
+    """spec.pod.volumeMounts may not use them: Kubernetes refuses a pod with one mount path twice."""
+    from chunkwise_operator.spec import RESERVED_MOUNT_PATHS
+
+    for variant in (HF_GPU, GPU_ROUTER, MINIMAL, IMAGE_PATH):
+        pod = manifests.runtime_deployment("q", "ml", spec(variant))["spec"]["template"]["spec"]
+        for mount in pod["containers"][0]["volumeMounts"]:
+            assert mount["mountPath"] in RESERVED_MOUNT_PATHS, mount
+    with pytest.raises(SpecError, match="'/triton-cache/x' is under one the operator mounts"):
+        data = copy.deepcopy(HF_GPU)
+        data["pod"]["volumes"] = [{"name": "v", "emptyDir": {}}]
+        data["pod"]["volumeMounts"] = [{"name": "v", "mountPath": "/triton-cache/x"}]
+        spec(data)
+
+
+def test_a_triton_cache_dir_in_the_spec_is_kept() -> None:
+    data = copy.deepcopy(HF_GPU)
+    data["pod"]["env"] = [{"name": "TRITON_CACHE_DIR", "value": "/scratch/triton"}]
+    pod = manifests.runtime_deployment("q", "ml", spec(data))["spec"]["template"]["spec"]
+    assert pod["containers"][0]["env"] == [{"name": "TRITON_CACHE_DIR", "value": "/scratch/triton"}]

@@ -44,8 +44,14 @@ def test_the_gpu_example_renders_what_reconcile_applies() -> None:
     assert engine["resources"]["limits"]["nvidia.com/gpu"] == "1"
     model_dir = args[args.index("--model") + 1]
     assert fetch["args"] == ["fetch-model", "hf://meta-llama/Llama-3.1-8B-Instruct", model_dir]
-    mounted = {m["name"]: m["mountPath"] for m in engine["volumeMounts"]}
-    assert model_dir.startswith(mounted[fetch["volumeMounts"][0]["name"]] + "/")
+    # The model is read where the fetcher wrote it, read-only; Triton's cache is the volume's one writable
+    # directory, at a path of its own.
+    mounted = {m["name"]: m for m in engine["volumeMounts"] if "subPath" not in m}
+    model_mount = mounted[fetch["volumeMounts"][0]["name"]]
+    assert model_dir.startswith(model_mount["mountPath"] + "/") and model_mount["readOnly"] is True
+    triton = {"name": "model-cache", "mountPath": "/triton-cache", "subPath": "triton-cache"}
+    assert triton in engine["volumeMounts"]
+    assert {"name": "TRITON_CACHE_DIR", "value": "/triton-cache"} in engine["env"]
 
 
 def test_the_gateway_example_renders_its_inference_pool() -> None:

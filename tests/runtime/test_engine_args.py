@@ -35,6 +35,7 @@ NOT_DEFAULT: dict[str, object] = {
     "enable_prefix_caching": False,
     "swap_space_bytes": 12345,
     "kv_events_buffer": 16,
+    "gpu_memory_utilization": 0.5,
     "max_num_seqs": 3,
     "max_num_batched_tokens": 4096,
     "max_model_len": 2048,
@@ -181,6 +182,12 @@ def test_unchunked_the_budget_becomes_max_model_len_unless_given() -> None:
         ({"speculative_method": "x"}, "speculative_method must be None, 'ngram' or 'draft', got 'x'"),
         ({"max_num_seqs": 0}, "max_num_seqs must be positive, got 0"),
         ({"num_blocks": 4, "kv_cache_memory_bytes": 1 << 20}, "not both"),
+        (
+            {"gpu_memory_utilization": 0.0},
+            "--gpu-memory-utilization) is a fraction of the device's memory, in (0, 1]; got 0.0",
+        ),
+        ({"gpu_memory_utilization": 1.5}, "in (0, 1]; got 1.5"),
+        ({"gpu_memory_utilization": float("nan")}, "in (0, 1]; got nan"),
     ],
 )
 def test_validation_errors_name_the_option(kwargs: dict[str, object], message: str) -> None:

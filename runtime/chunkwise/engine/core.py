@@ -21,7 +21,12 @@ from chunkwise.attention.backend import AttentionBackend
 from chunkwise.cache.events import KVEventLog
 from chunkwise.cache.kv_cache_manager import KVCacheManager
 from chunkwise.config import Dtype, EngineConfig
-from chunkwise.engine.calibration import StartupProbe, default_kv_bytes
+from chunkwise.engine.calibration import (
+    DEFAULT_CPU_KV_BYTES,
+    CudaMemoryStats,
+    StartupProbe,
+    kv_blocks_on_device,
+)
 from chunkwise.engine.output_processor import OutputProcessor
 from chunkwise.engine.step import StepStats, StepUpdate
 from chunkwise.model.loader import LoadedModel, checkpoint_dtype, load_model
@@ -80,13 +85,36 @@ class EngineCore:
         self.loaded: LoadedModel = load_model(config.model, dtype=dtype, device=device, backend=backend)
         mcfg = self.loaded.config
         cache = config.cache
+        # Loaded before the KV cache is sized: its weights and its KV blocks take device memory too.
+        draft = self._load_draft(config, dtype, device, backend)
         per_token = kv_bytes_per_token(mcfg, dtype)
         block_bytes = per_token * cache.block_size
+        sched_cfg = config.scheduler
         if cache.num_blocks is not None:
             num_blocks = cache.num_blocks
+        elif cache.kv_cache_memory_bytes is not None:
+            num_blocks = cache.kv_cache_memory_bytes // block_bytes
+        elif device.type == "cuda":
+            # Each block id is a block of the target's cache and one of the draft's (speculative/draft.py).
+            draft_bytes = kv_bytes_per_token(draft.config, dtype) * cache.block_size if draft else 0
+            profile_len = sched_cfg.max_model_len or mcfg.max_position_embeddings
+
+            def profile_runner(blocks: int) -> ModelRunner:
+                return self._runner(config, backend, blocks, 0, dtype, device, profile_len)
+
+            num_blocks = kv_blocks_on_device(
+                profile_runner,
+                CudaMemoryStats(device),
+                utilization=cache.gpu_memory_utilization,
+                block_bytes=block_bytes + draft_bytes,
+                block_size=cache.block_size,
+                max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
+                max_num_seqs=sched_cfg.max_num_seqs,
+                max_model_len=sched_cfg.max_model_len,
+                profile_len=profile_len,
+            )
         else:
-            num_blocks = (cache.kv_cache_memory_bytes or default_kv_bytes(device)) // block_bytes
-        sched_cfg = config.scheduler
+            num_blocks = DEFAULT_CPU_KV_BYTES // block_bytes
         if sched_cfg.max_model_len is None:
             # Unset, it is the model's context, cut to what the cache holds (a request must fit it alone);
             # set, it is the operator's word, and a cache too small for it is an error below.
@@ -125,7 +153,7 @@ class EngineCore:
         num_host_blocks = cache.swap_space_bytes // block_bytes
         # Structured outputs: the engine's one llguidance tokenizer (built on first use) and grammar cache.
         self.structured = GrammarCompiler(self.tokenizer, mcfg.vocab_size, self.eos_token_ids)
-        proposer = self._make_proposer(config, num_blocks, dtype, device, backend)
+        proposer = self._make_proposer(config, draft, num_blocks, dtype, device)
         # What enters and leaves the prefix cache, for the router's exact index (GET /v1/kv_events).
         self.kv_events = (
             KVEventLog(cache.kv_events_buffer)
@@ -135,18 +163,14 @@ class EngineCore:
         self.kv = KVCacheManager(
             num_blocks, cache.block_size, cache.enable_prefix_caching, num_host_blocks, self.kv_events
         )
-        self.runner = ModelRunner(
-            self.loaded.model,
-            mcfg,
+        self.runner = self._runner(
+            config,
             backend,
-            num_blocks=num_blocks,
-            block_size=cache.block_size,
-            num_host_blocks=num_host_blocks,
-            dtype=dtype,
-            device=device,
-            max_num_tokens=sched_cfg.max_num_batched_tokens,
-            max_num_reqs=sched_cfg.max_num_seqs,
-            max_model_len=self.max_model_len,
+            num_blocks,
+            num_host_blocks,
+            dtype,
+            device,
+            self.max_model_len,
             proposer=proposer,
             grammars=self.structured,
         )
@@ -217,19 +241,41 @@ class EngineCore:
         self.runner.use_decode_graphs(sizes, capture=True)
         log.info("CUDA graph capture took %.1fs", time.perf_counter() - t0)
 
-    def _make_proposer(
+    def _runner(
         self,
         config: EngineConfig,
+        backend: AttentionBackend,
         num_blocks: int,
+        num_host_blocks: int,
         dtype: torch.dtype,
         device: torch.device,
-        backend: AttentionBackend,
-    ) -> Proposer | None:
+        max_model_len: int,
+        proposer: Proposer | None = None,
+        grammars: GrammarCompiler | None = None,
+    ) -> ModelRunner:
+        """The model runner: the engine's own, or one with a few blocks for the start-up memory profile."""
+        return ModelRunner(
+            self.loaded.model,
+            self.loaded.config,
+            backend,
+            num_blocks=num_blocks,
+            block_size=config.cache.block_size,
+            num_host_blocks=num_host_blocks,
+            dtype=dtype,
+            device=device,
+            max_num_tokens=config.scheduler.max_num_batched_tokens,
+            max_num_reqs=config.scheduler.max_num_seqs,
+            max_model_len=max_model_len,
+            proposer=proposer,
+            grammars=grammars,
+        )
+
+    def _load_draft(
+        self, config: EngineConfig, dtype: torch.dtype, device: torch.device, backend: AttentionBackend
+    ) -> LoadedModel | None:
         spec = config.spec
-        if spec.method is None:
+        if spec.method != "draft":
             return None
-        if spec.method == "ngram":
-            return NgramProposer()
         if not spec.draft_model:
             raise ValueError(
                 "speculative_method='draft' needs speculative_model (a preset or a HF directory)"
@@ -241,6 +287,22 @@ class EngineCore:
                 f"the draft model {spec.draft_model!r} has vocab_size {draft.config.vocab_size}, "
                 f"the target {target_vocab}: they must share a tokenizer"
             )
+        return draft
+
+    def _make_proposer(
+        self,
+        config: EngineConfig,
+        draft: LoadedModel | None,
+        num_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> Proposer | None:
+        spec = config.spec
+        if spec.method is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer()
+        assert draft is not None  # _load_draft loaded it for the method "draft"
         if draft.config.max_position_embeddings < self.max_model_len:
             raise ValueError(
                 f"the draft model supports {draft.config.max_position_embeddings} positions, "
