@@ -151,6 +151,9 @@ class Bench:
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.t0 = time.monotonic()
+        self.kv_bytes = (
+            self.shape.kv_bytes if args.kv_cache_memory_bytes is None else args.kv_cache_memory_bytes
+        )
         self.failed = False
         self.report: dict[str, Any] = {
             "smoke": self.smoke,
@@ -185,7 +188,8 @@ class Bench:
                 max_num_seqs=s.max_num_seqs,
                 max_num_batched_tokens=s.budget,
                 max_model_len=s.max_model_len,
-                kv_cache_memory_bytes=s.kv_bytes,
+                # 0: sized as a user's engine is, by gpu_memory_utilization and a profiled peak on CUDA.
+                **({"kv_cache_memory_bytes": self.kv_bytes} if self.kv_bytes else {}),
                 enable_prefix_caching=False,
             )
         )
@@ -397,6 +401,8 @@ class Bench:
                 engine = self.engine(cfg)
                 entry["start_s"] = time.monotonic() - t0
                 entry["graphs"] = engine.runner.graphs is not None
+                entry["kv_blocks"] = engine.model_info.num_blocks
+                entry["kv_sized_by"] = "kv_cache_memory_bytes" if self.kv_bytes else "gpu_memory_utilization"
                 if "tokens" in measures:
                     tokens = self.tokens(engine)
                     if reference is None:
@@ -559,6 +565,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=lambda v: set(v.split(",")),
         default=set(MEASURES),
         help=f"comma-separated measurements (default: all of {','.join(MEASURES)})",
+    )
+    p.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="KV cache size (default: the shape's, 48 GiB on the GPU); 0 sizes it as a user's engine is "
+        "(gpu_memory_utilization and a profiled peak on CUDA)",
     )
     p.add_argument(
         "--logprob-tol", type=float, default=0.0, help="token check: override the dtype's tolerance"

@@ -161,6 +161,9 @@ def test_dry_run_of_every_section_with_only_what_the_gpu_machine_has(tmp_path):
     assert race["identical"] and race["prompt_only_steps"] >= 2
 
     throughput = sections["throughput"]["report"]["configs"]
+    # Sized as a user's engine is (on CPU that is the default 1 GiB), the other sections pinned.
+    assert {c["kv_sized_by"] for c in throughput.values()} == {"gpu_memory_utilization"}
+    assert {c["kv_sized_by"] for c in correctness["configs"].values()} == {"kv_cache_memory_bytes"}
     for name in ("cpu-eager", "cpu-buckets"):
         for d in throughput[name]["decode"].values():
             assert d["p99_step_ms"] >= d["step_ms"] > d["host_ms"] > 0
