@@ -270,13 +270,13 @@ class TritonAttentionBackend:
         index = self._buffer("warmup_index", 2, torch.int64, device)
         tables = (index.view(1, 2), index[:1], index)
         out = self._buffer("out", query.numel(), query.dtype, device).view(query.shape)
-        launches = _Launches(self, query, kv_cache, launch, out, 1.0, compile_only=True)
         compiled = []
         # Whether a step splits follows its rows and contexts, so both short variants are reachable unless
         # splitting is off. (The number of splits is a grid size and an unspecialised argument: any will do.)
         for num_splits in (1,) if self.config.num_splits == 1 else (1, 2):
-            launches.launch = replace(launch, num_splits=num_splits)
-            compiled += launches.short(1, tables)
+            split = replace(launch, num_splits=num_splits)
+            compiled += _Launches(self, query, kv_cache, split, out, 1.0, compile_only=True).short(1, tables)
+        launches = _Launches(self, query, kv_cache, launch, out, 1.0, compile_only=True)
         compiled += launches.long(1, query.shape[0], tables)
         self._warm.add(_layout(query, kv_cache))
         return compiled
