@@ -480,19 +480,30 @@ class Bench:
         }
 
     def sweep(self) -> None:
-        """Alternative tile shapes, timed on the two headline shapes (the defaults are not tuned)."""
+        """Alternative tile shapes, timed on the two headline shapes (the defaults are not tuned), and the
+        KV-split target at small batch, where splitting decides how much of the GPU decode uses."""
         if self.smoke:
             decode_shape, prefill_shape, heads = [(39, 1)] * 2, [(0, 24)], (4, 2, 16)
+            split_shape = [(39, 1)]
             decode_cfgs = [{"short_tile_n": 32}]
             prefill_cfgs = [{"long_block_m": 32, "long_tile_n": 32}]
+            split_cfgs = [{"num_splits": 2}]
         else:
             decode_shape, prefill_shape, heads = [(2047, 1)] * 64, [(0, 2048)], (32, 8, 128)
+            # 4 rows x 8 KV heads: 32 programs unsplit, far below one per SM.
+            split_shape = [(8191, 1)] * 4
             decode_cfgs = [
                 {"short_tile_n": n, "short_num_warps": w, "short_num_stages": s}
                 for n in (32, 64, 128)
                 for w in (4, 8)
-                for s in (2, 3)
+                for s in (2, 3, 4)
                 if not (n == 32 and w == 8)
+            ]
+            # Programs per SM the splits aim for (the default is 4): 2 was the old default; 4-8 waves
+            # hide more latency per SM if occupancy allows (at 3 stages a program takes ~70 KB of shared
+            # memory at head_dim 128: three fit an SM). Crossed with the pipeline depth.
+            split_cfgs = [
+                {"splits_target_waves": w, "short_num_stages": s} for w in (2, 4, 5, 6, 8) for s in (2, 3, 4)
             ]
             prefill_cfgs = [
                 {"long_block_m": m, "long_tile_n": n, "long_num_warps": w, "long_num_stages": s}
@@ -507,9 +518,10 @@ class Bench:
                     (128, 128, 8, 2),
                 ]
             ]
-        results = self.report.setdefault("sweep", {"decode": [], "prefill": []})
+        results = self.report.setdefault("sweep", {"decode": [], "prefill": [], "decode_splits": []})
         for kind, shape, cfgs in (
             ("decode", decode_shape, decode_cfgs),
+            ("decode_splits", split_shape, split_cfgs),
             ("prefill", prefill_shape, prefill_cfgs),
         ):
             case = self.case(shape, heads, seed=8)
@@ -520,13 +532,17 @@ class Bench:
                 backend = self.Triton(replace(self.triton.config, **overrides))
                 entry: dict[str, Any] = {"config": overrides}
                 try:
+                    if kind.startswith("decode"):
+                        _, num_heads, head_dim = case.query.shape
+                        plan = backend.plan(case.meta, num_heads, case.cache.shape[3], head_dim)
+                        entry["kv_splits"] = plan.launch.num_splits
                     out = self.attend(backend, case)
                     entry["max_abs_err"] = max_error(out, ref)
                     if entry["max_abs_err"] <= TOLERANCE[self.dtype] * max(
                         1.0, float(ref.float().abs().max())
                     ):
                         entry["us"] = self.timer(partial(self.attend, backend, case))
-                        if kind == "decode":
+                        if kind.startswith("decode"):
                             entry["pct_peak_hbm"] = 100 * case.kv_bytes / (entry["us"] * 1e-6) / self.peak_bw
                         else:
                             entry["tflops"] = case.causal_flops / (entry["us"] * 1e-6) / 1e12
@@ -895,7 +911,7 @@ def render_markdown(r: dict[str, Any]) -> str:
             rows = [
                 [
                     kind,
-                    json.dumps(e["config"]),
+                    json.dumps(e["config"]) + (f" ({e['kv_splits']} KV splits)" if "kv_splits" in e else ""),
                     e.get("us", ""),
                     e.get("pct_peak_hbm", e.get("tflops", "")),
                     e.get("error", ""),

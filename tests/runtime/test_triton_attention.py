@@ -6,10 +6,12 @@ triton is imported unconditionally: CI installs it, and a missing install must f
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +23,7 @@ import triton  # noqa: F401  (fails the module loudly where triton is missing)
 from chunkwise.attention import get_attention_backend
 from chunkwise.attention.backend import AttentionMetadata, kv_cache_shape
 from chunkwise.attention.torch_ref import TorchAttentionBackend
-from chunkwise.attention.triton_backend import TritonAttentionBackend, TritonAttentionConfig
+from chunkwise.attention.triton_backend import TritonAttentionBackend, TritonAttentionConfig, row_splits
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -235,11 +237,98 @@ def test_split_heuristic_fills_the_gpu_only_when_rows_are_few():
     try:
         cuda = torch.device("cuda", 7)
         one_row = backend.launch_plan(few, 4, 2, cuda)
-        # 2 programs (1 row x 2 KV heads) want 66 splits; 32 tiles of 64 allow at most 16 of 2 tiles.
-        assert (one_row.num_splits, one_row.tiles_per_split) == (16, 2)
+        # 2 programs (1 row x 2 KV heads) want 4 waves of 66, 132 splits; 32 tiles of 64 allow at most 16
+        # of 2 tiles.
+        assert one_row.num_splits == 16
+        assert row_splits(2048, one_row.num_splits, 64) == (16, 2)
         assert backend.launch_plan(many, 4, 2, cuda).num_splits == 1
     finally:
         del triton_backend._SM_COUNT[7]
+
+
+def test_graph_plan_splits_each_row_by_its_own_length():
+    """A decode graph is planned once for max_model_len; each row must still cut its own context into the
+    plan's splits (issue 30: at 131072 a 4k context ran on 8 CTAs). Short and long rows in one batch, run
+    with the splits a 66-SM GPU gets for 4 rows at 4096 tokens: every row matches the reference, and the
+    partials written (NaN-filled before) are exactly the splits row_splits gives each row's seq_len."""
+    from chunkwise.attention import triton_backend
+
+    config = TritonAttentionConfig(short_tile_n=16)
+    backend = TritonAttentionBackend(config)
+    requests = [(1, 1), (199, 1), (699, 1), (999, 1)]
+    batch = Batch(requests, num_heads=4, num_kv_heads=2, block_size=16, seed=14)
+    batch.fill_cache(backend)
+    capture_meta = dataclasses.replace(batch.meta, seq_lens_host=[4096] * 4, max_seq_len=4096)
+    triton_backend._SM_COUNT[7] = 66
+    try:
+        launch = backend.launch_plan(capture_meta, 4, 2, torch.device("cuda", 7))
+    finally:
+        del triton_backend._SM_COUNT[7]
+    # 8 programs want 4 waves of 66: 33 splits, trimmed to the 32 that 256 tiles of 16 fill (8 tiles each).
+    assert (launch.num_splits, launch.run_short, launch.run_long) == (32, True, False)
+    rows = 4 * launch.short_block_q * 4 * launch.num_splits
+    part_m = backend._buffer("part_m", rows, torch.float32, batch.query.device)
+    part_m.fill_(float("nan"))
+    plan = triton_backend.TritonPlan(batch.meta, 4, 2, 16, launch)
+    out = backend.attend(batch.query, batch.cache, plan, batch.scale)
+    torch.testing.assert_close(out.double(), batch.dense(), atol=1e-5, rtol=1e-5)
+
+    written = ~part_m.view(4, launch.short_block_q, 4, launch.num_splits)[:, 0].isnan()  # [row, head, split]
+    for row, seq_len in enumerate(batch.meta.seq_lens_host):
+        splits, _ = row_splits(seq_len, launch.num_splits, 16)
+        expected = torch.arange(launch.num_splits) < splits
+        assert torch.equal(written[row], expected.expand(4, -1)), (seq_len, written[row])
+    # The work follows each row's length: 13 splits of one tile for 200 tokens (a split size fixed by the
+    # plan's 4096 would give it 2 splits of 8 tiles), 32 of 2 for 1000, one split for a 2-token row.
+    assert [row_splits(n, 32, 16) for n in batch.meta.seq_lens_host] == [(1, 1), (13, 1), (22, 2), (32, 2)]
+
+
+def test_a_step_allocates_nothing_once_buffers_have_grown(monkeypatch):
+    """Issue 30: the backend allocated its output and three partial buffers per layer (128 a step at 32
+    layers). Kernels stubbed out (the interpreter allocates for its own copies): once a step of the largest
+    batch has run, plan + write_kv + attend over several layers and smaller batches allocate no tensor,
+    and the output is the same buffer step after step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from chunkwise.attention import triton_kernels
+
+    class Launch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    class CountAllocations(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.allocations: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            if any(f in name for f in ("empty", "zeros", "full", "ones", "clone", "_to_copy", "contiguous")):
+                self.allocations.append(name)
+            return func(*args, **(kwargs or {}))
+
+    backend = TritonAttentionBackend(TritonAttentionConfig(short_tile_n=16, num_splits=4))
+    for name in ("paged_attention_kernel", "merge_splits_kernel", "write_kv_kernel"):
+        monkeypatch.setattr(triton_kernels, name, Launch())
+    largest = Batch([(100, 1)] * 8 + [(0, 20)], num_heads=4, num_kv_heads=2, seed=15)
+    steps = [largest] + [
+        Batch([(50 + 9 * i, 1)] * n, num_heads=4, num_kv_heads=2, seed=16 + n)
+        for i, n in enumerate((1, 5, 8, 3))
+    ]
+
+    def step(batch: Batch) -> list[int]:
+        plan = plan_for(backend, batch)
+        ptrs = []
+        for _layer in range(4):
+            backend.write_kv(batch.step_keys, batch.step_values, batch.cache, batch.meta.slot_mapping)
+            ptrs.append(backend.attend(batch.query, batch.cache, plan, batch.scale).data_ptr())
+        return ptrs
+
+    first = step(largest)
+    with CountAllocations() as counter:
+        later = [ptr for batch in steps for ptr in step(batch)]
+    assert counter.allocations == []
+    assert set(first + later) == {first[0]}
 
 
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(24, 6, 2), (32, 3, 1)])
@@ -432,10 +521,40 @@ def test_kernels_compile_for_nvidia_gpus(tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
-    assert len(lines) == 13 and all(": ok (" in line for line in lines), result.stdout
+    # One line per distinct variant: 4 jobs x (write_kv, short, short+split, merge, long), less the second
+    # job's short kernels, which are the first job's.
+    assert len(lines) == 16 and all(": ok (" in line for line in lines), result.stdout
+    # The backend's warmup compiled every attention variant before a launch needed it.
+    assert all(line.endswith("[launch]") == line.startswith("write_kv") for line in lines), result.stdout
     # Prefill tiles of 64+ rows get Hopper's warpgroup MMA; decode's 16-row tiles the classic one.
     assert sum(line.startswith("paged_attention_kernel long sm_90: ok (wgmma") for line in lines) == 3
-    assert sum(line.startswith("paged_attention_kernel short+split sm_90") for line in lines) == 1
+    short = [line for line in lines if line.startswith("paged_attention_kernel short")]
+    assert sum("sm_90" in line for line in short) == 4
+    # Decode is multi-buffered: two K/V buffers at least, and the loop leaves copies in flight (a wait with
+    # num > 0) instead of waiting for every copy each iteration.
+    for line in short:
+        match = re.search(r"(\d+) K/V buffers, async_wait num<=(\d+)", line)
+        assert match and int(match[1]) >= 2 and int(match[2]) > 0, line
+
+
+def test_serving_compiles_no_variant_after_the_first_forward():
+    """Issue 30: while serving, Triton compiled a variant (1-3 s each) whenever the block table's width hit a
+    new "== 1" / "multiple of 16" class and for every power of two of KV splits the merge saw. Steps with
+    varying batch sizes, table widths, contexts and splits, after the first forward, must meet only the
+    variants that forward compiled: short, short+split and long attention, one merge, one KV write."""
+    script = REPO / "tests/runtime/triton_compile_check.py"
+    result = _python(
+        f"import runpy, sys; sys.argv = [{str(script)!r}, '--variants', '300']; "
+        f"runpy.run_path({str(script)!r}, run_name='__main__')",
+        {"TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    counts = json.loads(result.stdout.splitlines()[-1])
+    assert counts == {
+        "write_kv_kernel": {"first_forward": 1, "serving": 1, "new_in_serving": 0},
+        "paged_attention_kernel": {"first_forward": 3, "serving": 3, "new_in_serving": 0},
+        "merge_splits_kernel": {"first_forward": 1, "serving": 1, "new_in_serving": 0},
+    }
 
 
 # -- the GPU benchmark's smoke mode ------------------------------------------------------------------------

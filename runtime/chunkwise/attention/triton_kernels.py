@@ -11,7 +11,9 @@ Attention is one kernel launched in up to two shapes:
   of the score tile (padded to a power of two) and, for small groups, so are several query tokens, to fill
   the 16 rows tl.dot needs for a tensor-core shape. Decode is bandwidth-bound, so when there are too few
   (request, KV head) pairs to fill the GPU the context is split across programs (flash-decoding) and a
-  second kernel merges the partial softmaxes.
+  second kernel merges the partial softmaxes. The number of splits is the launch's (grid axis 2, fixed for
+  a captured CUDA graph); each row cuts its *own* context into that many pieces, so a short row in a graph
+  planned for the longest context still spreads over every split, and splits past its last tile idle.
 - "long" programs take BLOCK_Q query tokens x the query group of one KV head of a prefill chunk, with a
   larger tile for tensor-core throughput. Each program finds its (request, query block) from
   query_start_loc inside the kernel, so the launch needs no per-step host tensors (and can sit in a CUDA
@@ -33,8 +35,10 @@ NEG_BIG = tl.constexpr(-1.0e30)
 
 
 # Triton compiles a variant per "equals 1" / "multiple of 16" of each int argument; these change from step
-# to step, and a compile in the middle of serving costs seconds.
-@triton.jit(do_not_specialize=["num_reqs", "short_max_q", "tiles_per_split"])
+# to step (stride_bt is the block table's width, a function of the step's longest context), and a compile in
+# the middle of serving costs seconds. The strides left specialised are fixed for an engine's life, and their
+# divisibility is what lets the KV loads vectorise.
+@triton.jit(do_not_specialize=["num_reqs", "short_max_q", "stride_bt"])
 def paged_attention_kernel(
     out_ptr,
     q_ptr,
@@ -50,7 +54,6 @@ def paged_attention_kernel(
     num_heads,
     qk_scale,
     short_max_q,
-    tiles_per_split,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -136,8 +139,16 @@ def paged_attention_kernel(
     # Keys past the last query of this block are causally invisible to all of its rows.
     kv_len = ctx_start + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)
     num_tiles = tl.cdiv(kv_len, TILE_N)
+    # This row's own split size: the work per program follows its context, not the launch's longest one.
+    tiles_per_split = tl.cdiv(num_tiles, tl.num_programs(2))
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(num_tiles, tile_lo + tiles_per_split)
+    # (Nested, not `and`: the constexpr test leaves the unsplit variants without the runtime one.)
+    if SPLIT:  # noqa: SIM102
+        # Past this row's last tile: nothing to compute, and nothing to store (the merge reads only the
+        # splits that hold work).
+        if tile_lo >= num_tiles:
+            return
 
     m_i = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -145,11 +156,16 @@ def paged_attention_kernel(
     table_row = block_tables_ptr + req * stride_bt
     head_off = kv_head * stride_kh
 
+    # The first tile's block ids; each iteration fetches the next tile's at its end. Carried across the loop,
+    # the ids are no longer a load feeding a load inside one iteration, which Triton's pipeliner handles only
+    # by splitting its stages between the two (num_stages=3 then gave one K/V buffer and a wait for every
+    # copy); carried, the K/V copies of tile i+1 are in flight while tile i computes.
+    # Table entries past the context are padding (0): masked out, so such blocks are never read.
+    offs_first = tile_lo * TILE_N + tl.arange(0, TILE_N)
+    blk = tl.load(table_row + offs_first // PAGE, mask=offs_first < kv_len, other=0).to(tl.int64)
     for tile in range(tile_lo, tile_hi):
         offs_n = tile * TILE_N + tl.arange(0, TILE_N)
         n_valid = offs_n < kv_len
-        # Table entries past the context are padding (0): masked out here, so such blocks are never read.
-        blk = tl.load(table_row + offs_n // PAGE, mask=n_valid, other=0).to(tl.int64)
         slot_off = blk * stride_kb + (offs_n % PAGE) * stride_ko + head_off
 
         k = tl.load(
@@ -185,6 +201,8 @@ def paged_attention_kernel(
         else:
             acc += tl.dot(p.to(v.dtype), v)
         m_i = m_new
+        offs_next = offs_n + TILE_N
+        blk = tl.load(table_row + offs_next // PAGE, mask=offs_next < kv_len, other=0).to(tl.int64)
 
     if SPLIT:
         # Partials are indexed by (request, query within the short block, head, split): bounded by the
@@ -209,6 +227,8 @@ def paged_attention_kernel(
         )
 
 
+# One compiled variant whatever the number of splits: they are read SPLITS_BLOCK at a time (a constexpr that
+# followed the number of splits compiled a variant per power of two, inside timed steps).
 @triton.jit(do_not_specialize=["num_splits"])
 def merge_splits_kernel(
     out_ptr,
@@ -216,6 +236,7 @@ def merge_splits_kernel(
     part_m_ptr,
     part_l_ptr,
     query_start_loc_ptr,
+    seq_lens_ptr,
     num_heads,
     num_splits,
     stride_ot,
@@ -223,7 +244,8 @@ def merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    TILE_N: tl.constexpr,
+    SPLITS_BLOCK: tl.constexpr,
 ):
     req = tl.program_id(0)
     q_idx = tl.program_id(1)
@@ -234,24 +256,36 @@ def merge_splits_kernel(
         return
     if q_idx >= q_len:
         return
+    # The splits that hold this row's work, as the attention kernel cut it (a short row's keys end at its
+    # seq_len); those past it stored nothing.
+    num_tiles = tl.cdiv(tl.load(seq_lens_ptr + req), TILE_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    row_splits = tl.cdiv(num_tiles, tiles_per_split)
 
-    offs_s = tl.arange(0, SPLITS_PAD)
-    s_valid = offs_s < num_splits
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     base = ((req * BLOCK_Q + q_idx) * num_heads + head).to(tl.int64) * num_splits
-    m = tl.load(part_m_ptr + base + offs_s, mask=s_valid, other=NEG_BIG)
-    l_part = tl.load(part_l_ptr + base + offs_s, mask=s_valid, other=0.0)
-    acc = tl.load(
-        part_acc_ptr + (base + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
-        mask=s_valid[:, None],
-        other=0.0,
-    )
-    # Empty splits carry m = NEG_BIG and weigh exp2(NEG_BIG - m_max) = 0. Split 0 always holds position 0,
-    # which every query sees, so the total weight is positive.
-    m_max = tl.max(m, 0)
-    w = tl.math.exp2(m - m_max)
-    total = tl.sum(l_part * w, 0)
-    o = tl.sum(acc * w[:, None], 0) / total
+    # An online merge over blocks of splits: running maximum, weight and weighted sum. Split 0 always holds
+    # position 0, which every query sees, so the total weight is positive.
+    m_run = tl.full([], NEG_BIG, dtype=tl.float32)
+    l_run = tl.zeros([], dtype=tl.float32)
+    acc_run = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
+    for first in range(0, row_splits, SPLITS_BLOCK):
+        offs_s = first + tl.arange(0, SPLITS_BLOCK)
+        s_valid = offs_s < row_splits
+        m = tl.load(part_m_ptr + base + offs_s, mask=s_valid, other=NEG_BIG)
+        l_part = tl.load(part_l_ptr + base + offs_s, mask=s_valid, other=0.0)
+        acc = tl.load(
+            part_acc_ptr + (base + offs_s)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+            mask=s_valid[:, None],
+            other=0.0,
+        )
+        m_new = tl.maximum(m_run, tl.max(m, 0))
+        alpha = tl.math.exp2(m_run - m_new)
+        w = tl.math.exp2(m - m_new)
+        l_run = l_run * alpha + tl.sum(l_part * w, 0)
+        acc_run = acc_run * alpha + tl.sum(acc * w[:, None], 0)
+        m_run = m_new
+    o = acc_run / l_run
     token = (q_start + q_idx).to(tl.int64)
     tl.store(
         out_ptr + token * stride_ot + head * stride_oh + offs_d,

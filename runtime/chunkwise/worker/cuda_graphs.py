@@ -7,7 +7,9 @@ out, so it can neither disturb a real request nor read uninitialised memory; its
 
 On CUDA each bucket's forward is captured once at start-up (attention planned for the longest context the
 engine allows, so the same launch serves every step; the kernels read each row's real length from the
-static seq_lens) and a step is a few copies and one replay: no Python per layer, no launch overhead. With
+static seq_lens, and the Triton backend cuts each row's own context into the bucket's KV splits, so a short
+context still spreads over all of them) and a step is a few copies and one replay: no Python per layer, no
+launch overhead. With
 capture off (a CPU, or tests) the same padded static buffers run eagerly, which is how the CPU suite checks
 that padding changes no token.
 """
@@ -110,7 +112,9 @@ class DecodeGraphRunner:
         """Capture one graph per bucket, largest first (later, smaller ones reuse its memory pool)."""
         pool = None
         for size in reversed(self.sizes):
-            # Planned for the longest context: one launch shape serves every step of this bucket.
+            # Planned for the longest context: one launch shape (the grid, the number of KV splits) serves
+            # every step of this bucket; how much of a row each split takes is decided at run time from the
+            # row's seq_len, so a 4k context at a 128k max_model_len is not left on a few programs.
             meta = self._meta(size, [self.max_model_len] * size, self.max_model_len)
             plan = self._plan(meta)
             self._reset_padding(0, size)
