@@ -349,3 +349,24 @@ def test_cpu_backend_runs_bf16_prefill_on_its_own_kernel_only_at_the_avx512_leve
         and kernels.prefill_attention_available(torch.empty(1, 1, 16, dtype=dtype))
     )
     assert [tuple(s) for s in calls] == ([(40, 8, 16), (20, 8, 16)] if mine else [])
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 2), (8, 1), (6, 6), (32, 1)])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_cpu_bf16_decode_rows_at_every_length(head_dim, num_heads, num_kv_heads, block_size):
+    """bf16 decode and verify rows through the CPU backend (on AVX512-BF16: the bf16 dot-product path, whose
+    scores go 16 keys at a time and values 2 at a time; a group of 32 heads takes the generic one) at lengths
+    around those boundaries, against the reference."""
+    requests = [(c, 1) for c in (0, 1, 14, 15, 16, 30, 31, 32, 199)] + [(20, 3), (47, 2)]
+    out, ref = run_case(
+        requests,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        block_size=block_size,
+        dtype=torch.bfloat16,
+        seed=head_dim + num_heads,
+        backend="cpu",
+        head_dim=head_dim,
+    )
+    torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=1e-2)

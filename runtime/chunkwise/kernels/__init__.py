@@ -30,9 +30,13 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# cpu_ops.cpp: decode attention, norms, rotary, activations, small-row linears, sampling; prefill_attention.cpp:
-# bf16 prefill attention on AVX512-BF16 (an empty op elsewhere).
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("cpu_ops.cpp", "prefill_attention.cpp"))
+# cpu_ops.cpp: decode attention, norms, rotary, activations, small-row linears, sampling; on AVX512-BF16 (an
+# empty op or a declined call elsewhere) prefill_attention.cpp, bf16 prefill attention, and
+# paged_attention_bf16.cpp, the bf16 case of cpu_ops.cpp's decode attention.
+SOURCES = tuple(
+    Path(__file__).parent / "csrc" / name
+    for name in ("cpu_ops.cpp", "prefill_attention.cpp", "paged_attention_bf16.cpp")
+)
 # The head sizes csrc/cpu_ops.cpp instantiates its attention kernel for.
 ATTENTION_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 ATTENTION_MAX_HEADS = 128

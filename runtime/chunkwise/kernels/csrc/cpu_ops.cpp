@@ -311,6 +311,15 @@ void paged_attention_dtype(TensorBase& out, const TensorBase& query, const Tenso
   }
 }
 
+}  // namespace
+
+bool chunkwise_paged_attention_bf16(at::TensorBase& out, const at::TensorBase& query, const at::TensorBase& kv_cache,
+                                    const at::TensorBase& block_tables, const at::TensorBase& token_rows,
+                                    const at::TensorBase& token_index, const at::TensorBase& token_lens,
+                                    double scale);
+
+namespace {
+
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& block_tables, const at::Tensor& token_rows, const at::Tensor& token_index,
                      const at::Tensor& token_lens, double scale) {
@@ -321,6 +330,10 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
       return paged_attention_dtype<float>(o, query, kv_cache, block_tables, token_rows, token_index,
                                           token_lens, scale);
     case at::kBFloat16:
+      // On AVX512-BF16, head sizes that are a multiple of 32: the bf16 dot-product path (paged_attention_bf16.cpp).
+      if (chunkwise_paged_attention_bf16(o, query, kv_cache, block_tables, token_rows, token_index, token_lens,
+                                         scale))
+        return;
       return paged_attention_dtype<c10::BFloat16>(o, query, kv_cache, block_tables, token_rows, token_index,
                                                   token_lens, scale);
     case at::kHalf:
