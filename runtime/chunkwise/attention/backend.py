@@ -77,5 +77,8 @@ class AttentionBackend(Protocol):
     def attend(
         self, query: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan, scale: float
     ) -> torch.Tensor:
-        """query [num_tokens, num_heads, head_dim] -> output of the same shape (keys/values already written)."""
+        """query [num_tokens, num_heads, head_dim] -> output of the same shape (keys/values already written).
+
+        The output may be a view of a buffer the backend reuses (the Triton backend's, which a CUDA graph
+        replays into): it is valid until the backend's next attend, so use it (the output projection) first."""
         ...
