@@ -136,7 +136,13 @@ class _Buffers:
         self.max_num_reqs = n
         self.qsl_t, self.qsl = _host((n + 1,), self.pin)
         self.seq_t, self.seq = _host((n,), self.pin)
-        self.bt_t, self.bt = _host((n, self.max_blocks_per_req), self.pin)
+        # Flat, not [n, max_blocks]: a step's [rows, width] table is its leading rows * width entries, one
+        # contiguous run. A 2-D buffer's [:rows, :width] slice is strided for rows > 1, and torch copies a
+        # strided source into a pageable temporary first (a blocking copy from unpinned memory).
+        self.bt_t, self.bt = _host((n * self.max_blocks_per_req,), self.pin)
+
+    def tables(self, n: int, width: int) -> np.ndarray:
+        return self.bt[: n * width].reshape(n, width)
 
     def views(self, n: int, total: int, width: int) -> tuple[torch.Tensor, ...]:
         # A step's tensors are views of the buffers at its sizes; the steady state repeats the same sizes,
@@ -149,7 +155,7 @@ class _Buffers:
             views = self.view_cache[key] = (
                 self.qsl_t[: n + 1],
                 self.seq_t[:n],
-                self.bt_t[:n, :width],
+                self.bt_t[: n * width].view(n, width),
                 self.slots_t[:total],
                 self.ids_t[:total],
                 self.pos_t[:total],
@@ -347,7 +353,7 @@ class InputBatch:
             raise ValueError(
                 f"a context of {max_seq} tokens needs {width} blocks; the batch holds {self.max_blocks_per_req}"
             )
-        tables = buf.bt[:n, :width]
+        tables = buf.tables(n, width)
         if rows[0].req_id is not None:
             # First: either may grow the persistent tables.
             if decode is not None:
