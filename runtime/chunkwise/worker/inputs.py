@@ -130,6 +130,9 @@ class _Buffers:
         self.ids_t, self.ids = _host((n,), self.pin)
         self.pos_t, self.pos = _host((n,), self.pin)
         self.slots_t, self.slots = _host((n,), self.pin)
+        # Token-row indices the runner derives from the step (the rows kept past the last attention): at
+        # most one per token.
+        self.idx_t, self.idx = _host((n,), self.pin)
 
     def alloc_reqs(self, n: int) -> None:
         self.view_cache = {}
@@ -395,6 +398,20 @@ class InputBatch:
         # After every copy from this set: the next fill into it waits until the device has read them.
         buf.fence.record()
         return step
+
+    def index(self, values: Sequence[int]) -> torch.Tensor:
+        """Token-row indices of the last filled step, on the device: written into that fill's set of pinned
+        buffers and copied behind its other copies, the set's fence recorded again to cover this copy too.
+        Called between a fill and the next; a mixed step's one transfer beyond the fill's, where a
+        `torch.tensor(..., device=...)` from a Python list would be a blocking copy from pageable memory."""
+        buf = self._sets[self._cur]
+        n = len(values)
+        if n > buf.max_num_tokens:
+            raise ValueError(f"{n} token-row indices for a step of at most {buf.max_num_tokens} tokens")
+        buf.idx[:n] = values
+        t = self._to_device(buf.idx_t[:n])
+        buf.fence.record()
+        return t
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":

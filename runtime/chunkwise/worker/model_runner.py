@@ -6,6 +6,7 @@ import operator
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Protocol
 
 import torch
@@ -248,30 +249,30 @@ class ModelRunner:
             batch, grammar_rows = self._decode_sampling_batch(scheduled)
         elif plain:
             batch, grammar_rows = self._sampling_batch(scheduled, plain)
-        if plain and not decode_only:
-            last = meta.query_start_loc[1:][torch.tensor(plain, dtype=torch.long, device=self.device)] - 1
-            if num_pad:
-                # The padding rows' logits too (the last num_pad tokens), after the sampled rows'.
-                last = torch.cat(
-                    [last, torch.arange(meta.num_tokens - num_pad, meta.num_tokens, device=self.device)]
-                )
         # Past a mixed step's last attention only the rows that sample go on (the logits' rows, then each
-        # speculating row's verify rows); a step scoring its prompts needs them all.
-        keep = None
+        # speculating row's verify rows); a step scoring its prompts needs them all. The token-row indices
+        # are worked out on the host, from the lengths the fill has there (reading query_start_loc back
+        # would be a sync per row), and go to the device in one pinned copy.
+        keep = last = None
         verify_at: dict[str, int] = {}
-        if not decode_only and not so.score_prompts:
-            parts = [last] if plain else []
-            if num_pad and not plain:
-                parts.append(torch.arange(meta.num_tokens - num_pad, meta.num_tokens, device=self.device))
-            kept = len(plain) + num_pad
-            for i in sample_rows:
-                rid = scheduled[i].req_id
-                if rid in drafts:
-                    start, n = int(meta.query_start_loc[i]), 1 + len(drafts[rid])
-                    parts.append(torch.arange(start, start + n, device=self.device))
-                    verify_at[rid] = kept
-                    kept += n
-            keep = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=self.device)
+        row_starts: list[int] = []
+        if not decode_only:
+            row_starts = list(accumulate(meta.query_lens_host, initial=0))
+            # The logits' rows: each sampled row's last token, then the padding rows' (the last num_pad).
+            logit_rows = [row_starts[i + 1] - 1 for i in plain] if plain else []
+            logit_rows += range(meta.num_tokens - num_pad, meta.num_tokens)
+            if so.score_prompts:
+                if plain:
+                    last = self.inputs.index(logit_rows)
+            else:
+                kept = logit_rows
+                for i in sample_rows:
+                    rid = scheduled[i].req_id
+                    if rid in drafts:
+                        verify_at[rid] = len(kept)
+                        start = row_starts[i]
+                        kept += range(start, start + 1 + len(drafts[rid]))
+                keep = self.inputs.index(kept)
         graphed = decode_only and self.graphs is not None and self.graphs.bucket(meta.num_reqs) is not None
         if not graphed:
             cfg = self.config
@@ -289,6 +290,7 @@ class ModelRunner:
         if so.score_prompts:
             self._score_prompts(scheduled, rows, hidden, out)
         result = None
+        reads: list[torch.Tensor] = []
         if plain:
             assert batch is not None
             # Filled on the host while a GPU runs the forward queued above.
@@ -298,30 +300,50 @@ class ModelRunner:
             if decode_only:
                 sampled_hidden = hidden
             elif keep is not None:
-                sampled_hidden = hidden[: len(last)]
+                sampled_hidden = hidden[: len(plain) + num_pad]
             else:
+                assert last is not None
                 sampled_hidden = hidden[last]
             logits = self.model.compute_logits(sampled_hidden)
             # Padding rows' logits are computed and discarded: only the real rows sample.
             result = self.sampler(logits[: len(plain)] if num_pad else logits, batch, grammar_mask)
-            tokens = result.token_ids.tolist()  # the step's one host sync
-            if grammar_rows:
-                self._advance_grammars(grammar_rows, tokens)
+            reads.append(result.token_ids)
         elif num_pad:
             # No real row samples this step (prefill chunks mid-prompt); the padding rows' decode still
             # computes its logits, as a held slot's would.
             self.model.compute_logits(
                 hidden[:num_pad] if keep is not None else hidden[meta.num_tokens - num_pad :]
             )
+        # Speculating rows: each one's verify logits queued, and a greedy row's argmax, read back with the
+        # sampled tokens (a read per row would be a sync per row).
+        verifying: list[tuple[ScheduledRequest, list[int], torch.Tensor]] = []
+        for i in sample_rows:
+            sr = scheduled[i]
+            if sr.req_id in drafts:
+                start = verify_at[sr.req_id] if keep is not None else row_starts[i]
+                logits = self._verify_logits(sr, drafts[sr.req_id], hidden, start)
+                verifying.append((sr, drafts[sr.req_id], logits))
+                if sr.sampling_params.greedy:
+                    reads.append(argmax(logits))
+        host = self._read_back(reads)
+        tokens = host[: len(plain)]
+        if grammar_rows:
+            self._advance_grammars(grammar_rows, tokens)
         t2 = time.perf_counter()
         if plain:
             assert result is not None
             self._emit_plain(so, plain, tokens, result, out)
-        for i in sample_rows:
-            sr = so.scheduled[i]
-            if sr.req_id in drafts:
-                start = verify_at[sr.req_id] if keep is not None else int(meta.query_start_loc[i])
-                self._verify(sr, drafts[sr.req_id], hidden, start, out)
+        offset = len(plain)
+        for sr, row_drafts, logits in verifying:
+            if sr.sampling_params.greedy:
+                target = host[offset : offset + 1 + len(row_drafts)]
+                offset += 1 + len(row_drafts)
+                self._accept(sr, row_drafts, verify_greedy(target, row_drafts), out)
+            else:
+                probs = _target_probs(logits, sr.sampling_params)
+                self._accept(
+                    sr, row_drafts, verify_sampled(probs, row_drafts, None, self._generator(sr)), out
+                )
         t3 = time.perf_counter()
         out.forward_seconds = t2 - t1
         out.sample_seconds = t3 - t2
@@ -466,26 +488,30 @@ class ModelRunner:
                 top = list(zip(top_ids[row][:k], top_vals[row][:k])) if k and top_ids and top_vals else []
                 out.logprobs[sr.req_id] = [(chosen[row], top)]
 
-    def _verify(
-        self,
-        sr: ScheduledRequest,
-        drafts: list[int],
-        hidden: torch.Tensor,
-        start: int,
-        out: ModelRunnerOutput,
-    ) -> None:
-        """One forward scored the last known token and every draft: keep what the target agrees with."""
+    @staticmethod
+    def _read_back(tensors: list[torch.Tensor]) -> list[int]:
+        """The step's one device-to-host read (and so its one sync): every id it samples, in order."""
+        if not tensors:
+            return []
+        return (tensors[0] if len(tensors) == 1 else torch.cat(tensors)).tolist()
+
+    def _verify_logits(
+        self, sr: ScheduledRequest, drafts: list[int], hidden: torch.Tensor, start: int
+    ) -> torch.Tensor:
+        """One forward scored the last known token and every draft: their logits, grammar-masked."""
         # Row j predicts the token after position start_pos + j: rows 0..k-1 judge the drafts, row k is the bonus.
         logits = self.model.compute_logits(hidden[start : start + 1 + len(drafts)])
-        params = sr.sampling_params
-        spec = params.structured
+        spec = sr.sampling_params.structured
         if spec is not None:
             # Position j is masked with the grammar's state after drafts[:j] (all of which it accepts).
             logits = apply_grammar_mask(logits.float(), self._grammars().draft_masks(sr.req_id, spec, drafts))
-        if params.greedy:
-            tokens = verify_greedy(argmax(logits).tolist(), drafts)
-        else:
-            tokens = verify_sampled(_target_probs(logits, params), drafts, None, self._generator(sr))
+        return logits
+
+    def _accept(
+        self, sr: ScheduledRequest, drafts: list[int], tokens: list[int], out: ModelRunnerOutput
+    ) -> None:
+        """The drafts the target agreed with and its own next token: the request's tokens this step."""
+        spec = sr.sampling_params.structured
         if spec is not None:
             self._grammars().accept(sr.req_id, spec, tokens)
         out.sampled[sr.req_id] = tokens
