@@ -167,3 +167,60 @@ def test_each_speculating_row_gets_its_own_verify_rows_from_the_one_read():
     assert out.sampled["a"] == [target[4]]
     assert out.sampled["b"] == verify_greedy(target[5:8], drafts["b"])
     assert out.sampled["c"] == verify_greedy(target[8:12], drafts["c"])
+
+
+def _within(view: torch.Tensor, base: torch.Tensor) -> bool:
+    start = base.data_ptr()
+    end = start + base.numel() * base.element_size()
+    return start <= view.data_ptr() and view.data_ptr() + view.numel() * view.element_size() <= end
+
+
+def test_swap_copies_each_run_of_host_slots_straight_between_the_pinned_host_cache_and_the_device(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """A swap moves each layer's blocks in a few contiguous copies per run of consecutive host slots,
+    straight into (out of) the host cache, pinned on CUDA, so a GPU's copies are DMAs nobody waits for; the
+    old path's `.to(cpu)` per layer was a blocking copy into pageable memory, then a host-side scatter."""
+    runner = make_runner(num_host_blocks=8)
+    gen = torch.Generator().manual_seed(0)
+    for layer in runner.kv_caches:
+        layer.copy_(torch.randn(layer.shape, generator=gen))
+    before = [layer.clone() for layer in runner.kv_caches]
+    calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+    swap_copy = runner._swap_copy
+
+    def recording(dst: torch.Tensor, src: torch.Tensor) -> None:
+        calls.append((dst, src))
+        swap_copy(dst, src)
+
+    monkeypatch.setattr(runner, "_swap_copy", recording)
+    layers = len(runner.kv_caches)
+    # Scattered device blocks; host slots 2, 3, 4 and 7, given out of order: two runs.
+    out = [(9, 3), (5, 2), (1, 4), (12, 7)]
+    with Ops() as ops:
+        runner.execute(SchedulerOutput(scheduled=[], num_batched_tokens=0, swap_out=out))
+    assert [n for n in ops.names if n.startswith(SCALAR_READS)] == []
+    assert len(calls) == layers * 2 * 2  # per layer: two runs, keys and values each
+    for i, (dst, src) in enumerate(calls):
+        host = runner.host_caches[i // 4]
+        assert dst.is_contiguous() and src.is_contiguous()
+        assert _within(dst, host), "a copy into a temporary, not into the host cache"
+    for host, dev in zip(runner.host_caches, before):
+        for block, slot in out:
+            assert torch.equal(host[:, slot], dev[:, block])
+    # Back into other blocks: each block gets its own slot's bytes, and the host cache is the source.
+    calls.clear()
+    back = [(7, 20), (2, 21), (4, 30), (3, 22)]
+    for layer in runner.kv_caches:
+        layer.zero_()
+    with Ops() as ops:
+        runner.execute(SchedulerOutput(scheduled=[], num_batched_tokens=0, swap_in=back))
+    assert [n for n in ops.names if n.startswith(SCALAR_READS)] == []
+    assert len(calls) == layers * 2 * 2
+    for i, (dst, src) in enumerate(calls):
+        assert dst.is_contiguous() and src.is_contiguous()
+        assert _within(src, runner.host_caches[i // 4])
+    slot_of = {slot: block for block, slot in out}
+    for layer, dev in zip(runner.kv_caches, before):
+        for slot, block in back:
+            assert torch.equal(layer[:, block], dev[:, slot_of[slot]])

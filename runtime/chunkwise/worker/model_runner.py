@@ -154,17 +154,63 @@ class ModelRunner:
             self.graphs.capture_all()
 
     # -- KV movement ------------------------------------------------------------------------------------
-    def _copy_blocks(
-        self, src: list[torch.Tensor], dst: list[torch.Tensor], pairs: list[tuple[int, int]]
-    ) -> None:
+    def _index(self, values: list[int]) -> torch.Tensor:
+        """Block ids on the device, copied from pinned memory without blocking (torch.tensor(..., device=)
+        copies from pageable memory, which waits)."""
+        pin = self.device.type == "cuda"
+        return torch.tensor(values, dtype=torch.long, pin_memory=pin).to(self.device, non_blocking=pin)
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write within the device cache: (source block, new block) pairs."""
         if not pairs:
             return
-        s = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=src[0].device)
-        d = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dst[0].device)
-        for src_layer, dst_layer in zip(src, dst):
+        s = self._index([p[0] for p in pairs])
+        d = self._index([p[1] for p in pairs])
+        for layer in self.kv_caches:
             # index_copy_, not `dst[:, d] = ...`: the indexed assignment goes through index_put_, which on
             # a 2-thread CPU took ~8 ms per layer for a few blocks against ~10 us here.
-            dst_layer.index_copy_(1, d, src_layer.index_select(1, s).to(dst_layer.device))
+            layer.index_copy_(1, d, layer.index_select(1, s))
+
+    def _swap_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """One transfer between a host slot run and the device: both sides contiguous, the host side a view
+        of the pinned host cache itself, so on a GPU it is a DMA that the host does not wait for."""
+        dst.copy_(src, non_blocking=True)
+
+    def _swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """(device block, host slot) pairs: each layer's blocks gathered on the device, then copied run by
+        run of consecutive host slots straight into the host cache.
+
+        Nothing waits: the host never reads the host cache itself, and every later use of these device
+        blocks (a new owner's writes) or host slots (a swap-in's reads) is queued behind these copies on the
+        same stream. The old path's `.to(cpu)` of each layer was a blocking copy into pageable memory:
+        a sync per layer."""
+        if not pairs:
+            return
+        pairs = sorted(pairs, key=operator.itemgetter(1))
+        blocks = self._index([b for b, _ in pairs])
+        runs = _runs([slot for _, slot in pairs])
+        for device_layer, host_layer in zip(self.kv_caches, self.host_caches):
+            staged = device_layer.index_select(1, blocks)  # [2, n, ...]: contiguous, in slot order
+            for j, first, n in runs:
+                for plane in range(2):  # keys, values: each run of a plane is one contiguous range
+                    self._swap_copy(host_layer[plane, first : first + n], staged[plane, j : j + n])
+
+    def _swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """(host slot, device block) pairs: runs of consecutive host slots copied into a device staging
+        tensor, then scattered into the blocks on the device (see _swap_out for why nothing waits)."""
+        if not pairs:
+            return
+        pairs = sorted(pairs, key=operator.itemgetter(0))
+        blocks = self._index([b for _, b in pairs])
+        runs = _runs([slot for slot, _ in pairs])
+        for device_layer, host_layer in zip(self.kv_caches, self.host_caches):
+            staged = torch.empty(
+                (2, len(pairs), *device_layer.shape[2:]), dtype=device_layer.dtype, device=device_layer.device
+            )
+            for j, first, n in runs:
+                for plane in range(2):
+                    self._swap_copy(staged[plane, j : j + n], host_layer[plane, first : first + n])
+            device_layer.index_copy_(1, blocks, staged)
 
     def measure_host_copy_bandwidth(self, num_blocks: int = 8, repeats: int = 3) -> float:
         """Bytes/s of a device->host->device round trip of `num_blocks` blocks, as swap would move them."""
@@ -176,8 +222,8 @@ class ModelRunner:
         best = float("inf")
         for _ in range(repeats):
             t0 = time.perf_counter()
-            self._copy_blocks(self.kv_caches, self.host_caches, pairs)
-            self._copy_blocks(self.host_caches, self.kv_caches, pairs)
+            self._swap_out(pairs)
+            self._swap_in(pairs)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             best = min(best, time.perf_counter() - t0)
@@ -198,11 +244,11 @@ class ModelRunner:
                 self.proposer.forget(so.finished_req_ids)
         if so.block_copies:
             # Copy-on-write (a forked request's partial block), first: a swap-out this step may take the copy.
-            self._copy_blocks(self.kv_caches, self.kv_caches, list(so.block_copies))
+            self._copy_blocks(list(so.block_copies))
         # A step swaps out (it preempted) or in (it admitted), never both: the scheduler admits nothing in a
         # step that preempts (tests/runtime/test_scheduler_stress.py checks it), so their order is moot.
-        self._copy_blocks(self.kv_caches, self.host_caches, so.swap_out)
-        self._copy_blocks(self.host_caches, self.kv_caches, so.swap_in)
+        self._swap_out(so.swap_out)
+        self._swap_in(so.swap_in)
         if not so.scheduled:
             return ModelRunnerOutput()
 
@@ -516,6 +562,18 @@ class ModelRunner:
             self._grammars().accept(sr.req_id, spec, tokens)
         out.sampled[sr.req_id] = tokens
         out.drafted[sr.req_id] = len(drafts)
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """Runs of consecutive values in ascending `slots`: (index of the run's first, its value, its length)."""
+    runs: list[tuple[int, int, int]] = []
+    for j, slot in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == slot:
+            start, first, n = runs[-1]
+            runs[-1] = (start, first, n + 1)
+        else:
+            runs.append((j, slot, 1))
+    return runs
 
 
 def _target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
