@@ -69,7 +69,9 @@ class Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def req(rid: str, tokens: list[int], start: int, blocks: list[int], k: int = 0) -> ScheduledRequest:
+def req(
+    rid: str, tokens: list[int], start: int, blocks: list[int], k: int = 0, temperature: float = 0.0
+) -> ScheduledRequest:
     history = list(range(1, start + 1)) + tokens
     return ScheduledRequest(
         rid,
@@ -77,7 +79,7 @@ def req(rid: str, tokens: list[int], start: int, blocks: list[int], k: int = 0) 
         start,
         blocks,
         samples=True,
-        sampling_params=SamplingParams(temperature=0.0, max_tokens=16),
+        sampling_params=SamplingParams(temperature=temperature, max_tokens=16),
         num_spec_tokens=k,
         all_token_ids=history,
     )
@@ -86,7 +88,7 @@ def req(rid: str, tokens: list[int], start: int, blocks: list[int], k: int = 0) 
 def test_a_mixed_step_with_speculating_rows_copies_once_from_pinned_buffers_and_reads_back_once(
     monkeypatch: pytest.MonkeyPatch,
 ):
-    runner = make_runner(FixedDrafts({"b": [7, 8], "c": [9, 10, 11]}))
+    runner = make_runner(FixedDrafts({"b": [7, 8], "c": [9, 10, 11], "d": [12, 13]}))
     sources: list[torch.Tensor] = []
     returned: list[torch.Tensor] = []
 
@@ -116,25 +118,27 @@ def test_a_mixed_step_with_speculating_rows_copies_once_from_pinned_buffers_and_
             req("a", [3, 4, 5, 6, 7], 0, [1, 2]),  # a prompt's last chunk: samples one token
             req("b", [5], 6, [3, 4, 5], k=2),  # decodes and verifies two drafts
             req("c", [6], 9, [6, 7, 8, 9], k=3),  # three
+            req("d", [8], 3, [10, 11], k=2, temperature=0.8),  # two, by rejection sampling
         ],
-        num_batched_tokens=5 + 3 + 4,
+        num_batched_tokens=5 + 3 + 4 + 3,
     )
     monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
     with Ops() as ops:
         out = runner.execute(so)
     monkeypatch.setattr(torch.Tensor, "tolist", tolist)
-    assert set(out.sampled) == {"a", "b", "c"} and out.drafted == {"b": 2, "c": 3}
-    # The rows kept past the last attention: a's last token, then b's and c's verify rows (5..7, 8..11).
+    assert set(out.sampled) == {"a", "b", "c", "d"} and out.drafted == {"b": 2, "c": 3, "d": 2}
+    # The rows kept past the last attention: a's last token, then b's, c's and d's verify rows.
     (keep,) = kept
-    assert keep is not None and keep.tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert keep is not None and keep.tolist() == [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
     # ... came to the device as one of InputBatch's copies, from its buffers (pinned on CUDA), contiguous.
     assert any(keep is t for t in returned)
     assert all(t.is_contiguous() for t in sources)
-    assert len(sources) == 7  # the fill's six tensors and the kept rows
+    assert len(sources) == 7  # the fill's six tensors and the kept rows (d's drafts: see verify.py)
     # No single value read back (a row's start in query_start_loc was one per speculating row) ...
     assert [n for n in ops.names if n.startswith(SCALAR_READS)] == []
-    # ... and one read of every id the step produced: a's token and b's and c's verify argmaxes (3 + 4).
-    assert reads == [1 + 3 + 4]
+    # ... and one read of every id the step produced: a's token, b's and c's verify argmaxes (3 + 4), d's
+    # acceptance tests, replacements and bonus token (2 + 2 + 1).
+    assert reads == [1 + 3 + 4 + 5]
 
 
 def test_each_speculating_row_gets_its_own_verify_rows_from_the_one_read():

@@ -27,7 +27,7 @@ from chunkwise.sampler import (
 )
 from chunkwise.sampling_params import SamplingParams
 from chunkwise.sched.output import ScheduledRequest, SchedulerOutput
-from chunkwise.speculative.verify import verify_greedy, verify_sampled
+from chunkwise.speculative.verify import finish_sampled, sampled_decisions, verify_greedy
 from chunkwise.structured.compiler import GrammarCompiler
 from chunkwise.structured.state import GrammarRow, GrammarState
 from chunkwise.worker.cuda_graphs import DecodeGraphRunner
@@ -360,17 +360,23 @@ class ModelRunner:
             self.model.compute_logits(
                 hidden[:num_pad] if keep is not None else hidden[meta.num_tokens - num_pad :]
             )
-        # Speculating rows: each one's verify logits queued, and a greedy row's argmax, read back with the
-        # sampled tokens (a read per row would be a sync per row).
-        verifying: list[tuple[ScheduledRequest, list[int], torch.Tensor]] = []
+        # Speculating rows: each one's verify queued on the device (a greedy row's argmax, a sampled row's
+        # rejection-sampling decisions) and read back with the sampled tokens: a read per row, or per draft,
+        # would be a sync each.
+        verifying: list[tuple[ScheduledRequest, list[int], int]] = []
         for i in sample_rows:
             sr = scheduled[i]
             if sr.req_id in drafts:
+                row_drafts = drafts[sr.req_id]
                 start = verify_at[sr.req_id] if keep is not None else row_starts[i]
-                logits = self._verify_logits(sr, drafts[sr.req_id], hidden, start)
-                verifying.append((sr, drafts[sr.req_id], logits))
-                if sr.sampling_params.greedy:
+                logits = self._verify_logits(sr, row_drafts, hidden, start)
+                params = sr.sampling_params
+                if params.greedy:
                     reads.append(argmax(logits))
+                else:
+                    probs = _target_probs(logits, params)
+                    reads.append(sampled_decisions(probs, row_drafts, None, self._generator(sr)))
+                verifying.append((sr, row_drafts, len(reads[-1])))
         host = self._read_back(reads)
         tokens = host[: len(plain)]
         if grammar_rows:
@@ -380,16 +386,12 @@ class ModelRunner:
             assert result is not None
             self._emit_plain(so, plain, tokens, result, out)
         offset = len(plain)
-        for sr, row_drafts, logits in verifying:
-            if sr.sampling_params.greedy:
-                target = host[offset : offset + 1 + len(row_drafts)]
-                offset += 1 + len(row_drafts)
-                self._accept(sr, row_drafts, verify_greedy(target, row_drafts), out)
-            else:
-                probs = _target_probs(logits, sr.sampling_params)
-                self._accept(
-                    sr, row_drafts, verify_sampled(probs, row_drafts, None, self._generator(sr)), out
-                )
+        for sr, row_drafts, n in verifying:
+            values = host[offset : offset + n]
+            offset += n
+            greedy = sr.sampling_params.greedy
+            accepted = verify_greedy(values, row_drafts) if greedy else finish_sampled(values, row_drafts)
+            self._accept(sr, row_drafts, accepted, out)
         t3 = time.perf_counter()
         out.forward_seconds = t2 - t1
         out.sample_seconds = t3 - t2
