@@ -255,3 +255,22 @@ def test_the_kernels_compile_for_sm_90(tmp_path: Path):
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert len(lines) == 5 and all(": ok (" in line for line in lines), result.stdout
+
+
+def test_only_the_torch_reference_keeps_torch_norms_on_a_gpu(monkeypatch: pytest.MonkeyPatch):
+    """The torch backend's model is what the GPU token check compares Triton against: were its norms and
+    rotation the same kernels, a bug in them could not show. (The CUDA check is faked: every tensor counts.)"""
+    from types import SimpleNamespace
+
+    from chunkwise.model import layers
+    from chunkwise.model.loader import load_model
+
+    monkeypatch.setattr(layers, "triton_kernels_for", lambda t: triton_ops)
+
+    def kernels(backend: Any) -> set[Any]:
+        model = load_model("tiny", dtype=torch.float32, device="cpu", backend=backend).model
+        norms = {m.triton for m in model.modules() if isinstance(m, RMSNorm)}
+        return norms | {model.model.rotary.triton}
+
+    assert kernels(get_attention_backend("torch", "cpu")) == {None}
+    assert kernels(SimpleNamespace(name="triton")) == {triton_ops}

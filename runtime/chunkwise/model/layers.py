@@ -177,9 +177,9 @@ class RMSNorm(nn.Module):
         # One Triton launch on a GPU, where torch's ~8 ops are 8 launches (model/triton_ops.py).
         self.triton: ModuleType | None = None
 
-    def prepare(self) -> None:
+    def prepare(self, triton_layers: bool = True) -> None:
         self.fused = cpu_kernels_for(self.weight)
-        self.triton = triton_kernels_for(self.weight)
+        self.triton = triton_kernels_for(self.weight) if triton_layers else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = self.triton
@@ -251,9 +251,9 @@ class RotaryEmbedding:
         self.fused = False
         self.triton: ModuleType | None = None
 
-    def prepare(self, like: torch.Tensor) -> None:
+    def prepare(self, like: torch.Tensor, triton_layers: bool = True) -> None:
         self.fused = cpu_kernels_for(like)
-        self.triton = triton_kernels_for(like)
+        self.triton = triton_kernels_for(like) if triton_layers else None
 
     def _table(self, device: torch.device) -> torch.Tensor:
         table = self._tables.get(device)

@@ -169,17 +169,19 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def prepare(self, widen_half_on_cpu: bool) -> None:
+    def prepare(self, widen_half_on_cpu: bool, triton_layers: bool = True) -> None:
         """Pick each layer's kernels for its device once the weights are final (see layers.py): linear
-        weights widened where the CPU computes half precision in fp32, fused norms and activations on CPU.
+        weights widened where the CPU computes half precision in fp32, fused norms and activations on CPU,
+        Triton norms and rotation on CUDA unless `triton_layers` is False (the torch reference's model: a
+        reference that ran the same kernels could not catch them out).
         A tied lm_head keeps sharing the embedding unless it is widened (then it gets its own fp32 copy)."""
         like = self.model.embed_tokens.weight
-        self.model.rotary.prepare(like)
+        self.model.rotary.prepare(like, triton_layers)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepare(widen_half_on_cpu)
             elif isinstance(module, RMSNorm):
-                module.prepare()
+                module.prepare(triton_layers)
             elif isinstance(module, SiluAndMul):
                 module.prepare(like)
 
