@@ -255,3 +255,34 @@ def test_a_buffer_regrown_while_its_copies_are_queued_is_dropped_only_after_they
     assert batch.max_num_tokens >= 14 and batch.max_num_reqs >= 2
     device.drain()
     assert device.errors == []
+
+
+class CopySources(InputBatch):
+    """Records every host tensor a fill hands to a host-to-device copy."""
+
+    def __init__(self, **sizes: int) -> None:
+        super().__init__(device=torch.device("cpu"), block_size=4, **sizes)
+        self.sources: list[torch.Tensor] = []
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        self.sources.append(t)
+        return t
+
+
+def test_every_copy_source_is_one_contiguous_run_of_its_buffer():
+    """torch copies a strided source into a pageable temporary before the transfer: from pinned buffers a
+    copy is asynchronous only if the slice it reads is contiguous. The block table of a step of several rows
+    narrower than the widest table the batch holds is the case that was not."""
+    batch = CopySources(max_num_tokens=8, max_num_reqs=4, max_blocks_per_req=16)
+    rows = [Row([1, 2, 3], 0, [9], "a"), Row([4], 5, [3, 8], "b"), Row([5], 0, [7], "c")]
+    step = batch.fill(rows)
+    assert step.meta.block_tables.tolist() == [[9, 0], [3, 8], [7, 0]]
+    assert len(batch.sources) == 6
+    for t in batch.sources:
+        assert t.is_contiguous(), tuple(t.shape)
+    # A decode step of the same rows: the same, through the persistent tables' path.
+    batch.sources.clear()
+    decode_rows = [Row([6], 3, [9], "a"), Row([7], 6, [3, 8], "b"), Row([8], 1, [7], "c")]
+    step = batch.fill(decode_rows, decode=decode_step(decode_rows, []))
+    assert step.meta.block_tables.tolist() == [[9, 0], [3, 8], [7, 0]]
+    assert all(t.is_contiguous() for t in batch.sources)

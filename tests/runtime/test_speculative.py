@@ -260,3 +260,24 @@ def test_draft_model_errors_are_clear(tmp_path: Path) -> None:
         LLM("tiny", speculative_method="draft")
     with pytest.raises(ValueError, match="must share a tokenizer"):
         LLM("tiny", speculative_method="draft", speculative_model=str(save_random_llama(tmp_path, "gqa")))
+
+
+def test_rejection_sampling_over_several_drafts_keeps_each_positions_distribution() -> None:
+    """Every position decided at once (sampled_decisions): the first token is distributed as the first
+    position's target; given the first draft accepted, the second as the second position's; given both, the
+    bonus as the last row's. A wrong position's replacement or bonus shows as another row's distribution."""
+    gen = torch.Generator().manual_seed(1)
+    first = torch.tensor([0.30, 0.05, 0.10, 0.25, 0.20, 0.10])
+    second = torch.tensor([0.05, 0.10, 0.40, 0.05, 0.10, 0.30])
+    bonus = torch.tensor([0.10, 0.40, 0.05, 0.05, 0.30, 0.10])
+    target = torch.stack([first, second, bonus])
+    counts = [torch.zeros(6), torch.zeros(6), torch.zeros(6)]
+    for _ in range(30000):
+        out = verify_sampled(target, [0, 2], None, gen)  # drafts: token 0, then token 2
+        for i, tok in enumerate(out):
+            counts[i][tok] += 1
+    assert _chi_square(counts[0], first) < CHI2_5_999
+    assert _chi_square(counts[1], second) < CHI2_5_999
+    # Both drafts accepted: the bonus token, from the last row.
+    assert counts[2].sum() > 1000 and _chi_square(counts[2], bonus) < CHI2_5_999
+    assert _chi_square(counts[1], bonus) > 10 * CHI2_5_999

@@ -14,6 +14,9 @@ With --variants [steps] it compiles nothing and instead counts the variants a se
 Must run without TRITON_INTERPRET (triton.jit picks interpreted kernels at import time):
 
     PYTHONPATH=runtime TRITON_INTERPRET=0 python tests/runtime/triton_compile_check.py [--variants [steps]]
+    PYTHONPATH=runtime TRITON_INTERPRET=0 python tests/runtime/triton_compile_check.py --model-ops
+
+--model-ops compiles the model's own kernels (RMSNorm, rotary: chunkwise/model/triton_ops.py) instead.
 """
 
 from __future__ import annotations
@@ -245,5 +248,61 @@ def main() -> int:
     return 0
 
 
+def compile_model_ops() -> int:
+    """The model's RMSNorm (plain, per head, with the residual add) and rotary kernels
+    (chunkwise/model/triton_ops.py) for sm_90, at a Llama-3-8B layer's shapes in bf16 (with the
+    per-head q/k norm Qwen3 adds) and a small model's rotary. Run with --model-ops; one line per kernel."""
+    from chunkwise.model import triton_ops as M
+
+    if M.rms_norm_kernel.__class__.__name__ == "InterpretedFunction":
+        print("unset TRITON_INTERPRET to compile for a GPU", file=sys.stderr)
+        return 2
+    driver.set_active(StandInDriver())
+    StandInDriver.arch = 90
+    log: list[str] = []
+    norm, rotary = M.rms_norm_kernel, M.rotary_kernel
+
+    class Named:
+        """Compiles for sm_90 in place of a launch and logs one line (not CompileOnly: that one logs each
+        variant once, and speaks of attention's modes)."""
+
+        def __init__(self, fn: Any, label: str) -> None:
+            self.fn = fn
+            self.label = label
+
+        def __getitem__(self, grid: tuple[int, ...]) -> Any:
+            def launch(*args: Any, **kwargs: Any) -> None:
+                compiled = self.fn.warmup(*args, grid=grid, **kwargs)
+                assert compiled.asm["cubin"], "no cubin"
+                log.append(
+                    f"{self.label} {self.fn.__name__} sm_{StandInDriver.arch}: ok "
+                    f"({compiled.metadata.num_warps} warps, {compiled.metadata.shared} B shared)"
+                )
+
+            return launch
+
+    bf16 = torch.bfloat16
+    hidden, heads, kv_heads, head_dim, t = 4096, 32, 8, 128, 3
+    weight = torch.zeros(hidden, dtype=bf16)
+    x = torch.zeros(t, hidden, dtype=bf16)
+    qkv = torch.zeros(t, (heads + 2 * kv_heads) * head_dim, dtype=bf16)
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(t, heads + kv_heads, head_dim)
+    table = torch.zeros(64, 2, head_dim // 2)
+    positions = torch.zeros(t, dtype=torch.int64)
+    M.rms_norm_kernel = Named(norm, "rms_norm")
+    M.rms_norm(x, weight, 1e-5)
+    M.rms_norm_kernel = Named(norm, "add_rms_norm")
+    M.add_rms_norm(x, torch.zeros_like(x), weight, 1e-5)
+    M.rms_norm_kernel = Named(norm, "qk_rms_norm")
+    M.rms_norm(qk[:, :heads], torch.zeros(head_dim, dtype=bf16), 1e-6)
+    M.rotary_kernel = Named(rotary, "rotary")
+    M.rotary(qk, table, positions)
+    # A small model's 12 heads of 64: one head block, a narrower half.
+    M.rotary(torch.zeros(t, 12, 64, dtype=bf16), torch.zeros(64, 2, 32), positions)
+    M.rms_norm_kernel, M.rotary_kernel = norm, rotary
+    print("\n".join(log), flush=True)
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(compile_model_ops() if "--model-ops" in sys.argv else main())

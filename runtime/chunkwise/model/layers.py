@@ -4,13 +4,15 @@ matmul library, RMSNorm, SiluAndMul and the rotary embedding with its cos/sin ta
 Each layer holds Hugging Face's numerics (tests compare against transformers token for token); what differs
 per device is only how it runs, chosen once by `prepare()` after the weights are loaded: on CPU, chunkwise's
 C++ kernels (chunkwise.kernels) do a norm, a rotation or a gated activation in one pass where torch takes
-four to six (each a full read and write of the activations, and a dispatch).
+four to six (each a full read and write of the activations, and a dispatch); on CUDA, Triton kernels
+(model/triton_ops.py) do a norm (with the residual add before it) or a rotation in one launch.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +23,19 @@ from chunkwise.model.rope import rope_frequencies
 from chunkwise.platform import configure_onednn, cpu_has_avx512
 
 log = logging.getLogger(__name__)
+
+
+def triton_kernels_for(t: torch.Tensor) -> ModuleType | None:
+    """model/triton_ops.py when a layer holding `t` runs its kernels (a CUDA tensor, and triton installed;
+    imported only then), else None. Kept by the layer: a per-call import is host time on every step."""
+    if t.device.type != "cuda":
+        return None
+    try:
+        from chunkwise.model import triton_ops
+    except ImportError:
+        log.warning("triton is not installed: RMSNorm and rotary run as torch ops on %s", t.device)
+        return None
+    return triton_ops
 
 
 def cpu_kernels_for(t: torch.Tensor) -> bool:
@@ -159,11 +174,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
         self.fused = False
+        # One Triton launch on a GPU, where torch's ~8 ops are 8 launches (model/triton_ops.py).
+        self.triton: ModuleType | None = None
 
-    def prepare(self) -> None:
+    def prepare(self, triton_layers: bool = True) -> None:
         self.fused = cpu_kernels_for(self.weight)
+        self.triton = triton_kernels_for(self.weight) if triton_layers else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = self.triton
+        if ops is not None and ops.supports_norm(x, self.weight):
+            return ops.rms_norm(x, self.weight, self.eps)
         if self.fused and x.dim() == 2 and x.stride(-1) == 1 and x.dtype == self.weight.dtype:
             out = torch.empty_like(x, memory_format=torch.contiguous_format)
             torch.ops.chunkwise.rms_norm(out, x, self.weight, self.eps)
@@ -172,6 +193,15 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + x, its norm): the residual add before a norm, one launch with Triton. The sum is the
+        residual stream's next value; Triton writes it into `residual` in place, torch into a new tensor."""
+        ops = self.triton
+        if ops is not None and ops.supports_add_norm(x, residual, self.weight):
+            return residual, ops.add_rms_norm(x, residual, self.weight, self.eps)
+        h = x + residual
+        return h, self(h)
 
 
 class SiluAndMul(nn.Module):
@@ -219,9 +249,11 @@ class RotaryEmbedding:
         self.scaling = scaling
         self._tables: dict[torch.device, torch.Tensor] = {}
         self.fused = False
+        self.triton: ModuleType | None = None
 
-    def prepare(self, like: torch.Tensor) -> None:
+    def prepare(self, like: torch.Tensor, triton_layers: bool = True) -> None:
         self.fused = cpu_kernels_for(like)
+        self.triton = triton_kernels_for(like) if triton_layers else None
 
     def _table(self, device: torch.device) -> torch.Tensor:
         table = self._tables.get(device)
@@ -247,6 +279,9 @@ class RotaryEmbedding:
     def apply(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         """x [T, heads, head_dim] rotated: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). The fused kernel
         rotates x in place (returning it); torch returns a rotated copy."""
+        ops = self.triton
+        if ops is not None and ops.supports_rotary(x, rope.table, rope.positions):
+            return ops.rotary(x, rope.table, rope.positions)
         if self.fused and x.stride(-1) == 1 and rope.positions.dtype == torch.int64:
             torch.ops.chunkwise.rotary_embedding(x, rope.table, rope.positions)
             return x

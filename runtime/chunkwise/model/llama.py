@@ -88,16 +88,27 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         rope: Rope,
         kv_cache: torch.Tensor,
         plan: AttentionPlan,
         keep: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """keep: the rows to go on past attention (see LlamaModel.forward); every row's keys and values are
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual stream before it): the layer's output is their sum, which the next layer's
+        norm adds (or the model's final norm), so that each residual add is fused with the norm after it
+        (one launch on a GPU, model/triton_ops.py). The first layer gets residual None and x the embeddings.
+
+        keep: the rows to go on past attention (see LlamaModel.forward); every row's keys and values are
         written either way."""
-        attn = self.self_attn(self.input_layernorm(x), rope, kv_cache, plan, keep)
-        h = (x if keep is None else x.index_select(0, keep)) + attn
-        return h + self.mlp(self.post_attention_layernorm(h))
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            residual, h = self.input_layernorm.add(x, residual)
+        attn = self.self_attn(h, rope, kv_cache, plan, keep)
+        if keep is not None:
+            residual = residual.index_select(0, keep)
+        residual, h = self.post_attention_layernorm.add(attn, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -138,9 +149,11 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, x.dtype)
         last = len(self.layers) - 1
+        residual = None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            x = layer(x, rope, kv_cache, plan, keep if i == last else None)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, kv_cache, plan, keep if i == last else None)
+        assert residual is not None  # a model has a layer
+        return self.norm.add(x, residual)[1]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -156,17 +169,19 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def prepare(self, widen_half_on_cpu: bool) -> None:
+    def prepare(self, widen_half_on_cpu: bool, triton_layers: bool = True) -> None:
         """Pick each layer's kernels for its device once the weights are final (see layers.py): linear
-        weights widened where the CPU computes half precision in fp32, fused norms and activations on CPU.
+        weights widened where the CPU computes half precision in fp32, fused norms and activations on CPU,
+        Triton norms and rotation on CUDA unless `triton_layers` is False (the torch reference's model: a
+        reference that ran the same kernels could not catch them out).
         A tied lm_head keeps sharing the embedding unless it is widened (then it gets its own fp32 copy)."""
         like = self.model.embed_tokens.weight
-        self.model.rotary.prepare(like)
+        self.model.rotary.prepare(like, triton_layers)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepare(widen_half_on_cpu)
             elif isinstance(module, RMSNorm):
-                module.prepare()
+                module.prepare(triton_layers)
             elif isinstance(module, SiluAndMul):
                 module.prepare(like)
 

@@ -82,7 +82,11 @@ def load_model(
             )
         loaded = _load_hf_dir(path, name=name_or_path, dtype=dtype, device=device, backend=backend)
     if prepare:
-        loaded.model.prepare(widen_half_on_cpu=not cpu_has_bf16_matmul())
+        # The torch attention backend is the reference other paths are checked against: its model keeps
+        # the torch norms and rotation too.
+        loaded.model.prepare(
+            widen_half_on_cpu=not cpu_has_bf16_matmul(), triton_layers=backend.name != "torch"
+        )
     return loaded
 
 

@@ -130,13 +130,22 @@ class _Buffers:
         self.ids_t, self.ids = _host((n,), self.pin)
         self.pos_t, self.pos = _host((n,), self.pin)
         self.slots_t, self.slots = _host((n,), self.pin)
+        # Token-row indices the runner derives from the step (the rows kept past the last attention): at
+        # most one per token.
+        self.idx_t, self.idx = _host((n,), self.pin)
 
     def alloc_reqs(self, n: int) -> None:
         self.view_cache = {}
         self.max_num_reqs = n
         self.qsl_t, self.qsl = _host((n + 1,), self.pin)
         self.seq_t, self.seq = _host((n,), self.pin)
-        self.bt_t, self.bt = _host((n, self.max_blocks_per_req), self.pin)
+        # Flat, not [n, max_blocks]: a step's [rows, width] table is its leading rows * width entries, one
+        # contiguous run. A 2-D buffer's [:rows, :width] slice is strided for rows > 1, and torch copies a
+        # strided source into a pageable temporary first (a blocking copy from unpinned memory).
+        self.bt_t, self.bt = _host((n * self.max_blocks_per_req,), self.pin)
+
+    def tables(self, n: int, width: int) -> np.ndarray:
+        return self.bt[: n * width].reshape(n, width)
 
     def views(self, n: int, total: int, width: int) -> tuple[torch.Tensor, ...]:
         # A step's tensors are views of the buffers at its sizes; the steady state repeats the same sizes,
@@ -149,7 +158,7 @@ class _Buffers:
             views = self.view_cache[key] = (
                 self.qsl_t[: n + 1],
                 self.seq_t[:n],
-                self.bt_t[:n, :width],
+                self.bt_t[: n * width].view(n, width),
                 self.slots_t[:total],
                 self.ids_t[:total],
                 self.pos_t[:total],
@@ -347,7 +356,7 @@ class InputBatch:
             raise ValueError(
                 f"a context of {max_seq} tokens needs {width} blocks; the batch holds {self.max_blocks_per_req}"
             )
-        tables = buf.bt[:n, :width]
+        tables = buf.tables(n, width)
         if rows[0].req_id is not None:
             # First: either may grow the persistent tables.
             if decode is not None:
@@ -389,6 +398,20 @@ class InputBatch:
         # After every copy from this set: the next fill into it waits until the device has read them.
         buf.fence.record()
         return step
+
+    def index(self, values: Sequence[int]) -> torch.Tensor:
+        """Token-row indices of the last filled step, on the device: written into that fill's set of pinned
+        buffers and copied behind its other copies, the set's fence recorded again to cover this copy too.
+        Called between a fill and the next; a mixed step's one transfer beyond the fill's, where a
+        `torch.tensor(..., device=...)` from a Python list would be a blocking copy from pageable memory."""
+        buf = self._sets[self._cur]
+        n = len(values)
+        if n > buf.max_num_tokens:
+            raise ValueError(f"{n} token-row indices for a step of at most {buf.max_num_tokens} tokens")
+        buf.idx[:n] = values
+        t = self._to_device(buf.idx_t[:n])
+        buf.fence.record()
+        return t
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":

@@ -6,6 +6,7 @@ import operator
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Protocol
 
 import torch
@@ -26,7 +27,7 @@ from chunkwise.sampler import (
 )
 from chunkwise.sampling_params import SamplingParams
 from chunkwise.sched.output import ScheduledRequest, SchedulerOutput
-from chunkwise.speculative.verify import verify_greedy, verify_sampled
+from chunkwise.speculative.verify import finish_sampled, sampled_decisions, verify_greedy
 from chunkwise.structured.compiler import GrammarCompiler
 from chunkwise.structured.state import GrammarRow, GrammarState
 from chunkwise.worker.cuda_graphs import DecodeGraphRunner
@@ -153,17 +154,63 @@ class ModelRunner:
             self.graphs.capture_all()
 
     # -- KV movement ------------------------------------------------------------------------------------
-    def _copy_blocks(
-        self, src: list[torch.Tensor], dst: list[torch.Tensor], pairs: list[tuple[int, int]]
-    ) -> None:
+    def _index(self, values: list[int]) -> torch.Tensor:
+        """Block ids on the device, copied from pinned memory without blocking (torch.tensor(..., device=)
+        copies from pageable memory, which waits)."""
+        pin = self.device.type == "cuda"
+        return torch.tensor(values, dtype=torch.long, pin_memory=pin).to(self.device, non_blocking=pin)
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write within the device cache: (source block, new block) pairs."""
         if not pairs:
             return
-        s = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=src[0].device)
-        d = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=dst[0].device)
-        for src_layer, dst_layer in zip(src, dst):
+        s = self._index([p[0] for p in pairs])
+        d = self._index([p[1] for p in pairs])
+        for layer in self.kv_caches:
             # index_copy_, not `dst[:, d] = ...`: the indexed assignment goes through index_put_, which on
             # a 2-thread CPU took ~8 ms per layer for a few blocks against ~10 us here.
-            dst_layer.index_copy_(1, d, src_layer.index_select(1, s).to(dst_layer.device))
+            layer.index_copy_(1, d, layer.index_select(1, s))
+
+    def _swap_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """One transfer between a host slot run and the device: both sides contiguous, the host side a view
+        of the pinned host cache itself, so on a GPU it is a DMA that the host does not wait for."""
+        dst.copy_(src, non_blocking=True)
+
+    def _swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """(device block, host slot) pairs: each layer's blocks gathered on the device, then copied run by
+        run of consecutive host slots straight into the host cache.
+
+        Nothing waits: the host never reads the host cache itself, and every later use of these device
+        blocks (a new owner's writes) or host slots (a swap-in's reads) is queued behind these copies on the
+        same stream. The old path's `.to(cpu)` of each layer was a blocking copy into pageable memory:
+        a sync per layer."""
+        if not pairs:
+            return
+        pairs = sorted(pairs, key=operator.itemgetter(1))
+        blocks = self._index([b for b, _ in pairs])
+        runs = _runs([slot for _, slot in pairs])
+        for device_layer, host_layer in zip(self.kv_caches, self.host_caches):
+            staged = device_layer.index_select(1, blocks)  # [2, n, ...]: contiguous, in slot order
+            for j, first, n in runs:
+                for plane in range(2):  # keys, values: each run of a plane is one contiguous range
+                    self._swap_copy(host_layer[plane, first : first + n], staged[plane, j : j + n])
+
+    def _swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """(host slot, device block) pairs: runs of consecutive host slots copied into a device staging
+        tensor, then scattered into the blocks on the device (see _swap_out for why nothing waits)."""
+        if not pairs:
+            return
+        pairs = sorted(pairs, key=operator.itemgetter(0))
+        blocks = self._index([b for _, b in pairs])
+        runs = _runs([slot for slot, _ in pairs])
+        for device_layer, host_layer in zip(self.kv_caches, self.host_caches):
+            staged = torch.empty(
+                (2, len(pairs), *device_layer.shape[2:]), dtype=device_layer.dtype, device=device_layer.device
+            )
+            for j, first, n in runs:
+                for plane in range(2):
+                    self._swap_copy(staged[plane, j : j + n], host_layer[plane, first : first + n])
+            device_layer.index_copy_(1, blocks, staged)
 
     def measure_host_copy_bandwidth(self, num_blocks: int = 8, repeats: int = 3) -> float:
         """Bytes/s of a device->host->device round trip of `num_blocks` blocks, as swap would move them."""
@@ -175,8 +222,8 @@ class ModelRunner:
         best = float("inf")
         for _ in range(repeats):
             t0 = time.perf_counter()
-            self._copy_blocks(self.kv_caches, self.host_caches, pairs)
-            self._copy_blocks(self.host_caches, self.kv_caches, pairs)
+            self._swap_out(pairs)
+            self._swap_in(pairs)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             best = min(best, time.perf_counter() - t0)
@@ -197,11 +244,11 @@ class ModelRunner:
                 self.proposer.forget(so.finished_req_ids)
         if so.block_copies:
             # Copy-on-write (a forked request's partial block), first: a swap-out this step may take the copy.
-            self._copy_blocks(self.kv_caches, self.kv_caches, list(so.block_copies))
+            self._copy_blocks(list(so.block_copies))
         # A step swaps out (it preempted) or in (it admitted), never both: the scheduler admits nothing in a
         # step that preempts (tests/runtime/test_scheduler_stress.py checks it), so their order is moot.
-        self._copy_blocks(self.kv_caches, self.host_caches, so.swap_out)
-        self._copy_blocks(self.host_caches, self.kv_caches, so.swap_in)
+        self._swap_out(so.swap_out)
+        self._swap_in(so.swap_in)
         if not so.scheduled:
             return ModelRunnerOutput()
 
@@ -248,30 +295,30 @@ class ModelRunner:
             batch, grammar_rows = self._decode_sampling_batch(scheduled)
         elif plain:
             batch, grammar_rows = self._sampling_batch(scheduled, plain)
-        if plain and not decode_only:
-            last = meta.query_start_loc[1:][torch.tensor(plain, dtype=torch.long, device=self.device)] - 1
-            if num_pad:
-                # The padding rows' logits too (the last num_pad tokens), after the sampled rows'.
-                last = torch.cat(
-                    [last, torch.arange(meta.num_tokens - num_pad, meta.num_tokens, device=self.device)]
-                )
         # Past a mixed step's last attention only the rows that sample go on (the logits' rows, then each
-        # speculating row's verify rows); a step scoring its prompts needs them all.
-        keep = None
+        # speculating row's verify rows); a step scoring its prompts needs them all. The token-row indices
+        # are worked out on the host, from the lengths the fill has there (reading query_start_loc back
+        # would be a sync per row), and go to the device in one pinned copy.
+        keep = last = None
         verify_at: dict[str, int] = {}
-        if not decode_only and not so.score_prompts:
-            parts = [last] if plain else []
-            if num_pad and not plain:
-                parts.append(torch.arange(meta.num_tokens - num_pad, meta.num_tokens, device=self.device))
-            kept = len(plain) + num_pad
-            for i in sample_rows:
-                rid = scheduled[i].req_id
-                if rid in drafts:
-                    start, n = int(meta.query_start_loc[i]), 1 + len(drafts[rid])
-                    parts.append(torch.arange(start, start + n, device=self.device))
-                    verify_at[rid] = kept
-                    kept += n
-            keep = torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=self.device)
+        row_starts: list[int] = []
+        if not decode_only:
+            row_starts = list(accumulate(meta.query_lens_host, initial=0))
+            # The logits' rows: each sampled row's last token, then the padding rows' (the last num_pad).
+            logit_rows = [row_starts[i + 1] - 1 for i in plain] if plain else []
+            logit_rows += range(meta.num_tokens - num_pad, meta.num_tokens)
+            if so.score_prompts:
+                if plain:
+                    last = self.inputs.index(logit_rows)
+            else:
+                kept = logit_rows
+                for i in sample_rows:
+                    rid = scheduled[i].req_id
+                    if rid in drafts:
+                        verify_at[rid] = len(kept)
+                        start = row_starts[i]
+                        kept += range(start, start + 1 + len(drafts[rid]))
+                keep = self.inputs.index(kept)
         graphed = decode_only and self.graphs is not None and self.graphs.bucket(meta.num_reqs) is not None
         if not graphed:
             cfg = self.config
@@ -289,6 +336,7 @@ class ModelRunner:
         if so.score_prompts:
             self._score_prompts(scheduled, rows, hidden, out)
         result = None
+        reads: list[torch.Tensor] = []
         if plain:
             assert batch is not None
             # Filled on the host while a GPU runs the forward queued above.
@@ -298,30 +346,52 @@ class ModelRunner:
             if decode_only:
                 sampled_hidden = hidden
             elif keep is not None:
-                sampled_hidden = hidden[: len(last)]
+                sampled_hidden = hidden[: len(plain) + num_pad]
             else:
+                assert last is not None
                 sampled_hidden = hidden[last]
             logits = self.model.compute_logits(sampled_hidden)
             # Padding rows' logits are computed and discarded: only the real rows sample.
             result = self.sampler(logits[: len(plain)] if num_pad else logits, batch, grammar_mask)
-            tokens = result.token_ids.tolist()  # the step's one host sync
-            if grammar_rows:
-                self._advance_grammars(grammar_rows, tokens)
+            reads.append(result.token_ids)
         elif num_pad:
             # No real row samples this step (prefill chunks mid-prompt); the padding rows' decode still
             # computes its logits, as a held slot's would.
             self.model.compute_logits(
                 hidden[:num_pad] if keep is not None else hidden[meta.num_tokens - num_pad :]
             )
+        # Speculating rows: each one's verify queued on the device (a greedy row's argmax, a sampled row's
+        # rejection-sampling decisions) and read back with the sampled tokens: a read per row, or per draft,
+        # would be a sync each.
+        verifying: list[tuple[ScheduledRequest, list[int], int]] = []
+        for i in sample_rows:
+            sr = scheduled[i]
+            if sr.req_id in drafts:
+                row_drafts = drafts[sr.req_id]
+                start = verify_at[sr.req_id] if keep is not None else row_starts[i]
+                logits = self._verify_logits(sr, row_drafts, hidden, start)
+                params = sr.sampling_params
+                if params.greedy:
+                    reads.append(argmax(logits))
+                else:
+                    probs = _target_probs(logits, params)
+                    reads.append(sampled_decisions(probs, row_drafts, None, self._generator(sr)))
+                verifying.append((sr, row_drafts, len(reads[-1])))
+        host = self._read_back(reads)
+        tokens = host[: len(plain)]
+        if grammar_rows:
+            self._advance_grammars(grammar_rows, tokens)
         t2 = time.perf_counter()
         if plain:
             assert result is not None
             self._emit_plain(so, plain, tokens, result, out)
-        for i in sample_rows:
-            sr = so.scheduled[i]
-            if sr.req_id in drafts:
-                start = verify_at[sr.req_id] if keep is not None else int(meta.query_start_loc[i])
-                self._verify(sr, drafts[sr.req_id], hidden, start, out)
+        offset = len(plain)
+        for sr, row_drafts, n in verifying:
+            values = host[offset : offset + n]
+            offset += n
+            greedy = sr.sampling_params.greedy
+            accepted = verify_greedy(values, row_drafts) if greedy else finish_sampled(values, row_drafts)
+            self._accept(sr, row_drafts, accepted, out)
         t3 = time.perf_counter()
         out.forward_seconds = t2 - t1
         out.sample_seconds = t3 - t2
@@ -466,30 +536,46 @@ class ModelRunner:
                 top = list(zip(top_ids[row][:k], top_vals[row][:k])) if k and top_ids and top_vals else []
                 out.logprobs[sr.req_id] = [(chosen[row], top)]
 
-    def _verify(
-        self,
-        sr: ScheduledRequest,
-        drafts: list[int],
-        hidden: torch.Tensor,
-        start: int,
-        out: ModelRunnerOutput,
-    ) -> None:
-        """One forward scored the last known token and every draft: keep what the target agrees with."""
+    @staticmethod
+    def _read_back(tensors: list[torch.Tensor]) -> list[int]:
+        """The step's one device-to-host read (and so its one sync): every id it samples, in order."""
+        if not tensors:
+            return []
+        return (tensors[0] if len(tensors) == 1 else torch.cat(tensors)).tolist()
+
+    def _verify_logits(
+        self, sr: ScheduledRequest, drafts: list[int], hidden: torch.Tensor, start: int
+    ) -> torch.Tensor:
+        """One forward scored the last known token and every draft: their logits, grammar-masked."""
         # Row j predicts the token after position start_pos + j: rows 0..k-1 judge the drafts, row k is the bonus.
         logits = self.model.compute_logits(hidden[start : start + 1 + len(drafts)])
-        params = sr.sampling_params
-        spec = params.structured
+        spec = sr.sampling_params.structured
         if spec is not None:
             # Position j is masked with the grammar's state after drafts[:j] (all of which it accepts).
             logits = apply_grammar_mask(logits.float(), self._grammars().draft_masks(sr.req_id, spec, drafts))
-        if params.greedy:
-            tokens = verify_greedy(argmax(logits).tolist(), drafts)
-        else:
-            tokens = verify_sampled(_target_probs(logits, params), drafts, None, self._generator(sr))
+        return logits
+
+    def _accept(
+        self, sr: ScheduledRequest, drafts: list[int], tokens: list[int], out: ModelRunnerOutput
+    ) -> None:
+        """The drafts the target agreed with and its own next token: the request's tokens this step."""
+        spec = sr.sampling_params.structured
         if spec is not None:
             self._grammars().accept(sr.req_id, spec, tokens)
         out.sampled[sr.req_id] = tokens
         out.drafted[sr.req_id] = len(drafts)
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """Runs of consecutive values in ascending `slots`: (index of the run's first, its value, its length)."""
+    runs: list[tuple[int, int, int]] = []
+    for j, slot in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == slot:
+            start, first, n = runs[-1]
+            runs[-1] = (start, first, n + 1)
+        else:
+            runs.append((j, slot, 1))
+    return runs
 
 
 def _target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
