@@ -37,6 +37,8 @@ SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
     for name in ("cpu_ops.cpp", "prefill_attention.cpp", "paged_attention_bf16.cpp")
 )
+# Included by the sources: part of what a build is keyed by.
+HEADERS = (Path(__file__).parent / "csrc" / "avx512_math.h",)
 # The head sizes csrc/cpu_ops.cpp instantiates its attention kernel for.
 ATTENTION_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 ATTENTION_MAX_HEADS = 128
@@ -117,7 +119,7 @@ def _build_command(cxx: str, isa_flags: list[str], out: Path) -> list[str]:
 def _library_name(isa: str, isa_flags: list[str]) -> str:
     key = hashlib.sha256()
     for part in (
-        *(s.read_bytes() for s in SOURCES),
+        *(f.read_bytes() for f in (*SOURCES, *HEADERS)),
         torch.__version__.encode(),
         " ".join(isa_flags).encode(),
     ):
@@ -150,7 +152,7 @@ def _writable_dir(preferred: Path) -> Path:
 
 def build(force: bool = False) -> Path:
     """Build the library if this machine has no build of the current source yet; returns its path."""
-    missing = [s for s in SOURCES if not s.is_file()]
+    missing = [f for f in (*SOURCES, *HEADERS) if not f.is_file()]
     if missing:
         raise KernelUnavailable(f"the kernel source {missing[0]} is missing from this installation")
     isa, isa_flags = _isa_flags()
