@@ -473,6 +473,14 @@ class Bench:
         (self.out / "engine_bench.md").write_text(render(self.report))
 
 
+def table(header: str, rows: list[str]) -> list[str]:
+    """A markdown table after a blank line, from "a | b" strings; nothing when there are no rows."""
+    if not rows:
+        return []
+    width = header.count("|") + 1
+    return ["", f"| {header} |", "|" + "---|" * width, *(f"| {r} |" for r in rows)]
+
+
 def render(report: dict[str, Any]) -> str:
     nan = float("nan")
     lines = [
@@ -505,44 +513,35 @@ def render(report: dict[str, Any]) -> str:
             ),
         ]
     decode_rows = [(n, b, d) for n, e in report["configs"].items() for b, d in e.get("decode", {}).items()]
-    if decode_rows:
-        lines += [
-            "",
-            "| config | batch | ms/step p50 | p99 | tok/s | HBM TB/s | % of peak | forward ms | host ms "
-            "(schedule / prepare / sample / update / output) |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        for name, batch, d in decode_rows:
-            lines.append(
-                f"| {name} | {batch} | {d['step_ms']:.2f} | {d['p99_step_ms']:.2f} | {d['output_tokens_per_s']:.0f} "
-                f"| {d['hbm_tbps']:.2f} | {100 * d['fraction_of_peak']:.0f} | {d['forward_ms']:.2f} "
-                f"| {d['host_ms']:.2f} ({d['schedule_ms']:.2f} / {d['prepare_ms']:.2f} / {d['sample_ms']:.2f} / "
-                f"{d['update_ms']:.2f} / {d['output_ms']:.2f}) |"
-            )
-    prefill_rows = [(n, e["prefill"]) for n, e in report["configs"].items() if "prefill" in e]
-    if prefill_rows:
-        lines += [
-            "",
-            "| config | chunk tokens | ms/step p50 | p99 | prefill tok/s |",
-            "|---|---|---|---|---|",
-        ]
-        for name, d in prefill_rows:
-            lines.append(
-                f"| {name} | {d['chunk_tokens']} | {d['step_ms']:.1f} | {d['p99_step_ms']:.1f} "
-                f"| {d['prefill_tokens_per_s']:.0f} |"
-            )
-    convoy_rows = [(n, e["convoy"]) for n, e in report["configs"].items() if "convoy" in e]
-    if convoy_rows:
-        lines += [
-            "",
-            "| config | streams' p50 ITL ms | p99 | max | long prompts' mean TTFT ms |",
-            "|---|---|---|---|---|",
-        ]
-        for name, c in convoy_rows:
-            lines.append(
-                f"| {name} | {c['median_itl_ms']:.1f} | {c['p99_itl_ms']:.1f} | {c['max_itl_ms']:.1f} "
-                f"| {c['long_prompt_ttft_ms']:.0f} |"
-            )
+    lines += table(
+        "config | batch | ms/step p50 | p99 | tok/s | HBM TB/s | % of peak | forward ms | host ms "
+        "(schedule / prepare / sample / update / output)",
+        [
+            f"{name} | {batch} | {d['step_ms']:.2f} | {d['p99_step_ms']:.2f} | {d['output_tokens_per_s']:.0f} "
+            f"| {d['hbm_tbps']:.2f} | {100 * d['fraction_of_peak']:.0f} | {d['forward_ms']:.2f} "
+            f"| {d['host_ms']:.2f} ({d['schedule_ms']:.2f} / {d['prepare_ms']:.2f} / {d['sample_ms']:.2f} / "
+            f"{d['update_ms']:.2f} / {d['output_ms']:.2f})"
+            for name, batch, d in decode_rows
+        ],
+    )
+    lines += table(
+        "config | chunk tokens | ms/step p50 | p99 | prefill tok/s",
+        [
+            f"{name} | {d['chunk_tokens']} | {d['step_ms']:.1f} | {d['p99_step_ms']:.1f} "
+            f"| {d['prefill_tokens_per_s']:.0f}"
+            for name, e in report["configs"].items()
+            if (d := e.get("prefill"))
+        ],
+    )
+    lines += table(
+        "config | streams' p50 ITL ms | p99 | max | long prompts' mean TTFT ms",
+        [
+            f"{name} | {c['median_itl_ms']:.1f} | {c['p99_itl_ms']:.1f} | {c['max_itl_ms']:.1f} "
+            f"| {c['long_prompt_ttft_ms']:.0f}"
+            for name, e in report["configs"].items()
+            if (c := e.get("convoy"))
+        ],
+    )
     if report["errors"]:
         lines += ["", "Errors:", *[f"- {e.splitlines()[-1] if e else e}" for e in report["errors"]]]
     return "\n".join(lines) + "\n"
