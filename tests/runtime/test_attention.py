@@ -354,19 +354,21 @@ def test_cpu_backend_runs_bf16_prefill_on_its_own_kernel_only_at_the_avx512_leve
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 2), (8, 1), (6, 6), (32, 1)])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_cpu_bf16_decode_rows_at_every_length(head_dim, num_heads, num_kv_heads, block_size):
-    """bf16 decode and verify rows through the CPU backend (on AVX512-BF16: the bf16 dot-product path, whose
-    scores go 16 keys at a time and values 2 at a time; a group of 32 heads takes the generic one) at lengths
-    around those boundaries, against the reference."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_decode_rows_at_every_length(head_dim, num_heads, num_kv_heads, block_size, dtype):
+    """Decode and verify rows through the CPU backend at lengths around the kernels' boundaries (bf16 on
+    AVX512-BF16: paged_attention_bf16.cpp, scores 16 keys at a time and values 2 at a time; a group of 32
+    heads, fp32 and other CPUs: the generic kernel, 8 keys at a time), against the reference."""
     requests = [(c, 1) for c in (0, 1, 14, 15, 16, 30, 31, 32, 199)] + [(20, 3), (47, 2)]
     out, ref = run_case(
         requests,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         block_size=block_size,
-        dtype=torch.bfloat16,
+        dtype=dtype,
         seed=head_dim + num_heads,
         backend="cpu",
         head_dim=head_dim,
     )
-    torch.testing.assert_close(out.double(), ref, atol=1e-2, rtol=1e-2)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
