@@ -66,13 +66,63 @@ ENGINE_FAILING = "EngineFailing"
 USAGE_EXIT_CODE = 2
 _MESSAGE_LIMIT = 512
 
+# Why pods do not start, in Kubernetes' own words: the Deployment controller's (FailedCreate in a
+# ReplicaFailure condition, ProgressDeadlineExceeded in Progressing), the scheduler's (PodScheduled False)
+# and the kubelet's (a container's waiting reason, kept verbatim: ImagePullBackOff, ErrImagePull,
+# CreateContainerConfigError, ...).
+FAILED_CREATE = "FailedCreate"
+UNSCHEDULABLE = "Unschedulable"
+PROGRESS_DEADLINE_EXCEEDED = "ProgressDeadlineExceeded"
+CRASH_LOOP = "CrashLoopBackOff"
+# Waiting reasons of a container that is on its way: no failure.
+_STARTING = frozenset({"ContainerCreating", "PodInitializing"})
+# A waiting reason not named in ORDER (CreateContainerError, RunContainerError, PreStartHookError, ...)
+# ranks here.
+OTHER = "Other"
+# When pods differ, the reason shown is the first of these that some pod (or the Deployment) has: most
+# actionable first. A pod that cannot even be created blocks every replica and its message names the quota
+# or policy; then the faults whose message names exactly what to fix (a missing Secret or ConfigMap, an
+# image: the registry's answer in ErrImagePull before the back-off that only repeats the image's name);
+# then containers that exited (the engine's own last words); then the kubelet's other errors; last the pods
+# no node can take, which a cluster autoscaler may yet resolve by itself. Ties go to the pod first by name.
+ORDER = (
+    FAILED_CREATE,
+    "CreateContainerConfigError",
+    "InvalidImageName",
+    "ErrImageNeverPull",
+    "ErrImagePull",
+    "ImagePullBackOff",
+    ENGINE_ARGS_REJECTED,
+    MODEL_FETCH_FAILED,
+    ENGINE_FAILING,
+    CRASH_LOOP,
+    OTHER,
+    UNSCHEDULABLE,
+)
+
 
 @dataclass(frozen=True)
 class Failure:
-    """A reconcile that could not apply the children; shown as Degraded until a reconcile succeeds."""
+    """A reconcile that could not apply the children; shown as Degraded until a reconcile succeeds.
+
+    Also why runtime pods do not start (`pod_failure`, `deployment_failure`), in the same shape.
+    """
 
     reason: str
     message: str
+
+
+@dataclass(frozen=True)
+class PodProblem:
+    """The most actionable thing wrong with one pod."""
+
+    pod: str
+    reason: str
+    message: str
+
+    @property
+    def rank(self) -> int:
+        return ORDER.index(self.reason) if self.reason in ORDER else ORDER.index(OTHER)
 
 
 @dataclass(frozen=True)
@@ -106,14 +156,19 @@ class DeploymentState:
     rolled_out: bool = False
 
 
+def _seen(deployment: Mapping[str, Any]) -> bool:
+    """The Deployment controller has seen the latest template: its counts and conditions are about it."""
+    generation = (deployment.get("metadata") or {}).get("generation")
+    observed = (deployment.get("status") or {}).get("observedGeneration")
+    return generation is None or (observed is not None and observed >= generation)
+
+
 def deployment_state(deployment: Mapping[str, Any] | None) -> DeploymentState:
     if deployment is None:
         return DeploymentState(exists=False)
     spec = deployment.get("spec") or {}
     status = deployment.get("status") or {}
     desired = int(spec.get("replicas", 1))
-    generation = (deployment.get("metadata") or {}).get("generation")
-    observed = status.get("observedGeneration")
     state = DeploymentState(
         exists=True,
         desired=desired,
@@ -122,43 +177,140 @@ def deployment_state(deployment: Mapping[str, Any] | None) -> DeploymentState:
         updated=int(status.get("updatedReplicas") or 0),
     )
     # The Deployment controller must have seen the latest template before its counts mean anything.
-    seen = generation is None or (observed is not None and observed >= generation)
-    done = seen and state.updated == desired and state.ready == desired and state.replicas == desired
+    done = (
+        _seen(deployment)
+        and state.updated == desired
+        and state.ready == desired
+        and state.replicas == desired
+    )
     return DeploymentState(**{**state.__dict__, "rolled_out": done})
 
 
-def pod_failure(pods: Sequence[Mapping[str, Any]]) -> Failure | None:
-    """The first runtime pod container that has exited with an error, as a reason and its own last words.
+def _head(text: Any) -> str:
+    """A message from the scheduler, kubelet or controller on one line: its start says what is wrong."""
+    words = " ".join(str(text or "").split())
+    return words if len(words) <= _MESSAGE_LIMIT else words[: _MESSAGE_LIMIT - 3] + "..."
 
-    The engine and the fetcher end with a one-line reason (their termination message, or the log tail the
-    kubelet keeps under FallbackToLogsOnError), so the condition can say what is wrong, not just that a pod
-    is in CrashLoopBackOff.
-    """
-    for pod in sorted(pods, key=lambda p: str((p.get("metadata") or {}).get("name", ""))):
-        pod_name = (pod.get("metadata") or {}).get("name", "?")
-        status = pod.get("status") or {}
-        for key in ("initContainerStatuses", "containerStatuses"):
-            for c in status.get(key) or []:
-                state = c.get("state") or {}
-                terminated = state.get("terminated") or (c.get("lastState") or {}).get("terminated")
-                if not terminated or not terminated.get("exitCode") or "running" in state:
-                    continue
-                code = terminated["exitCode"]
-                if key == "initContainerStatuses":
-                    reason = MODEL_FETCH_FAILED
-                elif code == USAGE_EXIT_CODE:
-                    reason = ENGINE_ARGS_REJECTED
-                else:
-                    reason = ENGINE_FAILING
-                words = " ".join(str(terminated.get("message") or terminated.get("reason") or "").split())
-                if len(words) > _MESSAGE_LIMIT:
-                    words = "..." + words[-_MESSAGE_LIMIT:]
-                return Failure(
-                    reason,
-                    f"pod {pod_name}: container {c.get('name')} exited with code {code} "
-                    f"({c.get('restartCount', 0)} restarts): {words}",
-                )
+
+def _tail(text: Any) -> str:
+    """A container's last words on one line: a log tail ends with the error."""
+    words = " ".join(str(text or "").split())
+    return words if len(words) <= _MESSAGE_LIMIT else "..." + words[-_MESSAGE_LIMIT:]
+
+
+def _deployment_condition(deployment: Mapping[str, Any] | None, ctype: str) -> Mapping[str, Any] | None:
+    if deployment is None or not _seen(deployment):
+        return None  # a verdict on an older template (a new one restarts the progress deadline)
+    for cond in (deployment.get("status") or {}).get("conditions") or []:
+        if isinstance(cond, Mapping) and cond.get("type") == ctype:
+            return cond
     return None
+
+
+def deployment_failure(deployment: Mapping[str, Any] | None) -> Failure | None:
+    """The Deployment's ReplicaFailure (FailedCreate: a quota, Pod Security, a webhook): no pod to read."""
+    cond = _deployment_condition(deployment, "ReplicaFailure")
+    if cond is None or cond.get("status") != "True" or deployment is None:
+        return None
+    name = (deployment.get("metadata") or {}).get("name", "?")
+    return Failure(
+        str(cond.get("reason") or FAILED_CREATE), f"Deployment {name}: {_head(cond.get('message'))}"
+    )
+
+
+def deployment_stalled(deployment: Mapping[str, Any] | None) -> Failure | None:
+    """Progressing False (ProgressDeadlineExceeded): the controller gave up waiting for the rollout."""
+    cond = _deployment_condition(deployment, "Progressing")
+    if cond is None or cond.get("status") != "False" or deployment is None:
+        return None
+    name = (deployment.get("metadata") or {}).get("name", "?")
+    reason = str(cond.get("reason") or PROGRESS_DEADLINE_EXCEEDED)
+    return Failure(reason, f"Deployment {name}: {_head(cond.get('message'))}")
+
+
+def _container_problem(pod_name: str, key: str, c: Mapping[str, Any]) -> PodProblem | None:
+    state = c.get("state") or {}
+    if "running" in state:
+        return None  # running, ready or not yet (a startup probe still waiting is no failure)
+    name = c.get("name")
+    waiting = state.get("waiting") or {}
+    waiting_reason = waiting.get("reason")
+    if waiting_reason and waiting_reason not in _STARTING and waiting_reason != CRASH_LOOP:
+        said = _head(waiting.get("message")) or str(waiting_reason)
+        return PodProblem(pod_name, str(waiting_reason), f"pod {pod_name}: container {name}: {said}")
+    terminated = state.get("terminated") or (c.get("lastState") or {}).get("terminated")
+    crash_looping = waiting_reason == CRASH_LOOP
+    if terminated and (terminated.get("exitCode") or crash_looping):
+        # In CrashLoopBackOff even a clean exit is a failure: the engine must never return.
+        code = terminated.get("exitCode", 0)
+        if key == "initContainerStatuses":
+            reason = MODEL_FETCH_FAILED
+        elif code == USAGE_EXIT_CODE:
+            reason = ENGINE_ARGS_REJECTED
+        else:
+            reason = ENGINE_FAILING
+        words = _tail(terminated.get("message") or terminated.get("reason"))
+        return PodProblem(
+            pod_name,
+            reason,
+            f"pod {pod_name}: container {name} exited with code {code} "
+            f"({c.get('restartCount', 0)} restarts): {words}",
+        )
+    if crash_looping:
+        said = _head(waiting.get("message")) or CRASH_LOOP
+        return PodProblem(pod_name, CRASH_LOOP, f"pod {pod_name}: container {name}: {said}")
+    return None
+
+
+def pod_problem(pod: Mapping[str, Any]) -> PodProblem | None:
+    """What keeps one pod from serving, its most actionable fault first (ORDER); None if nothing is wrong.
+
+    Read from the pod's conditions (PodScheduled False: Unschedulable, with the scheduler's message) and its
+    containers' states (waiting reasons, and the last termination of a container that exited with an error
+    or is in CrashLoopBackOff: the engine and the fetcher end with a one-line reason, their termination
+    message or the log tail the kubelet keeps under FallbackToLogsOnError). A pod being deleted is none.
+    """
+    meta = pod.get("metadata") or {}
+    if meta.get("deletionTimestamp"):
+        return None
+    pod_name = str(meta.get("name", "?"))
+    status = pod.get("status") or {}
+    found: list[PodProblem] = []
+    for cond in status.get("conditions") or []:
+        if (
+            isinstance(cond, Mapping)
+            and cond.get("type") == "PodScheduled"
+            and cond.get("status") == "False"
+            and cond.get("reason") == UNSCHEDULABLE
+        ):
+            said = _head(cond.get("message")) or "no node fits it"
+            found.append(PodProblem(pod_name, UNSCHEDULABLE, f"pod {pod_name} cannot be scheduled: {said}"))
+    for key in ("initContainerStatuses", "containerStatuses"):
+        for c in status.get(key) or []:
+            if isinstance(c, Mapping) and (problem := _container_problem(pod_name, key, c)) is not None:
+                found.append(problem)
+    return min(found, key=lambda p: p.rank, default=None)
+
+
+def pod_failure(pods: Sequence[Mapping[str, Any]]) -> Failure | None:
+    """Why runtime pods do not serve: the most actionable pod's reason and message (ORDER, then by name).
+
+    With more than one pod in trouble, the message ends with a count of each reason, e.g.
+    `[3 pods: 1 ImagePullBackOff, 2 Unschedulable]`.
+    """
+    problems = sorted(
+        (p for pod in pods if (p := pod_problem(pod)) is not None), key=lambda p: (p.rank, p.pod)
+    )
+    if not problems:
+        return None
+    first = problems[0]
+    if len(problems) == 1:
+        return Failure(first.reason, first.message)
+    counts: dict[str, int] = {}
+    for p in problems:
+        counts[p.reason] = counts.get(p.reason, 0) + 1
+    summary = ", ".join(f"{n} {reason}" for reason, n in counts.items())
+    return Failure(first.reason, f"{first.message} [{len(problems)} pods: {summary}]")
 
 
 def _condition(
@@ -207,7 +359,9 @@ def compute_status(
 ) -> dict[str, Any]:
     """The managed part of .status. `generation` is the generation just reconciled, or KEEP.
 
-    `pods` are the runtime pods: one whose container exits with an error names the reason in Degraded.
+    `pods` are the runtime pods: why they do not serve (`pod_failure`), or why the Deployment controller
+    cannot create them or gave up on the rollout (`deployment_failure`, `deployment_stalled`), sets Degraded,
+    Ready while no replica is ready, and Progressing once the rollout's deadline has passed.
     `pool` is what the reconcile found applying the InferencePool; KEEP: as the previous status says.
     """
     observed = previous.get("observedGeneration") if generation is KEEP else generation
@@ -233,10 +387,25 @@ def compute_status(
     else:
         ready = (True, "Available", f"{run.ready} of {desired} replicas are ready")
 
+    # Why pods do not serve: the runtime's (its Deployment's FailedCreate before its pods), the router's.
+    runtime_problem = deployment_failure(runtime) or pod_failure(pods)
+    router_problem = deployment_failure(router) if router_expected else None
+    stalled = deployment_stalled(runtime) or (deployment_stalled(router) if router_expected else None)
+    if ready[1] in ("NoRuntime", "NoReadyReplicas"):
+        why_not = runtime_problem or deployment_stalled(runtime)
+    else:
+        why_not = (router_problem or deployment_stalled(router)) if ready[1] == "RouterUnavailable" else None
+    if why_not is not None:
+        ready = (False, why_not.reason, why_not.message)
+
     if not valid:
         progressing = (False, "InvalidSpec", "the spec is invalid; see the Degraded condition")
     elif not run.exists or (router_expected and not rtr.exists):
         progressing = (True, "Creating", "creating the runtime" + (" and router" if router_expected else ""))
+    elif stalled is not None:
+        # The Deployment controller gave up; the cause, if a pod shows one, follows its words.
+        cause = runtime_problem or router_problem
+        progressing = (False, stalled.reason, stalled.message + (f"; {cause.message}" if cause else ""))
     elif not run.rolled_out or run.desired != desired or (router_expected and not rtr.rolled_out):
         progressing = (
             True,
@@ -250,10 +419,8 @@ def compute_status(
         degraded = (True, parsed.reason, parsed.message)
     elif failure is not None:
         degraded = (True, failure.reason, failure.message)
-    elif (crashing := pod_failure(pods)) is not None:
-        degraded = (True, crashing.reason, crashing.message)
-        if not ready[0]:
-            ready = (False, crashing.reason, crashing.message)
+    elif (why := runtime_problem or router_problem or stalled) is not None:
+        degraded = (True, why.reason, why.message)
     else:
         degraded = (False, "AsExpected", "the spec is valid and its children are applied")
 
