@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -674,3 +676,39 @@ def test_long_messages_keep_their_head_and_stay_bounded() -> None:
     message = by_type["Degraded"]["message"]
     assert message.startswith(f"pod {POD} cannot be scheduled: 0/200 nodes are available: 1 node(s) had")
     assert message.endswith("...") and len(message) <= 600
+
+
+def test_a_missing_credentials_secret_stops_the_fetcher_and_says_which() -> None:
+    """model.credentialsSecret is the fetch-model init container's envFrom: the kubelet cannot create it."""
+    pod = waiting("PodInitializing", "")
+    pod["status"]["phase"] = "Pending"
+    pod["status"]["initContainerStatuses"] = [
+        {
+            "name": "fetch-model",
+            "image": "ghcr.io/acme/chunkwise:cuda",
+            "imageID": "",
+            "lastState": {},
+            "ready": False,
+            "restartCount": 0,
+            "started": False,
+            "state": {
+                "waiting": {"reason": "CreateContainerConfigError", "message": 'secret "hf-token" not found'}
+            },
+        }
+    ]
+    by_type = llama_status([pod])
+    expected = f'pod {POD}: container fetch-model: secret "hf-token" not found'
+    assert said(by_type["Ready"]) == ("False", "CreateContainerConfigError", expected)
+    assert said(by_type["Degraded"]) == ("True", "CreateContainerConfigError", expected)
+
+
+def test_the_documented_order_is_the_order_used() -> None:
+    """docs/operator.md's Failure modes section lists status.ORDER as it is."""
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "operator.md").read_text()
+    section = docs.split("### Failure modes", 1)[1].split("\n## ", 1)[0]
+    paragraph = " ".join(section.split("in this order:", 1)[1].split(";", 1)[0].split())
+    named = re.findall(r"`(\w+)`|(other kubelet reasons)", paragraph)
+    assert [code or status.OTHER for code, _ in named] == list(status.ORDER)
+    for reason in status.ORDER:
+        if reason != status.OTHER:
+            assert f"`{reason}`" in section.split("When pods differ", 1)[0] or reason == status.CRASH_LOOP
