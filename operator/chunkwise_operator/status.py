@@ -122,7 +122,12 @@ class PodProblem:
 
     @property
     def rank(self) -> int:
-        return ORDER.index(self.reason) if self.reason in ORDER else ORDER.index(OTHER)
+        return rank(self.reason)
+
+
+def rank(reason: str) -> int:
+    """A reason's place in ORDER: lower is more actionable."""
+    return ORDER.index(reason) if reason in ORDER else ORDER.index(OTHER)
 
 
 @dataclass(frozen=True)
@@ -387,8 +392,12 @@ def compute_status(
     else:
         ready = (True, "Available", f"{run.ready} of {desired} replicas are ready")
 
-    # Why pods do not serve: the runtime's (its Deployment's FailedCreate before its pods), the router's.
-    runtime_problem = deployment_failure(runtime) or pod_failure(pods)
+    # Why pods do not serve: the runtime's (its Deployment's or its pods', by ORDER), the router's.
+    runtime_problem = min(
+        (f for f in (deployment_failure(runtime), pod_failure(pods)) if f is not None),
+        key=lambda f: rank(f.reason),
+        default=None,
+    )
     router_problem = deployment_failure(router) if router_expected else None
     stalled = deployment_stalled(runtime) or (deployment_stalled(router) if router_expected else None)
     if ready[1] in ("NoRuntime", "NoReadyReplicas"):
