@@ -301,6 +301,16 @@ def decide(
             f"no request for {_fmt(idle_s)} s (scaleToZeroAfterSeconds {_fmt(scale_to_zero_after_s)})",
         )
     if min_replicas == 0 and current == 0:
+        # Requests held at the router (scrape.signals counts them as the queue, over one replica): go
+        # straight to what they need, within maxReplicas and one period's scale up, not 0 -> 1 only.
+        queue, target = observed.values.get(QUEUE_DEPTH), targets.get(QUEUE_DEPTH)
+        if queue and target and target > 0 and math.isfinite(queue):
+            wanted = min(max(1, math.ceil(queue / target)), max_replicas)
+            desired = min(wanted, max(1, behavior.scale_up_pods))
+            note = f"; limited to +{desired} this period" if desired < wanted else ""
+            message = f"{_fmt(queue)} requests held at the router; {QUEUE_DEPTH} asks for {wanted}{note}"
+            asked = {QUEUE_DEPTH: wanted}
+            return result(desired, SCALED_UP, message, wanted, QUEUE_DEPTH, asked)
         return result(0, SCALED_TO_ZERO, "at 0 replicas until a request arrives (the router scales up)")
     # Going to 0 is the idle rule's alone: the metrics' floor is 1 while any replica runs.
     floor = max(min_replicas, 1)

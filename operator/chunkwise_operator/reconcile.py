@@ -338,7 +338,13 @@ class Reconciler:
             found, failed = await scrape.scrape(client, scrape.targets(pods), now)
             for line in failed:
                 logger.warning(f"Could not scrape {line}")
-            observed = scrape.signals(found, samples, parsed.replicas)
+            held = None
+            if parsed.router.enabled:
+                routers = await asyncio.to_thread(
+                    self.kube.list_pods, namespace, manifests.match_labels(name, manifests.ROUTER)
+                )
+                held = await scrape.held(client, scrape.targets(routers))
+            observed = scrape.signals(found, samples, parsed.replicas, held)
             samples.clear()
             samples.update({s.key: s for s in found})
         previous = (body.get("status") or {}).get("autoscaler")

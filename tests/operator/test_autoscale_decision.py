@@ -306,3 +306,18 @@ def test_p99_step_time_is_a_ceiling_not_a_load() -> None:
     assert run(4, seen(queue=0.0, p99=0.3)).desired == 1
     # The queue still scales up past it.
     assert run(2, seen(queue=10.0, p99=1.5)).desired == 5
+
+
+def test_from_zero_the_held_requests_decide_how_many() -> None:
+    # Issue 31: 7 requests held at the router (the queue over one replica), target 4: straight to 2.
+    d = run(0, seen(ready=0, queue=7.0), min_replicas=0)
+    assert (d.desired, d.reason, d.driver) == (2, a.SCALED_UP, a.QUEUE_DEPTH), d.message
+    # 100 held ask for maxReplicas 10; one period's scale up from 0 adds at most 4 pods.
+    d = run(0, seen(ready=0, queue=100.0), min_replicas=0)
+    assert (d.desired, d.recommendation) == (4, 10), d.message
+    assert d.message.endswith("limited to +4 this period")
+    # Nothing held: at 0 until a request arrives.
+    assert run(0, seen(ready=0), min_replicas=0).reason == a.SCALED_TO_ZERO
+    # The router woke 1 replica, still starting: the held requests ask for the rest.
+    d = run(1, seen(ready=0, queue=7.0), min_replicas=0)
+    assert (d.desired, d.reason) == (2, a.SCALED_UP), d.message

@@ -394,3 +394,58 @@ async def test_a_replica_unready_past_the_startup_budget_is_no_activity_for_scal
     await add_unready_pod(cluster, "chat", "chat-stuck", time.time() - STARTUP_BUDGET_S - 60)
     await eventually(lambda: replicas(cluster, "chat") == 0, what="scaled to zero", timeout=15)
     assert operator.failures() == []
+
+
+class RouterMetrics(HttpStub):
+    """The router's /metrics: chunkwise:router_held_requests as the test sets it."""
+
+    def __init__(self, held: float) -> None:
+        self.held = held
+        super().__init__(
+            lambda path: (
+                200,
+                "text/plain; version=0.0.4",
+                f"# TYPE chunkwise:router_held_requests gauge\nchunkwise:router_held_requests {self.held}\n".encode(),
+            )
+        )
+
+
+async def test_from_zero_the_requests_the_router_holds_decide_how_many_replicas(
+    fast_autoscaler: None, pods: list[MetricsServer], cluster: Cluster, operator: Any
+) -> None:
+    # Issue 31: 5 requests held at the router, target 2 per replica: 0 -> 3 at once, not 0 -> 1 and then a
+    # second cold start.
+    router = RouterMetrics(held=5.0)
+    try:
+        at_zero = {**spec(minReplicas=0), "replicas": 0, "router": {"enabled": True}}
+        await cluster.create_isvc("chat", at_zero)
+        body = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": "chat-router-pod",
+                "namespace": NAMESPACE,
+                "labels": manifests.labels("chat", manifests.ROUTER),
+                "annotations": {"prometheus.io/port": str(router.port)},
+            },
+            "status": {
+                "phase": "Running",
+                "podIP": "127.0.0.1",
+                "conditions": [{"type": "Ready", "status": "True"}],
+            },
+        }
+
+        def create() -> None:
+            with kubernetes.client.ApiClient(kubernetes.client.Configuration(host=cluster.url)) as c:
+                kubernetes.client.CoreV1Api(c).create_namespaced_pod(NAMESPACE, body)
+
+        await asyncio.to_thread(create)
+        await eventually(lambda: replicas(cluster, "chat") == 3, what="0 -> 3", timeout=15)
+        events = await eventually(
+            lambda: [e["message"] for e in cluster.events() if e["reason"] == "ScaledUp"],
+            what="ScaledUp event",
+        )
+        assert events[0].startswith("0 -> 3 replicas: 5 requests held at the router")
+        assert operator.failures() == []
+    finally:
+        router.close()
