@@ -204,6 +204,16 @@ def starting(current: int, ready: int, unready_since: Sequence[float], now: floa
     return young + unseen
 
 
+def last_activity(previous: float | None, requests: float | None, young: int, now: float) -> float:
+    """When the fleet was last active, for scaling to zero: now if it had requests (or no data), or if a
+    replica is starting (the request that woke it may not have arrived), else `previous`. A replica not ready
+    past the startup budget is not starting (see `starting`): it would keep an idle fleet, and its pod's
+    request for a node, up forever."""
+    if previous is None or requests is None or requests > 0 or young > 0:
+        return now
+    return previous
+
+
 def proposals(
     current: int,
     observed: Mapping[str, float | None],

@@ -350,15 +350,9 @@ class Reconciler:
         previous = (body.get("status") or {}).get("autoscaler")
         history, events = status.autoscaler_history(previous)
         a = parsed.autoscaling
-        last_active = status.last_active(previous)
-        busy = observed.requests is None or observed.requests > 0
         grace_s = autoscale.STARTUP_GRACE_S
         young = autoscale.starting(parsed.replicas, observed.ready_replicas, unready_since, now, grace_s)
-        if busy or young or last_active is None:
-            # A replica still starting counts as activity: the request that woke it may not have arrived.
-            # One not ready past the startup budget (Pending for want of a node) is not: it would keep an
-            # idle fleet, and its request for a node, up forever.
-            last_active = now
+        last_active = autoscale.last_activity(status.last_active(previous), observed.requests, young, now)
         external: tuple[autoscale.ExternalScaler, ...] = ()
         if not a.delegated:
             scalers = await asyncio.to_thread(self.kube.list_scalers, namespace)

@@ -321,3 +321,19 @@ def test_from_zero_the_held_requests_decide_how_many() -> None:
     # The router woke 1 replica, still starting: the held requests ask for the rest.
     d = run(1, seen(ready=0, queue=7.0), min_replicas=0)
     assert (d.desired, d.reason) == (2, a.SCALED_UP), d.message
+
+
+def test_only_a_replica_that_may_still_start_is_activity_for_scale_to_zero() -> None:
+    # Issue 31: 1 of 2 ready and idle, the other Pending. Within the startup budget it is activity (the
+    # request that woke it may not have arrived); past it, it is not, and the idle clock runs on.
+    before = NOW - 50.0
+    young = a.starting(2, 1, (NOW - 100.0,), NOW, a.STARTUP_GRACE_S)
+    stuck = a.starting(2, 1, (NOW - a.STARTUP_GRACE_S - 1.0,), NOW, a.STARTUP_GRACE_S)
+    assert (young, stuck) == (1, 0)
+    assert a.last_activity(before, 0.0, young, NOW) == NOW
+    assert a.last_activity(before, 0.0, stuck, NOW) == before
+    # A replica with no pod yet (just woken from zero) is starting; requests, or no data, are activity.
+    assert a.starting(1, 0, (), NOW, a.STARTUP_GRACE_S) == 1
+    assert a.last_activity(before, 2.0, 0, NOW) == NOW
+    assert a.last_activity(before, None, 0, NOW) == NOW
+    assert a.last_activity(None, 0.0, 0, NOW) == NOW
