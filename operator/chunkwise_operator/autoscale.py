@@ -6,8 +6,15 @@ know (https://kubernetes.io/docs/tasks/run-application/horizontal-pod-autoscale/
 1. Each configured metric proposes ceil(current × observed / target), or `current` while observed/target
    is within that metric's tolerance of 1; KV usage is a threshold, proposing a scale up as soon as it is
    above its target (a bounded fraction would otherwise act only near saturation). The recommendation is the largest proposal (the metric in most need),
-   clamped to [minReplicas, maxReplicas]. While some replicas are not ready, a scale down is held: their
-   share of the load is unknown.
+   clamped to [minReplicas, maxReplicas]. While some replicas are starting (not ready for less than the
+   startup budget, STARTUP_GRACE_S), a scale down is held: their share of the load is unknown. A replica not
+   ready for longer (Pending for want of a GPU node, crash-looping) holds nothing: like HPA, which sets
+   not-yet-ready pods aside when scaling down, the ready replicas' load decides, and extensive signals are
+   still divided by the whole count (unready replicas count as idle, HPA's conservative rule for a scale up).
+   The p99 step time is a ceiling, not a load: a step is capped by its token budget, so its time does not
+   fall in proportion to replicas added, and ceil(current x p99/target) would add replicas every evaluation
+   up to maxReplicas. Above its target it holds the count (no scale down while steps are slow); below, it
+   has no say. Demand is the queue's, the preemptions' and the KV cache's to show.
 2. Stabilization: every recommendation is kept with its time. A scale up goes to the smallest
    recommendation of the scale-up window, a scale down to the largest of the scale-down window, so the
    count moves only when the whole window agrees; a spike shorter than the window moves nothing, and no
@@ -22,11 +29,13 @@ persist it (in status.autoscaler) and an operator restart resumes where it stopp
 
 from __future__ import annotations
 
+import datetime
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from chunkwise_operator import manifests
 from chunkwise_operator.spec import GROUP, KIND, AutoscalingSpec, AutoscalingTargets, AutoscalingTolerances
 
 QUEUE_DEPTH = "queueDepthPerReplica"
@@ -36,6 +45,13 @@ KV_USAGE = "kvUsageFraction"
 METRICS = (QUEUE_DEPTH, PREEMPTION_RATE, P99_STEP_TIME, KV_USAGE)
 # Bounded signals: above the target is already too much, so their tolerance applies below the target only.
 THRESHOLDS = frozenset({KV_USAGE})
+# Ceiling signals: above the target they hold the count (propose `current`); at or below it they propose
+# nothing. Their tolerance is unused.
+CEILINGS = frozenset({P99_STEP_TIME})
+# How long a replica may be not ready and still count as starting: the startup probe's budget (the kubelet
+# restarts a container that has not started by then). Past it, the replica holds no decision and is no
+# activity for scaling to zero.
+STARTUP_GRACE_S = float(manifests.STARTUP_PERIOD_SECONDS * manifests.STARTUP_FAILURE_THRESHOLD)
 
 # Reasons, as status.autoscaler.reason and event reasons.
 SCALED_UP = "ScaledUp"
@@ -148,6 +164,56 @@ def external_scalers(name: str, objects: Iterable[Mapping[str, Any]]) -> tuple[E
     return tuple(sorted(found, key=lambda s: (s.kind, s.name)))
 
 
+def _epoch(stamp: Any) -> float | None:
+    if not isinstance(stamp, str) or not stamp:
+        return None
+    try:
+        parsed = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=datetime.timezone.utc)
+    return parsed.timestamp()
+
+
+def not_ready_since(pods: Iterable[Mapping[str, Any]], now: float) -> tuple[float, ...]:
+    """For each pod that is not ready and not terminating, since when (epoch seconds), sorted.
+
+    The Ready condition's lastTransitionTime when it is False, else (no Ready condition yet: Pending) the pod's
+    creation; `now` when neither is known, so that a pod of unknown age counts as just starting.
+    """
+    result = []
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        if meta.get("deletionTimestamp"):
+            continue
+        conditions = [c for c in (pod.get("status") or {}).get("conditions") or [] if isinstance(c, Mapping)]
+        ready = next((c for c in conditions if c.get("type") == "Ready"), None)
+        if ready is not None and ready.get("status") == "True":
+            continue
+        since = _epoch((ready or {}).get("lastTransitionTime")) or _epoch(meta.get("creationTimestamp"))
+        result.append(min(since, now) if since is not None else now)
+    return tuple(sorted(result))
+
+
+def starting(current: int, ready: int, unready_since: Sequence[float], now: float, grace_s: float) -> int:
+    """Replicas that may still become ready: not ready for less than `grace_s`, plus those of the count
+    with no pod seen at all (not created yet; a pod still to come is starting by definition)."""
+    young = sum(1 for t in unready_since if now - t < grace_s)
+    unseen = max(0, current - ready - len(unready_since))
+    return young + unseen
+
+
+def last_activity(previous: float | None, requests: float | None, young: int, now: float) -> float:
+    """When the fleet was last active, for scaling to zero: now if it had requests (or no data), or if a
+    replica is starting (the request that woke it may not have arrived), else `previous`. A replica not ready
+    past the startup budget is not starting (see `starting`): it would keep an idle fleet, and its pod's
+    request for a node, up forever."""
+    if previous is None or requests is None or requests > 0 or young > 0:
+        return now
+    return previous
+
+
 def proposals(
     current: int,
     observed: Mapping[str, float | None],
@@ -162,6 +228,10 @@ def proposals(
             continue
         ratio = value / target
         tolerance = tolerances.get(name, 0.0)
+        if name in CEILINGS:
+            if ratio > 1.0:
+                result[name] = current
+            continue
         if name in THRESHOLDS:
             within = 1.0 - tolerance <= ratio <= 1.0
         else:
@@ -188,6 +258,8 @@ def decide(
     external: Sequence[ExternalScaler] = (),
     idle_s: float | None = None,
     scale_to_zero_after_s: float | None = None,
+    unready_since: Sequence[float] = (),
+    grace_s: float = STARTUP_GRACE_S,
 ) -> Decision:
     """The replica count to run now, why, and the history to keep for the next evaluation.
 
@@ -239,12 +311,24 @@ def decide(
             f"no request for {_fmt(idle_s)} s (scaleToZeroAfterSeconds {_fmt(scale_to_zero_after_s)})",
         )
     if min_replicas == 0 and current == 0:
+        # Requests held at the router (scrape.signals counts them as the queue, over one replica): go
+        # straight to what they need, within maxReplicas and one period's scale up, not 0 -> 1 only.
+        queue, target = observed.values.get(QUEUE_DEPTH), targets.get(QUEUE_DEPTH)
+        if queue and target and target > 0 and math.isfinite(queue):
+            wanted = min(max(1, math.ceil(queue / target)), max_replicas)
+            desired = min(wanted, max(1, behavior.scale_up_pods))
+            note = f"; limited to +{desired} this period" if desired < wanted else ""
+            message = f"{_fmt(queue)} requests held at the router; {QUEUE_DEPTH} asks for {wanted}{note}"
+            asked = {QUEUE_DEPTH: wanted}
+            return result(desired, SCALED_UP, message, wanted, QUEUE_DEPTH, asked)
         return result(0, SCALED_TO_ZERO, "at 0 replicas until a request arrives (the router scales up)")
     # Going to 0 is the idle rule's alone: the metrics' floor is 1 while any replica runs.
     floor = max(min_replicas, 1)
 
     asked = proposals(current, observed.values, targets, behavior.tolerances)
     if not asked:
+        if any(observed.values.get(name) is not None for name in METRICS):
+            return result(current, WITHIN_TOLERANCE, "every reported metric is below its target")
         return result(current, NO_METRICS, "no ready replica has reported metrics yet")
     driver = max(asked, key=lambda name: asked[name])
     raw = asked[driver]
@@ -253,11 +337,13 @@ def decide(
         for name in METRICS
         if (v := observed.values.get(name)) is not None and name in targets
     )
-    if raw < current and observed.ready_replicas < current:
+    young = starting(current, observed.ready_replicas, unready_since, now, grace_s)
+    if raw < current and young:
         return result(
             current,
             SCALE_DOWN_HELD,
-            f"{observed.ready_replicas} of {current} replicas ready; not scaling down until all are ({seen})",
+            f"{observed.ready_replicas} of {current} replicas ready and {young} starting (not ready for less "
+            f"than {_fmt(grace_s)} s); not scaling down until they are ready or past it ({seen})",
             None,
             driver,
             asked,
@@ -322,6 +408,9 @@ def decide(
             f"{driver} asks for {rec}; holding {current} through the {window} s scale-down window ({seen})"
         )
         return result(current, SCALE_DOWN_STABILIZED, message, rec, driver, asked)
+    if driver in CEILINGS and any(v < current for v in asked.values()):
+        message = f"{driver} is above its target; not scaling down while steps are slow ({seen})"
+        return result(current, SCALE_DOWN_HELD, message, rec, driver, asked)
     return result(
         current, WITHIN_TOLERANCE, f"every metric is within its target ({seen})", rec, driver, asked
     )

@@ -326,28 +326,33 @@ class Reconciler:
             return None
         now = self._wall()
         failed: list[str] = []
+        pods = await asyncio.to_thread(
+            self.kube.list_pods, namespace, manifests.match_labels(name, manifests.RUNTIME)
+        )
+        unready_since = autoscale.not_ready_since(pods, now)
         if self._prometheus_url is not None:
             observed = await prometheus.observe(
                 client, self._prometheus_url, namespace, name, parsed.replicas
             )
         else:
-            pods = await asyncio.to_thread(
-                self.kube.list_pods, namespace, manifests.match_labels(name, manifests.RUNTIME)
-            )
             found, failed = await scrape.scrape(client, scrape.targets(pods), now)
             for line in failed:
                 logger.warning(f"Could not scrape {line}")
-            observed = scrape.signals(found, samples, parsed.replicas)
+            held = None
+            if parsed.router.enabled:
+                routers = await asyncio.to_thread(
+                    self.kube.list_pods, namespace, manifests.match_labels(name, manifests.ROUTER)
+                )
+                held = await scrape.held(client, scrape.targets(routers))
+            observed = scrape.signals(found, samples, parsed.replicas, held)
             samples.clear()
             samples.update({s.key: s for s in found})
         previous = (body.get("status") or {}).get("autoscaler")
         history, events = status.autoscaler_history(previous)
         a = parsed.autoscaling
-        last_active = status.last_active(previous)
-        busy = observed.requests is None or observed.requests > 0
-        if busy or observed.ready_replicas < parsed.replicas or last_active is None:
-            # A replica still starting counts as activity: the request that woke it may not have arrived.
-            last_active = now
+        grace_s = autoscale.STARTUP_GRACE_S
+        young = autoscale.starting(parsed.replicas, observed.ready_replicas, unready_since, now, grace_s)
+        last_active = autoscale.last_activity(status.last_active(previous), observed.requests, young, now)
         external: tuple[autoscale.ExternalScaler, ...] = ()
         if not a.delegated:
             scalers = await asyncio.to_thread(self.kube.list_scalers, namespace)
@@ -365,6 +370,8 @@ class Reconciler:
             external=external,
             idle_s=now - last_active,
             scale_to_zero_after_s=float(a.scale_to_zero_after_seconds),
+            unready_since=unready_since,
+            grace_s=grace_s,
         )
         if decision.reason == autoscale.NO_METRICS and failed:
             decision = dataclasses.replace(decision, message=scrape.unreachable(failed))

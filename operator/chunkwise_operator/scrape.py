@@ -10,6 +10,9 @@ Signals, over the window between two scrapes of the same pod:
   interpolated within a bucket as Prometheus' histogram_quantile does;
 - KV usage: vllm:kv_cache_usage_perc;
 - requests (for scaling to zero only): running and waiting now, plus vllm:request_success_total's increase.
+- held: chunkwise:router_held_requests, summed over the ready router pods: requests the router holds while
+  no replica is ready. They wait as much as a replica's queue does, so they join the queue depth (and the
+  requests): from zero, or from a replica still starting, the count goes straight to what they need.
 Extensive signals are divided by the current replica count, not by the pods that answered, so that pods not
 ready yet count as idle: HPA's rule, which keeps a scale up from being repeated for pods still starting.
 """
@@ -33,6 +36,7 @@ FINISHED = "vllm:request_success_total"
 KV = "vllm:kv_cache_usage_perc"
 PREEMPTIONS = "vllm:num_preemptions_total"
 STEP = "chunkwise:step_duration_seconds"
+HELD = "chunkwise:router_held_requests"
 DEFAULT_PORT = 8000
 DEFAULT_PATH = "/metrics"
 SCRAPE_TIMEOUT_S = 3.0
@@ -142,6 +146,27 @@ async def scrape(
     return [r for r in results if isinstance(r, PodSample)], [r for r in results if isinstance(r, str)]
 
 
+async def held(client: httpx.AsyncClient, routers: Sequence[Target]) -> float | None:
+    """Requests the ready router pods hold, summed; None when no router answered (or none exports it)."""
+
+    async def one(t: Target) -> float | None:
+        try:
+            resp = await client.get(t.url, timeout=SCRAPE_TIMEOUT_S)
+            resp.raise_for_status()
+            values = [
+                float(s.value)
+                for family in text_string_to_metric_families(resp.text)
+                for s in family.samples
+                if s.name == HELD
+            ]
+        except (httpx.HTTPError, ValueError):
+            return None
+        return sum(values) if values else None
+
+    answers = [a for a in await asyncio.gather(*(one(t) for t in routers)) if a is not None]
+    return sum(answers) if answers else None
+
+
 def unreachable(failed: Sequence[str]) -> str:
     """Why there are no metrics although pods are ready: what the scrapes met, and the likely cause."""
     return (
@@ -181,15 +206,24 @@ def _delta_buckets(now: PodSample, before: PodSample) -> list[tuple[float, float
     return out
 
 
-def signals(samples: Sequence[PodSample], previous: Mapping[str, PodSample], replicas: int) -> Observed:
-    """The per-replica signals of this scrape, against each pod's previous sample."""
-    if not samples:
-        return Observed({QUEUE_DEPTH: None, PREEMPTION_RATE: None, P99_STEP_TIME: None, KV_USAGE: None}, 0)
+def signals(
+    samples: Sequence[PodSample],
+    previous: Mapping[str, PodSample],
+    replicas: int,
+    held: float | None = None,
+) -> Observed:
+    """The per-replica signals of this scrape, against each pod's previous sample; `held`: requests the
+    router holds for want of a ready replica, counted as waiting (at 0 replicas, over one)."""
     divisor = max(replicas, len(samples), 1)
+    if not samples:
+        queue = held / divisor if held else None
+        values = {QUEUE_DEPTH: queue, PREEMPTION_RATE: None, P99_STEP_TIME: None, KV_USAGE: None}
+        return Observed(values, 0, requests=held if held else None)
+    held = held or 0.0
     rate = 0.0
     rated = 0
     merged: dict[float, float] = {}
-    requests = 0.0
+    requests = held
     for s in samples:
         requests += s.waiting + s.running
         before = previous.get(s.key)
@@ -208,7 +242,7 @@ def signals(samples: Sequence[PodSample], previous: Mapping[str, PodSample], rep
     p99 = quantile(0.99, sorted(merged.items())) if merged else None
     return Observed(
         {
-            QUEUE_DEPTH: sum(s.waiting for s in samples) / divisor,
+            QUEUE_DEPTH: (sum(s.waiting for s in samples) + held) / divisor,
             PREEMPTION_RATE: rate / divisor if rated else None,
             P99_STEP_TIME: p99,
             KV_USAGE: sum(s.kv_usage for s in samples) / divisor,

@@ -44,7 +44,8 @@ CASES = [
     ("within tolerance", 2, seen(queue=4.3), {}, 2, a.WITHIN_TOLERANCE, a.QUEUE_DEPTH),
     ("queue depth scales up", 2, seen(queue=10.0), {}, 5, a.SCALED_UP, a.QUEUE_DEPTH),
     ("the neediest metric wins", 2, seen(queue=6.0, kv=1.6), {}, 4, a.SCALED_UP, a.KV_USAGE),
-    ("p99 step time", 3, seen(queue=0.0, p99=1.0), {}, 6, a.SCALED_UP, a.P99_STEP_TIME),
+    # A ceiling (issue 31): above its target p99 holds the count, never multiplies it.
+    ("p99 step time holds", 3, seen(queue=0.0, p99=1.0), {}, 3, a.SCALE_DOWN_HELD, a.P99_STEP_TIME),
     ("preemption rate", 1, seen(preempt=3.0), {}, 3, a.SCALED_UP, a.PREEMPTION_RATE),
     # 2 -> 10 asked; one period allows max(2 + 4 pods, 2 x 200%) = 6.
     ("rate limited up", 2, seen(queue=100.0), {}, 6, a.SCALED_UP, a.QUEUE_DEPTH),
@@ -149,10 +150,11 @@ def test_decision_records_history_and_events_and_prunes_them() -> None:
 
 
 def test_tolerance_is_relative_to_each_target() -> None:
-    # p99 0.54 / 0.5 = 1.08: within 10%; the queue at 0 asks for 0 -> min, which the window holds.
-    d = run(2, seen(queue=0.0, p99=0.54))
-    assert d.proposals == {a.QUEUE_DEPTH: 0, a.P99_STEP_TIME: 2}
-    assert (d.desired, d.reason, d.driver) == (2, a.WITHIN_TOLERANCE, a.P99_STEP_TIME)
+    # preemptions 1.08 / 1.0: within 10%; the queue at 4.3 / 4 too (a different absolute band).
+    d = run(2, seen(queue=4.3, preempt=1.08))
+    assert d.proposals == {a.QUEUE_DEPTH: 2, a.PREEMPTION_RATE: 2}
+    assert (d.desired, d.reason) == (2, a.WITHIN_TOLERANCE)
+    assert run(2, seen(queue=4.5)).proposals == {a.QUEUE_DEPTH: 3}
 
 
 def test_each_metric_has_its_own_tolerance() -> None:
@@ -160,7 +162,7 @@ def test_each_metric_has_its_own_tolerance() -> None:
     wide = replace(BEHAVIOR, tolerances={**BEHAVIOR.tolerances, a.QUEUE_DEPTH: 0.2})
     assert run(2, seen(queue=4.6)).proposals == {a.QUEUE_DEPTH: 3}
     assert run(2, seen(queue=4.6), behavior=wide).proposals == {a.QUEUE_DEPTH: 2}
-    assert run(2, seen(p99=0.58), behavior=wide).proposals == {a.P99_STEP_TIME: 3}
+    assert run(2, seen(preempt=1.15), behavior=wide).proposals == {a.PREEMPTION_RATE: 3}
 
 
 def test_kv_usage_is_a_threshold_that_acts_before_saturation() -> None:
@@ -240,3 +242,98 @@ def test_scale_to_zero_needs_the_whole_idle_time_and_the_metrics_alone_never_go_
     # At 0 it stays until the router raises /scale; with min 1 idleness changes nothing.
     assert (run(0, seen(), **zero).desired, run(0, seen(), **zero).reason) == (0, a.SCALED_TO_ZERO)
     assert run(1, seen(queue=0.0), idle_s=600.0, scale_to_zero_after_s=60.0).desired == 1
+
+
+# -- issue 31, point 3 -------------------------------------------------------------------------------------
+def test_a_replica_unready_past_the_startup_budget_stops_holding_a_scale_down() -> None:
+    # 5 of 8 ready, no load: 3 pods Pending (no GPU node). Within the startup budget they may yet take load.
+    young = (NOW - 100.0,) * 3
+    d = run(8, seen(ready=5, queue=0.0), unready_since=young)
+    assert (d.desired, d.reason) == (8, a.SCALE_DOWN_HELD), d.message
+    # Past it they hold nothing: the ready replicas' load decides, as HPA does for not-yet-ready pods.
+    old = (NOW - a.STARTUP_GRACE_S - 1.0,) * 3
+    for later in (0.0, 600.0, 3600.0):
+        d = run(8, seen(ready=5, queue=0.0), unready_since=old, now=NOW + later)
+        assert (d.desired, d.reason) == (1, a.SCALED_DOWN), d.message
+    # One of the three still young holds it again.
+    d = run(8, seen(ready=5, queue=0.0), unready_since=(*old[:2], NOW - 10.0))
+    assert (d.desired, d.reason) == (8, a.SCALE_DOWN_HELD), d.message
+    # A replica with no pod at all yet (just scaled up) is starting.
+    d = run(8, seen(ready=5, queue=0.0), unready_since=old[:2])
+    assert (d.desired, d.reason) == (8, a.SCALE_DOWN_HELD), d.message
+
+
+def test_the_startup_budget_is_the_startup_probes() -> None:
+    from chunkwise_operator import manifests
+
+    probe = manifests.STARTUP_PERIOD_SECONDS * manifests.STARTUP_FAILURE_THRESHOLD
+    assert a.STARTUP_GRACE_S == probe == 600
+
+
+def test_not_ready_since_reads_the_ready_condition_then_the_creation() -> None:
+    def pod(name: str, ready: str | None, transition: str | None = None, **meta: str) -> dict[str, Any]:
+        conditions = [] if ready is None else [{"type": "Ready", "status": ready}]
+        if transition is not None:
+            conditions[0]["lastTransitionTime"] = transition
+        return {"metadata": {"name": name, **meta}, "status": {"conditions": conditions}}
+
+    pods = [
+        pod("ready", "True", "2026-12-03T10:00:00Z"),
+        pod("crashed", "False", "2026-12-03T10:00:00Z", creationTimestamp="2026-12-01T00:00:00Z"),
+        pod("pending", None, creationTimestamp="2026-12-03T09:00:00Z"),
+        pod("unknown", "False"),
+        pod("leaving", "False", "2026-12-03T08:00:00Z", deletionTimestamp="2026-12-03T10:00:00Z"),
+    ]
+    now = 1_796_300_000.0  # 2026-12-03T11:33:20Z
+    assert a.not_ready_since(pods, now) == (1_796_288_400.0, 1_796_292_000.0, now)
+
+
+def test_p99_step_time_is_a_ceiling_not_a_load() -> None:
+    # Steps 3x slower than the target with a short queue: a step is capped by its token budget, so more
+    # replicas do not make it proportionally shorter. Fed back over many evaluations, the count stays.
+    current, history, events = 2, (), ()
+    counts = []
+    for i in range(20):
+        d = run(current, seen(queue=1.0, p99=1.5), history=history, events=events, now=NOW + 15.0 * i)
+        current, history, events = d.desired, d.history, d.events
+        counts.append(current)
+    assert counts == [2] * 20, counts
+    assert d.reason == a.SCALE_DOWN_HELD and d.driver == a.P99_STEP_TIME, d.message
+    # Above its target it holds what runs (no scale down while steps are slow); below it, it has no say.
+    assert run(4, seen(queue=0.0, p99=1.5)).proposals == {a.QUEUE_DEPTH: 0, a.P99_STEP_TIME: 4}
+    assert run(4, seen(queue=0.0, p99=1.5)).desired == 4
+    assert run(4, seen(queue=0.0, p99=0.3)).proposals == {a.QUEUE_DEPTH: 0}
+    assert run(4, seen(queue=0.0, p99=0.3)).desired == 1
+    # The queue still scales up past it.
+    assert run(2, seen(queue=10.0, p99=1.5)).desired == 5
+
+
+def test_from_zero_the_held_requests_decide_how_many() -> None:
+    # Issue 31: 7 requests held at the router (the queue over one replica), target 4: straight to 2.
+    d = run(0, seen(ready=0, queue=7.0), min_replicas=0)
+    assert (d.desired, d.reason, d.driver) == (2, a.SCALED_UP, a.QUEUE_DEPTH), d.message
+    # 100 held ask for maxReplicas 10; one period's scale up from 0 adds at most 4 pods.
+    d = run(0, seen(ready=0, queue=100.0), min_replicas=0)
+    assert (d.desired, d.recommendation) == (4, 10), d.message
+    assert d.message.endswith("limited to +4 this period")
+    # Nothing held: at 0 until a request arrives.
+    assert run(0, seen(ready=0), min_replicas=0).reason == a.SCALED_TO_ZERO
+    # The router woke 1 replica, still starting: the held requests ask for the rest.
+    d = run(1, seen(ready=0, queue=7.0), min_replicas=0)
+    assert (d.desired, d.reason) == (2, a.SCALED_UP), d.message
+
+
+def test_only_a_replica_that_may_still_start_is_activity_for_scale_to_zero() -> None:
+    # Issue 31: 1 of 2 ready and idle, the other Pending. Within the startup budget it is activity (the
+    # request that woke it may not have arrived); past it, it is not, and the idle clock runs on.
+    before = NOW - 50.0
+    young = a.starting(2, 1, (NOW - 100.0,), NOW, a.STARTUP_GRACE_S)
+    stuck = a.starting(2, 1, (NOW - a.STARTUP_GRACE_S - 1.0,), NOW, a.STARTUP_GRACE_S)
+    assert (young, stuck) == (1, 0)
+    assert a.last_activity(before, 0.0, young, NOW) == NOW
+    assert a.last_activity(before, 0.0, stuck, NOW) == before
+    # A replica with no pod yet (just woken from zero) is starting; requests, or no data, are activity.
+    assert a.starting(1, 0, (), NOW, a.STARTUP_GRACE_S) == 1
+    assert a.last_activity(before, 2.0, 0, NOW) == NOW
+    assert a.last_activity(before, None, 0, NOW) == NOW
+    assert a.last_activity(None, 0.0, 0, NOW) == NOW

@@ -7,6 +7,8 @@ backed by a small HTTP server on that port serving the metrics text the test set
 from __future__ import annotations
 
 import asyncio
+import datetime
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,6 +22,8 @@ from chunkwise_operator.main import AUTOSCALER_INTERVAL_ENV
 from chunkwise_operator.spec import GROUP, PLURAL, VERSION
 
 PODS = km.resource("v1/pods")
+# The startup probe's budget: a pod not ready for longer has failed to start, not yet to start.
+STARTUP_BUDGET_S = manifests.STARTUP_PERIOD_SECONDS * manifests.STARTUP_FAILURE_THRESHOLD
 
 
 class MetricsServer(HttpStub):
@@ -328,3 +332,120 @@ async def test_an_idle_fleet_goes_to_zero_after_scale_to_zero_after_seconds(
     args = router["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[-2:] == ["--wake-inference-service", "chat"]
     assert operator.failures() == []
+
+
+async def add_unready_pod(cluster: Cluster, owner: str, name: str, since: float) -> None:
+    """A runtime pod that is not ready, and has not been since `since` (Pending: no node for its GPU)."""
+    stamp = datetime.datetime.fromtimestamp(since, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": NAMESPACE,
+            "labels": manifests.labels(owner, manifests.RUNTIME),
+        },
+        "status": {
+            "phase": "Pending",
+            "conditions": [
+                {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"},
+                {"type": "Ready", "status": "False", "lastTransitionTime": stamp},
+            ],
+        },
+    }
+
+    def create() -> None:
+        with kubernetes.client.ApiClient(kubernetes.client.Configuration(host=cluster.url)) as c:
+            kubernetes.client.CoreV1Api(c).create_namespaced_pod(NAMESPACE, body)
+
+    await asyncio.to_thread(create)
+
+
+async def test_replicas_unready_past_the_startup_budget_do_not_hold_a_scale_down(
+    fast_autoscaler: None, pods: list[MetricsServer], cluster: Cluster, operator: Any
+) -> None:
+    # Issue 31: 1 of 3 ready and idle; the other two Pending. Just Pending: held, they may yet take load.
+    await cluster.create_isvc("chat", {**spec(), "replicas": 3})
+    await add_pod(cluster, pods, "chat", waiting=0.0)
+    await add_unready_pod(cluster, "chat", "chat-young-1", time.time())
+    await add_unready_pod(cluster, "chat", "chat-young-2", time.time())
+    await eventually(lambda: autoscaler_status(cluster, "chat").get("reason") == "ScaleDownHeld", what="held")
+    await asyncio.sleep(0.5)  # several more evaluations
+    assert replicas(cluster, "chat") == 3
+
+    # Pending for longer than the startup probe allows: the ready replica's load decides, as HPA's would.
+    await cluster.create_isvc("stuck", {**spec(), "replicas": 3})
+    await add_pod(cluster, pods, "stuck", waiting=0.0)
+    long_ago = time.time() - STARTUP_BUDGET_S - 60
+    await add_unready_pod(cluster, "stuck", "stuck-old-1", long_ago)
+    await add_unready_pod(cluster, "stuck", "stuck-old-2", long_ago)
+    await eventually(lambda: replicas(cluster, "stuck") == 1, what="scale down to 1", timeout=15)
+    assert operator.failures() == []
+
+
+async def test_a_replica_unready_past_the_startup_budget_is_no_activity_for_scale_to_zero(
+    fast_autoscaler: None, pods: list[MetricsServer], cluster: Cluster, operator: Any
+) -> None:
+    # Issue 31: an idle fleet with one replica Pending for want of a GPU node must still go to zero, or the
+    # Pending pod keeps asking the cluster autoscaler for a node forever.
+    from_zero = {**spec(minReplicas=0, scaleToZeroAfterSeconds=1), "replicas": 2, "router": {"enabled": True}}
+    await cluster.create_isvc("chat", from_zero)
+    await add_pod(cluster, pods, "chat", waiting=0.0)
+    await add_unready_pod(cluster, "chat", "chat-stuck", time.time() - STARTUP_BUDGET_S - 60)
+    await eventually(lambda: replicas(cluster, "chat") == 0, what="scaled to zero", timeout=15)
+    assert operator.failures() == []
+
+
+class RouterMetrics(HttpStub):
+    """The router's /metrics: chunkwise:router_held_requests as the test sets it."""
+
+    def __init__(self, held: float) -> None:
+        self.held = held
+        super().__init__(
+            lambda path: (
+                200,
+                "text/plain; version=0.0.4",
+                f"# TYPE chunkwise:router_held_requests gauge\nchunkwise:router_held_requests {self.held}\n".encode(),
+            )
+        )
+
+
+async def test_from_zero_the_requests_the_router_holds_decide_how_many_replicas(
+    fast_autoscaler: None, pods: list[MetricsServer], cluster: Cluster, operator: Any
+) -> None:
+    # Issue 31: 5 requests held at the router, target 2 per replica: 0 -> 3 at once, not 0 -> 1 and then a
+    # second cold start.
+    router = RouterMetrics(held=5.0)
+    try:
+        at_zero = {**spec(minReplicas=0), "replicas": 0, "router": {"enabled": True}}
+        await cluster.create_isvc("chat", at_zero)
+        body = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": "chat-router-pod",
+                "namespace": NAMESPACE,
+                "labels": manifests.labels("chat", manifests.ROUTER),
+                "annotations": {"prometheus.io/port": str(router.port)},
+            },
+            "status": {
+                "phase": "Running",
+                "podIP": "127.0.0.1",
+                "conditions": [{"type": "Ready", "status": "True"}],
+            },
+        }
+
+        def create() -> None:
+            with kubernetes.client.ApiClient(kubernetes.client.Configuration(host=cluster.url)) as c:
+                kubernetes.client.CoreV1Api(c).create_namespaced_pod(NAMESPACE, body)
+
+        await asyncio.to_thread(create)
+        await eventually(lambda: replicas(cluster, "chat") == 3, what="0 -> 3", timeout=15)
+        events = await eventually(
+            lambda: [e["message"] for e in cluster.events() if e["reason"] == "ScaledUp"],
+            what="ScaledUp event",
+        )
+        assert events[0].startswith("0 -> 3 replicas: 5 requests held at the router")
+        assert operator.failures() == []
+    finally:
+        router.close()

@@ -135,3 +135,14 @@ def test_requests_count_running_waiting_and_the_finished_since_the_last_scrape()
     assert signals([short], {"a": before}, 1).requests == 2.0
     assert signals([busy], {"a": before}, 1).requests == 3.0
     assert signals([], {}, 1).requests is None
+
+
+def test_requests_held_at_the_router_are_queued_demand() -> None:
+    # Issue 31: the router holds requests while no replica is ready; they wait as a replica's queue does.
+    nothing_ready = signals([], {}, replicas=0, held=5.0)
+    assert nothing_ready.values[a.QUEUE_DEPTH] == 5.0  # over one replica, not zero
+    assert nothing_ready.requests == 5.0 and nothing_ready.ready_replicas == 0
+    assert signals([], {}, replicas=2, held=6.0).values[a.QUEUE_DEPTH] == 3.0
+    one = [sample("p1", 10.0, waiting=2)]
+    assert signals(one, {}, replicas=2, held=4.0).values[a.QUEUE_DEPTH] == 3.0
+    assert signals([], {}, replicas=1, held=0.0).values[a.QUEUE_DEPTH] is None

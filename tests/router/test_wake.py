@@ -150,3 +150,17 @@ async def test_the_scaler_raises_zero_to_one_and_nothing_else(kube: str) -> None
     assert await KubeScaler("idle", "ml", kube_api_client).scale_up() is False  # already 1: left alone
     assert await KubeScaler("busy", "ml", kube_api_client).scale_up() is False
     assert await asyncio.to_thread(replicas, "busy") == 3
+
+
+async def test_the_held_requests_are_a_metric_the_operator_can_scale_on() -> None:
+    w = Wake(delay=None)
+    async with w.client() as c:
+        first = asyncio.ensure_future(c.post("/v1/completions", content=body()))
+        second = asyncio.ensure_future(c.post("/v1/completions", content=body()))
+        while w.waker.held < 2:
+            await asyncio.sleep(0.01)
+        metrics = (await c.get("/metrics")).text
+        for task in (first, second):
+            task.cancel()
+        await asyncio.gather(first, second, return_exceptions=True)
+    assert "chunkwise:router_held_requests 2.0" in metrics.splitlines()

@@ -316,6 +316,8 @@ def build_app(
     router: Router, reader: PromptReader, lifespan: Any = None, waker: Waker | None = None
 ) -> Starlette:
     proxy = Proxy(router, reader, waker)
+    if waker is not None:
+        router.metrics.held.set_function(lambda: waker.held)
     routes = [
         Route(COMPLETIONS, proxy.generate, methods=["POST"]),
         Route(CHAT, proxy.generate, methods=["POST"]),

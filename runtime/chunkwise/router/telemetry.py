@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -131,6 +131,12 @@ class RouterMetrics:
             "chunkwise:router_epp_streams",
             "ext_proc streams from the gateway, by outcome (routed, shed, unavailable, bad_request, ...).",
             ["outcome"],
+            registry=r,
+        )
+        # The operator reads it to scale from zero straight to what the held demand needs (not 0 -> 1 only).
+        self.held = Gauge(
+            "chunkwise:router_held_requests",
+            "Requests held while no replica is ready (scale from zero); 0 when the router wakes nothing.",
             registry=r,
         )
         r.register(_ReplicaCollector(replicas, clock))
