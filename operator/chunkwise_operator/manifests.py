@@ -44,6 +44,10 @@ LIVENESS_PERIOD_SECONDS = 10
 # Loading weights can take minutes; the startup probe holds liveness off for up to this long.
 STARTUP_PERIOD_SECONDS = 5
 STARTUP_FAILURE_THRESHOLD = 120
+# The engine Deployment's progress deadline: past the startup probe's budget, with 15 minutes for the image
+# pull and the model fetch before it. At Kubernetes' default (600 s, the startup budget itself) a model that
+# loads slowly but well would read as ProgressDeadlineExceeded in the status.
+PROGRESS_DEADLINE_SECONDS = STARTUP_PERIOD_SECONDS * STARTUP_FAILURE_THRESHOLD + 900
 
 MANAGER = "chunkwise-operator"
 LABEL_NAME = "app.kubernetes.io/name"
@@ -430,6 +434,7 @@ def runtime_deployment(name: str, namespace: str, spec: ServiceSpec) -> Manifest
             "replicas": spec.replicas,
             "selector": {"matchLabels": match_labels(name, component)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling},
+            "progressDeadlineSeconds": PROGRESS_DEADLINE_SECONDS,
             "template": {
                 "metadata": {"labels": labels(name, component), "annotations": annotations},
                 "spec": pod,

@@ -152,6 +152,8 @@ def test_runtime_deployment_minimal_exactly() -> None:
                 }
             },
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            # Past the startup probe's 600 s, with time for the pull and the fetch (1500 s).
+            "progressDeadlineSeconds": 1500,
             "template": {
                 "metadata": {
                     "labels": RUNTIME_LABELS,
@@ -582,3 +584,11 @@ def test_a_triton_cache_dir_in_the_spec_is_kept() -> None:
     data["pod"]["env"] = [{"name": "TRITON_CACHE_DIR", "value": "/scratch/triton"}]
     pod = manifests.runtime_deployment("q", "ml", spec(data))["spec"]["template"]["spec"]
     assert pod["containers"][0]["env"] == [{"name": "TRITON_CACHE_DIR", "value": "/scratch/triton"}]
+
+
+def test_the_engine_rollout_deadline_outlasts_its_startup_budget():
+    """Kubernetes' default progress deadline (600 s) equals the startup probe's budget: a model that loads
+    slowly but well would read as ProgressDeadlineExceeded in the status (status.py reads that condition)."""
+    startup = manifests.STARTUP_PERIOD_SECONDS * manifests.STARTUP_FAILURE_THRESHOLD
+    deployment = manifests.runtime_deployment("tiny", "default", spec(MINIMAL))
+    assert deployment["spec"]["progressDeadlineSeconds"] > startup
