@@ -3,6 +3,8 @@ and after it ends until a read that began after its end, then exactly as the rep
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 
 from chunkwise.cache.events import hash_hex
@@ -54,3 +56,63 @@ async def test_a_finished_prompt_stays_held_until_a_read_that_began_after_it() -
         events.emit(removed=(102, 103))  # evicted under pressure
         await replica.read_kv_events(client, 1.0)
         assert replica.cached_blocks(hashes) == 1  # exactly what the events say, nothing of the past
+
+
+async def test_a_prompt_that_ends_during_the_first_read_stays_held() -> None:
+    """The snapshot that brings the index into sync can be taken before a request was computed and answered
+    after it ended; the request's blocks must still count until the next read (a replica lost them for one
+    pick under load in the router integration test, and the router sent the shared prefix elsewhere)."""
+    answered = asyncio.Event()
+    release = asyncio.Event()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        answered.set()
+        await release.wait()  # the replica answered before computing the request; the answer is slow
+        return httpx.Response(200, json={"epoch": "e1", "seq": 0, "block_size": 16, "hashes": []})
+
+    replica = Replica(URL, 1024)
+    hashes = (201, 202)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        request = InFlight(32, 32, 2, True, 0.0, 0.1, 0.2)
+        replica.begin(request, hashes)
+        read = asyncio.create_task(replica.read_kv_events(client, 1.0))
+        await answered.wait()
+        replica.end(request)  # computed and finished while the snapshot is on its way
+        release.set()
+        await read
+        assert replica.kv.synced
+        assert replica.cached_blocks(hashes) == 2
+
+
+async def test_a_finished_prompt_stays_held_while_the_read_that_will_report_it_is_under_way() -> None:
+    """Between the start of a read and its answer, a prompt that ended before the read began is held by the
+    replica but in neither the index (the answer is not applied yet) nor the prompts ended since that read:
+    it must still count (the router sent the shared prefix to the other replica in that window once)."""
+    events = Events()
+    answered = asyncio.Event()
+    release = asyncio.Event()
+
+    async def slow(request: httpx.Request) -> httpx.Response:
+        answered.set()
+        await release.wait()
+        return events(request)
+
+    replica = Replica(URL, 1024)
+    hashes = (301, 302)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(events)) as client:
+        await replica.read_kv_events(client, 1.0)
+    request = InFlight(32, 32, 2, True, 0.0, 0.1, 0.2)
+    replica.begin(request, hashes)
+    replica.end(request)
+    events.emit(stored=hashes)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(slow)) as client:
+        read = asyncio.create_task(replica.read_kv_events(client, 1.0))
+        await answered.wait()
+        assert replica.cached_blocks(hashes) == 2  # the read is under way
+        release.set()
+        await read
+    assert replica.kv.hashes == set(hashes) and replica.cached_blocks(hashes) == 2
+    events.emit(removed=hashes)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(events)) as client:
+        await replica.read_kv_events(client, 1.0)
+    assert replica.cached_blocks(hashes) == 0  # the evictions count: nothing of the past is kept

@@ -69,7 +69,11 @@ class Replica:
         self.index = PrefixIndex(index_capacity_blocks)
         self.kv = KVEventIndex()
         self._inflight_blocks: Counter[int] = Counter()
+        # Prompts of requests that ended since the last read began, and of those that ended before the read
+        # under way began: the replica holds both, and only that read's answer can say so in their place.
         self._ended_since_read: set[int] = set()
+        self._ended_before_read: set[int] = set()
+        self._reading = False
         self.estimates = ReplicaEstimates()
         # None: not probed yet (a candidate, optimistically); True: /health answered 200.
         self.healthy: bool | None = None
@@ -153,10 +157,11 @@ class Replica:
         from its KV events while they are read, else from the router's own estimate."""
         if not self.kv.synced:
             return self.index.match(hashes)
-        held, pending, ended = self.kv.hashes, self._inflight_blocks, self._ended_since_read
+        held, pending = self.kv.hashes, self._inflight_blocks
+        ended, confirming = self._ended_since_read, self._ended_before_read
         n = 0
         for h in hashes:
-            if h not in held and h not in pending and h not in ended:
+            if h not in held and h not in pending and h not in ended and h not in confirming:
                 break
             n += 1
         return n
@@ -164,9 +169,18 @@ class Replica:
     async def read_kv_events(self, client: httpx.AsyncClient, timeout: float) -> None:
         """Bring the exact index up to date from the replica's KV events (see router/kv_events.py)."""
         # A request that ended before this read began was computed before the replica answers it: the
-        # answer holds its blocks (or their eviction). One that ends meanwhile waits for the next read.
+        # answer holds its blocks (or their eviction), so it stops counting once the answer is applied, not
+        # when the read begins (a pick meanwhile would see neither). One that ends meanwhile waits for the
+        # next read.
+        self._ended_before_read |= self._ended_since_read
         self._ended_since_read = set()
-        await self.kv.sync(client, self.url, timeout)
+        self._reading = True
+        try:
+            await self.kv.sync(client, self.url, timeout)
+        finally:
+            # In sync, the answer holds them now; out of sync, the estimate does (it is what picks read then).
+            self._reading = False
+            self._ended_before_read = set()
 
     # -- accounting --------------------------------------------------------------------------------------
     def begin(self, request: InFlight, block_hashes: tuple[int, ...]) -> None:
@@ -185,5 +199,8 @@ class Replica:
         if self.inflight.pop(request.id, None) is not None:
             self._inflight_blocks.subtract(request.block_hashes)
             self._inflight_blocks += Counter()  # drop the hashes no request in flight holds
-            if self.kv.synced:  # out of sync, the estimate holds them already
+            # Out of sync the estimate holds them, except that a read under way may be the snapshot that
+            # brings the index into sync, taken before this request was computed. (Never while no read
+            # runs and none has synced: without KV events the set would only grow.)
+            if self.kv.synced or self._reading:
                 self._ended_since_read.update(request.block_hashes)
