@@ -8,10 +8,33 @@ import socket
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.harness import MODEL, LiveServer, wait_for
+from collections.abc import Iterator
 
-# Long enough that only an abort can end it while the test watches (ignore_eos: no early stop).
-LONG = {"model": MODEL, "prompt": "Keep talking", "max_tokens": 480, "ignore_eos": True, "temperature": 0}
+import pytest
+
+from tests.server.harness import MODEL, LiveServer, start_server, wait_for
+
+# Long enough that only an abort can end it while the test watches (ignore_eos: no early stop). The shared
+# server's 512-token context was not: the tiny model writes 480 tokens in well under a second, and on a loaded
+# CI machine the client read its second event after the request had finished.
+MAX_MODEL_LEN = 8192
+LONG = {
+    "model": MODEL,
+    "prompt": "Keep talking",
+    "max_tokens": MAX_MODEL_LEN - 64,
+    "ignore_eos": True,
+    "temperature": 0,
+}
+
+
+@pytest.fixture(scope="module")
+def live() -> Iterator[LiveServer]:
+    # Enough blocks for one request at the full context (16-token blocks), so admission never sheds it.
+    server = start_server(
+        {"max_model_len": MAX_MODEL_LEN, "num_blocks": MAX_MODEL_LEN // 16 + 8}, max_waiting=64
+    )
+    yield server
+    server.stop()
 
 
 def scrape(live: LiveServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
