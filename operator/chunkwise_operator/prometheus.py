@@ -3,7 +3,8 @@
 For clusters where the operator may not reach pod IPs but Prometheus already scrapes them (through
 manifests/monitoring/servicemonitor.yaml, which labels every series with the InferenceService's name). The
 signals mean what scrape.signals computes: extensive ones divided by max(spec.replicas, pods reporting), the
-preemption rate and p99 step time over RATE_WINDOW.
+preemption rate and p99 step time over RATE_WINDOW, and the requests the routers hold (read from their own
+ServiceMonitor, chunkwise-router) joining the queue, so that from zero the count goes straight to what they need.
 """
 
 from __future__ import annotations
@@ -18,12 +19,22 @@ import httpx
 
 from chunkwise_operator import manifests
 from chunkwise_operator.autoscale import KV_USAGE, P99_STEP_TIME, PREEMPTION_RATE, QUEUE_DEPTH, Observed
-from chunkwise_operator.scrape import FINISHED, KV, PREEMPTIONS, RUNNING, SCRAPE_TIMEOUT_S, STEP, WAITING
+from chunkwise_operator.scrape import (
+    FINISHED,
+    HELD,
+    KV,
+    PREEMPTIONS,
+    RUNNING,
+    SCRAPE_TIMEOUT_S,
+    STEP,
+    WAITING,
+)
 
 # Two scrape intervals of the ServiceMonitor (15 s) and more: rate() needs two samples in its window.
 RATE_WINDOW = "1m"
 REPORTING = "reporting"
 REQUESTS = "requests"
+HELD_REQUESTS = "held"
 # The label Prometheus gives the ServiceMonitor's targetLabels entry (non-identifier characters become _).
 SERVICE_LABEL = re.sub(r"[^a-zA-Z0-9_]", "_", manifests.LABEL_SERVICE)
 
@@ -42,6 +53,7 @@ def queries(namespace: str, name: str) -> dict[str, str]:
         P99_STEP_TIME: f"histogram_quantile(0.99, sum by (le) (rate({STEP}_bucket{{{sel}}}[{RATE_WINDOW}])))",
         KV_USAGE: f"sum({KV}{{{sel}}})",
         REQUESTS: f"sum({WAITING}{{{sel}}}) + sum({RUNNING}{{{sel}}}) + sum(increase({FINISHED}{{{sel}}}[{RATE_WINDOW}]))",
+        HELD_REQUESTS: f"sum({HELD}{{{sel}}})",
     }
 
 
@@ -57,14 +69,22 @@ def scalar(response: Mapping[str, Any]) -> float | None:
 
 
 def observed(values: Mapping[str, float | None], replicas: int) -> Observed:
+    """The signals as scrape.signals makes them: the routers' held requests count as waiting (and as requests),
+    with no replica reporting as well (over one replica at zero)."""
     reporting = int(values.get(REPORTING) or 0)
     divisor = max(replicas, reporting, 1)
+    held = values.get(HELD_REQUESTS) or 0.0
     per_replica = {QUEUE_DEPTH, PREEMPTION_RATE, KV_USAGE}
     result: dict[str, float | None] = {}
     for metric in (QUEUE_DEPTH, PREEMPTION_RATE, P99_STEP_TIME, KV_USAGE):
         value = values.get(metric) if reporting else None
+        if metric == QUEUE_DEPTH and held:
+            value = (value or 0.0) + held
         result[metric] = value / divisor if value is not None and metric in per_replica else value
-    return Observed(result, ready_replicas=reporting, requests=values.get(REQUESTS) if reporting else None)
+    requests = values.get(REQUESTS) if reporting else None
+    if held:
+        requests = (requests or 0.0) + held
+    return Observed(result, ready_replicas=reporting, requests=requests)
 
 
 async def observe(client: httpx.AsyncClient, url: str, namespace: str, name: str, replicas: int) -> Observed:

@@ -31,6 +31,8 @@ def test_queries_select_one_service_by_the_service_monitor_label() -> None:
         f"histogram_quantile(0.99, sum by (le) (rate(chunkwise:step_duration_seconds_bucket{{{sel}}}[1m])))"
     )
     assert q[KV_USAGE] == f"sum(vllm:kv_cache_usage_perc{{{sel}}})"
+    # The routers' series, from the chunkwise-router ServiceMonitor, carry the same label.
+    assert q[prometheus.HELD_REQUESTS] == f"sum(chunkwise:router_held_requests{{{sel}}})"
     # A name is quoted as PromQL wants, whatever it holds.
     assert 'serving_chunkwise_dev_inferenceservice="a\\"b"' in prometheus.queries("ml", 'a"b')[QUEUE_DEPTH]
 
@@ -51,6 +53,23 @@ def test_answers_become_per_replica_signals() -> None:
     # No pod reports: no signal at all, whatever stale series say.
     none = prometheus.observed({prometheus.REPORTING: None, QUEUE_DEPTH: 5.0}, replicas=1)
     assert none.ready_replicas == 0 and set(none.values.values()) == {None}
+
+
+def test_requests_held_at_the_router_count_as_waiting() -> None:
+    # Issue 31, point 3: at zero replicas nothing reports, but 5 requests wait at the router; over one replica.
+    cold = prometheus.observed({prometheus.REPORTING: None, prometheus.HELD_REQUESTS: 5.0}, replicas=0)
+    assert cold.values[QUEUE_DEPTH] == 5.0 and cold.requests == 5.0 and cold.ready_replicas == 0
+    # With replicas reporting, the held join their queue and the requests, like scrape.signals.
+    warm = prometheus.observed(
+        {
+            prometheus.REPORTING: 2,
+            QUEUE_DEPTH: 2.0,
+            prometheus.REQUESTS: 3.0,
+            prometheus.HELD_REQUESTS: 2.0,
+        },
+        replicas=2,
+    )
+    assert warm.values[QUEUE_DEPTH] == 2.0 and warm.requests == 5.0
 
 
 class FakePrometheus(HttpStub):
@@ -96,4 +115,27 @@ async def test_the_autoscaler_scales_from_prometheus_without_scraping_pods(
     # 6 waiting on 1 replica against 2: ceil(1 x 3) = 3. There is no pod object at all.
     await eventually(lambda: (cluster.isvc("chat") or {})["spec"].get("replicas") == 3, what="scaled to 3")
     assert any('serving_chunkwise_dev_inferenceservice="chat"' in q for q in prom.queries)
+    assert operator.failures() == []
+
+
+async def test_from_zero_prometheus_mode_goes_straight_to_what_the_held_requests_need(
+    prom: FakePrometheus, cluster: Cluster, operator: Operator
+) -> None:
+    # Issue 31, point 3, in --prometheus-url mode: 5 requests held at the router and no replica, target 2 per
+    # replica: 0 -> 3 at once (it went 0 -> 1, then paid a second cold start).
+    prom.answers = {"sum(chunkwise:router_held_requests": 5.0}
+    spec = {
+        "model": {"preset": "tiny"},
+        "image": "chunkwise:dev",
+        "replicas": 0,
+        "router": {"enabled": True},
+        "autoscaling": {
+            "enabled": True,
+            "minReplicas": 0,
+            "maxReplicas": 4,
+            "targets": {"queueDepthPerReplica": 2},
+        },
+    }
+    await cluster.create_isvc("chat", spec)
+    await eventually(lambda: (cluster.isvc("chat") or {})["spec"].get("replicas") == 3, what="scaled to 3")
     assert operator.failures() == []

@@ -307,7 +307,7 @@ def test_operator_deployment_runs_the_package() -> None:
 
 
 def test_service_monitor_selects_the_runtime_services() -> None:
-    sm = find("ServiceMonitor")
+    sm = find("ServiceMonitor", "chunkwise-runtime")
     assert set(sm) == {"apiVersion", "kind", "metadata", "spec"}
     service = manifests.runtime_service("tiny", "default")
     selector = sm["spec"]["selector"]["matchLabels"]
@@ -318,6 +318,19 @@ def test_service_monitor_selects_the_runtime_services() -> None:
     assert endpoint["port"] == service["spec"]["ports"][0]["name"]
     assert endpoint["path"] == manifests.METRICS_PATH
     assert sm["spec"]["namespaceSelector"] == {"any": True}
+    assert sm["spec"]["targetLabels"] == [manifests.LABEL_SERVICE]
+
+
+def test_a_second_service_monitor_scrapes_the_routers_for_their_held_requests() -> None:
+    # Issue 31, point 3: --prometheus-url mode reads chunkwise:router_held_requests by the service label.
+    sm = find("ServiceMonitor", "chunkwise-router")
+    service = manifests.router_service("tiny", "default")
+    selector = sm["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= service["metadata"]["labels"].items()
+    assert not selector.items() <= manifests.runtime_service("tiny", "default")["metadata"]["labels"].items()
+    (endpoint,) = sm["spec"]["endpoints"]
+    assert endpoint["port"] == service["spec"]["ports"][0]["name"]
+    assert endpoint["path"] == manifests.METRICS_PATH
     assert sm["spec"]["targetLabels"] == [manifests.LABEL_SERVICE]
 
 
