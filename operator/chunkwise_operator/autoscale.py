@@ -196,11 +196,20 @@ def not_ready_since(pods: Iterable[Mapping[str, Any]], now: float) -> tuple[floa
     return tuple(sorted(result))
 
 
-def starting(current: int, ready: int, unready_since: Sequence[float], now: float, grace_s: float) -> int:
+def starting(
+    current: int,
+    ready: int,
+    unready_since: Sequence[float],
+    now: float,
+    grace_s: float,
+    creation_failing: bool = False,
+) -> int:
     """Replicas that may still become ready: not ready for less than `grace_s`, plus those of the count
-    with no pod seen at all (not created yet; a pod still to come is starting by definition)."""
+    with no pod seen at all (not created yet; a pod still to come is starting by definition) unless
+    `creation_failing`: the Deployment reports ReplicaFailure (a quota, Pod Security, a webhook), so those
+    pods are not coming, and holding a scale down for them would keep the count where the quota refuses it."""
     young = sum(1 for t in unready_since if now - t < grace_s)
-    unseen = max(0, current - ready - len(unready_since))
+    unseen = 0 if creation_failing else max(0, current - ready - len(unready_since))
     return young + unseen
 
 
@@ -260,6 +269,7 @@ def decide(
     scale_to_zero_after_s: float | None = None,
     unready_since: Sequence[float] = (),
     grace_s: float = STARTUP_GRACE_S,
+    creation_failing: bool = False,
 ) -> Decision:
     """The replica count to run now, why, and the history to keep for the next evaluation.
 
@@ -337,7 +347,7 @@ def decide(
         for name in METRICS
         if (v := observed.values.get(name)) is not None and name in targets
     )
-    young = starting(current, observed.ready_replicas, unready_since, now, grace_s)
+    young = starting(current, observed.ready_replicas, unready_since, now, grace_s, creation_failing)
     if raw < current and young:
         return result(
             current,

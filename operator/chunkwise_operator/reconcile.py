@@ -330,6 +330,10 @@ class Reconciler:
             self.kube.list_pods, namespace, manifests.match_labels(name, manifests.RUNTIME)
         )
         unready_since = autoscale.not_ready_since(pods, now)
+        deployment = await asyncio.to_thread(
+            self.kube.get, "apps/v1", "Deployment", namespace, manifests.runtime_name(name)
+        )
+        creation_failing = status.deployment_failure(deployment) is not None
         if self._prometheus_url is not None:
             observed = await prometheus.observe(
                 client, self._prometheus_url, namespace, name, parsed.replicas
@@ -351,7 +355,9 @@ class Reconciler:
         history, events = status.autoscaler_history(previous)
         a = parsed.autoscaling
         grace_s = autoscale.STARTUP_GRACE_S
-        young = autoscale.starting(parsed.replicas, observed.ready_replicas, unready_since, now, grace_s)
+        young = autoscale.starting(
+            parsed.replicas, observed.ready_replicas, unready_since, now, grace_s, creation_failing
+        )
         last_active = autoscale.last_activity(status.last_active(previous), observed.requests, young, now)
         external: tuple[autoscale.ExternalScaler, ...] = ()
         if not a.delegated:
@@ -372,6 +378,7 @@ class Reconciler:
             scale_to_zero_after_s=float(a.scale_to_zero_after_seconds),
             unready_since=unready_since,
             grace_s=grace_s,
+            creation_failing=creation_failing,
         )
         if decision.reason == autoscale.NO_METRICS and failed:
             decision = dataclasses.replace(decision, message=scrape.unreachable(failed))

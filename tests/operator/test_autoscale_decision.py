@@ -337,3 +337,17 @@ def test_only_a_replica_that_may_still_start_is_activity_for_scale_to_zero() -> 
     assert a.last_activity(before, 2.0, 0, NOW) == NOW
     assert a.last_activity(before, None, 0, NOW) == NOW
     assert a.last_activity(None, 0.0, 0, NOW) == NOW
+
+
+def test_replicas_whose_pods_the_controller_cannot_create_hold_no_scale_down() -> None:
+    # Issue 31, point 3: 3 replicas, 1 ready and idle, no pod at all for the other two. While they may still be
+    # created they are starting, and a scale down waits; once the Deployment reports ReplicaFailure (a quota
+    # refuses them) they are not coming, and the ready replica's load decides.
+    coming = run(3, seen(ready=1, queue=0.0))
+    refused = run(3, seen(ready=1, queue=0.0), creation_failing=True)
+    assert coming.reason == a.SCALE_DOWN_HELD, coming.message
+    assert refused.reason != a.SCALE_DOWN_HELD and refused.recommendation == 1, refused.message
+    assert a.starting(3, 1, (), NOW, a.STARTUP_GRACE_S) == 2
+    assert a.starting(3, 1, (), NOW, a.STARTUP_GRACE_S, creation_failing=True) == 0
+    # A Pending pod that exists is judged by its age, refused siblings or not.
+    assert a.starting(3, 1, (NOW - 10.0,), NOW, a.STARTUP_GRACE_S, creation_failing=True) == 1

@@ -383,6 +383,29 @@ async def test_replicas_unready_past_the_startup_budget_do_not_hold_a_scale_down
     assert operator.failures() == []
 
 
+async def test_replicas_a_quota_refuses_do_not_hold_a_scale_down(
+    fast_autoscaler: None, pods: list[MetricsServer], cluster: Cluster, operator: Any
+) -> None:
+    # Issue 31, point 3: 3 replicas, 1 ready and idle, and no pod for the other two because a quota refuses
+    # them (the Deployment says ReplicaFailure). They were held as "starting" forever; now the count goes down.
+    await cluster.create_isvc("chat", {**spec(), "replicas": 3})
+    await add_pod(cluster, pods, "chat", waiting=0.0)
+    await eventually(lambda: autoscaler_status(cluster, "chat").get("reason") == "ScaleDownHeld", what="held")
+    failed = {
+        "type": "ReplicaFailure",
+        "status": "True",
+        "lastUpdateTime": "2030-01-01T00:00:00Z",
+        "lastTransitionTime": "2030-01-01T00:00:00Z",
+        "reason": "FailedCreate",
+        "message": 'pods "chat-6c9d8f7b5-" is forbidden: exceeded quota: gpu, requested: requests.nvidia.com/gpu=1',
+    }
+    generation = (cluster.get(Cluster.DEPLOYMENTS, "chat") or {})["metadata"]["generation"]
+    status = {"observedGeneration": generation, "replicas": 1, "conditions": [failed]}
+    await cluster.patch_deployment("chat", {"status": status}, status=True)
+    await eventually(lambda: replicas(cluster, "chat") == 1, what="scale down to 1", timeout=15)
+    assert operator.failures() == []
+
+
 async def test_a_replica_unready_past_the_startup_budget_is_no_activity_for_scale_to_zero(
     fast_autoscaler: None, pods: list[MetricsServer], cluster: Cluster, operator: Any
 ) -> None:
