@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import socket
-
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
-
 from collections.abc import Iterator
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.harness import MODEL, LiveServer, start_server, wait_for
 
