@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from chunkwise.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from chunkwise.sched.output import ScheduledRequest
 
 
 class RequestStatus(enum.Enum):
@@ -81,10 +77,6 @@ class Request:
     # check is then one compare and one set lookup; which one ended it is worked out only then.
     length_limit: int = field(init=False, default=0)
     stop_check_ids: frozenset[int] = field(init=False, default=frozenset())
-
-    # The scheduler's steady-state row for this request, reused step after step while its block table is
-    # the same list (sched/scheduler.py, _schedule_decodes); None until its first steady decode.
-    decode_row: ScheduledRequest | None = None
 
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -31,6 +31,7 @@ from chunkwise.cache.kv_cache_manager import KVCacheManager
 from chunkwise.request import Request, RequestStatus
 from chunkwise.sampling_params import SamplingParams, child_seed
 from chunkwise.sched.admission import ReservationAdmission
+from chunkwise.sched.output import ScheduledRequest
 
 # Between a parent's id and its child's index in the child's (internal) request id.
 CHILD_ID_SEP = "\x1f"
@@ -50,6 +51,7 @@ class ForkRequests:
     # Parents not yet forked, whatever their status; and each forked parent's children, by the parent's id.
     _parents: list[Request]
     _families: dict[str, list[Request]]
+    _decode_rows: dict[str, ScheduledRequest]
 
     def _fork_ready(self) -> list[tuple[int, int]] | None:
         """Fork every running parent whose prompt but the last token is computed. Returns the block copies
@@ -88,7 +90,7 @@ class ForkRequests:
         for child in children:
             self.requests[child.request_id] = child
         self._families[pid] = children
-        parent.decode_row = None
+        self._decode_rows.pop(pid, None)
         # The runner drops whatever it kept for the parent (its table row).
         self._finished_ids.add(pid)
         return copies

@@ -67,6 +67,9 @@ class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
         # n > 1 (fork.py): parents not yet forked; forked parents' children by the parent's id.
         self._parents: list[Request] = []
         self._families: dict[str, list[Request]] = {}
+        # Each request's steady-state decode row, reused step after step while its block table is the same
+        # list (_schedule_decodes); kept here, not on the Request, which the scheduler's types sit above.
+        self._decode_rows: dict[str, ScheduledRequest] = {}
 
     @classmethod
     def from_config(
@@ -139,7 +142,7 @@ class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
             self.waiting.remove(req)
         self.kv.forget(req)
         self.requests.pop(req.request_id, None)
-        req.decode_row = None
+        self._decode_rows.pop(req.request_id, None)
         self._finished_ids.add(req.request_id)
         if req.fork_hold:
             self._parents.remove(req)  # finished before it forked (aborted)
@@ -269,6 +272,7 @@ class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
         kv = self.kv
         capacity = kv.block_size
         tables = kv.block_tables
+        rows = self._decode_rows
         scheduled: list[ScheduledRequest] = []
         append = scheduled.append
         # Gathered here, where each request is already in hand, so that the runner need not visit every
@@ -296,10 +300,10 @@ class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
                 if len(table) != had:
                     grown.append(len(scheduled))
             token = tokens[start]
-            row = req.decode_row
+            row = rows.get(req.request_id)
             if row is None or row.block_table is not table:
                 params = req.sampling_params
-                row = req.decode_row = ScheduledRequest(
+                row = rows[req.request_id] = ScheduledRequest(
                     req.request_id, [token], start, table, True, params, req=req
                 )
                 if params.has_penalty:
