@@ -13,7 +13,7 @@ import yaml
 from chunkwise.cache.hashing import hash_prefix_blocks
 from chunkwise.router import wake
 from chunkwise.router.core import Router
-from chunkwise.router.policies import CostModel, Defaults
+from chunkwise.router.cost import CostModel, Defaults
 from chunkwise.router.prompt import RoutedRequest
 
 BLOCK = 16

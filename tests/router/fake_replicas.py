@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from chunkwise.router.core import Router
-from chunkwise.router.policies import CostModel, Defaults
+from chunkwise.router.cost import CostModel, Defaults
 
 Handler = Callable[[httpx.Request], httpx.Response]
 

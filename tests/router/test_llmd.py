@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 
 from chunkwise.router.args import POLICY_NAMES
+from chunkwise.router.cost import CostModel
 from chunkwise.router.estimates import MetricsSample
 from chunkwise.router.llmd import (
     DEFAULT_LRU_CAPACITY_PER_SERVER,
@@ -20,7 +21,7 @@ from chunkwise.router.llmd import (
     prompt_blocks,
     queue_scores,
 )
-from chunkwise.router.policies import BASELINES, POLICIES, CostModel, make_policy
+from chunkwise.router.policies import BASELINES, POLICIES, make_policy
 from chunkwise.router.replica import Replica
 
 from .conftest import BLOCK, URLS, MakeRouter, request

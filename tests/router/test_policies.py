@@ -7,8 +7,9 @@ from collections import Counter
 import pytest
 
 from chunkwise.router.args import POLICY_NAMES
+from chunkwise.router.cost import CostModel, Defaults
 from chunkwise.router.estimates import MetricsSample
-from chunkwise.router.policies import POLICIES, CostModel, Defaults, make_policy
+from chunkwise.router.policies import POLICIES, make_policy
 from chunkwise.router.replica import Replica
 
 from .conftest import BLOCK, URLS, Clock, MakeRouter, request

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import httpx
 
+from chunkwise.router.cost import CostModel, Prediction
 from chunkwise.router.estimates import parse_metrics
-from chunkwise.router.policies import CostModel, Policy, Prediction, make_policy
+from chunkwise.router.policies import Policy, make_policy
 from chunkwise.router.prompt import RoutedRequest
 from chunkwise.router.replica import InFlight, Replica
 from chunkwise.router.slo import Shed, Slo, retry_after

@@ -57,14 +57,11 @@ import random
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from chunkwise.cache.hashing import BlockHash
+from chunkwise.router.cost import CostModel
 from chunkwise.router.prompt import RoutedRequest
 from chunkwise.router.replica import Replica
-
-if TYPE_CHECKING:
-    from chunkwise.router.policies import CostModel
 
 QUEUE_SCORER = "queue-scorer"
 KV_CACHE_UTILIZATION_SCORER = "kv-cache-utilization-scorer"

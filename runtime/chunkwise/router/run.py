@@ -13,8 +13,8 @@ import uvicorn
 from starlette.applications import Starlette
 
 from chunkwise.router.core import Router
+from chunkwise.router.cost import CostModel, Defaults
 from chunkwise.router.discovery import Discovery, KubeDiscovery, StaticDiscovery, kube_api_client
-from chunkwise.router.policies import CostModel, Defaults
 from chunkwise.router.prompt import PromptReader, load_tokenizer
 from chunkwise.router.proxy import build_app
 from chunkwise.router.wake import WAKE_RETRY_AFTER_S, KubeScaler, WakeConfig, Waker
