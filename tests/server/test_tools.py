@@ -121,8 +121,7 @@ def test_a_streamed_answer_that_is_no_call_is_all_shown() -> None:
 
 # -- the chat formatter's shapes --------------------------------------------------------------------------------
 def _formatter(mode: str = "auto", name: str | None = None, stream: bool = False, n: int = 1):  # type: ignore[no-untyped-def]
-    from chunkwise.server.formatters import ChatFormatter, Prompt, ResponseHead
-    from chunkwise.server.tools import ChatOptions
+    from chunkwise.server.formatters import ChatFormatter, ChatOptions, Prompt, ResponseHead
 
     head = ResponseHead(id="x", created=1, model="m", prompts=(Prompt([1], "p"),), n=n)
     opts = ChatOptions(stream=stream, tools=ToolParsing(mode, NAMES, name))  # type: ignore[arg-type]

@@ -12,9 +12,15 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from chunkwise.sampling_params import MAX_LOGPROBS, SamplingParams
 from chunkwise.server.chat import ChatMessage, ChatTemplateError, message_text, render_chat
 from chunkwise.server.errors import bad_request, from_value_error
-from chunkwise.server.formatters import ChatFormatter, CompletionFormatter, Formatter, ResponseOptions
+from chunkwise.server.formatters import (
+    ChatFormatter,
+    ChatOptions,
+    CompletionFormatter,
+    Formatter,
+    ResponseOptions,
+)
 from chunkwise.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
-from chunkwise.server.tools import ChatOptions, ToolParsing, required_spec
+from chunkwise.server.tools import ToolParsing, required_spec
 from chunkwise.structured.spec import StructuredOutput
 
 if TYPE_CHECKING:

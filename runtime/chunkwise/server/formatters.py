@@ -13,12 +13,10 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from chunkwise.outputs import CompletionOutput, RequestOutput, TokenLogprob
-
-if TYPE_CHECKING:
-    from chunkwise.server.tools import ToolCall, ToolParsing, ToolStream
+from chunkwise.server.tools import ToolCall, ToolParsing, ToolStream
 
 # JSON has no infinities: a -inf logprob (a token the sampler could never pick) is reported as this.
 MIN_LOGPROB = -9999.0
@@ -46,6 +44,13 @@ class ResponseOptions:
     echo: bool = False
     # vLLM's prompt_logprobs: each choice (a chat response) carries its prompt tokens' log-probs.
     prompt_logprobs: bool = False
+
+
+@dataclass(frozen=True)
+class ChatOptions(ResponseOptions):
+    """A chat answer's options, with how its text is read for tool calls (None: it is all content)."""
+
+    tools: ToolParsing | None = None
 
 
 @dataclass(frozen=True)
@@ -306,8 +311,8 @@ class ChatFormatter(Formatter):
     def __init__(self, head: ResponseHead, options: ResponseOptions, token_text: TokenText) -> None:
         super().__init__(head, options, token_text)
         self._scores_sent = False
-        # Tool calls (server/tools.py's ChatOptions): how the text is read, and each choice's streamed answer.
-        self._tools: ToolParsing | None = getattr(options, "tools", None)
+        # Tool calls: how the text is read (ChatOptions.tools), and each choice's streamed answer.
+        self._tools = options.tools if isinstance(options, ChatOptions) else None
         self._tool_streams: dict[int, ToolStream] = {}
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:

@@ -21,7 +21,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from chunkwise.server.formatters import ResponseOptions
 from chunkwise.structured.spec import StructuredOutput
 
 ToolMode = Literal["auto", "required", "named"]
@@ -154,13 +153,6 @@ def required_spec(tools: list[tuple[str, dict[str, Any]]]) -> StructuredOutput:
         for name, params in tools
     ]
     return StructuredOutput.json_schema({"type": "array", "minItems": 1, "items": {"anyOf": alternatives}})
-
-
-@dataclass(frozen=True)
-class ChatOptions(ResponseOptions):
-    """A chat answer's options, with how its text is read for tool calls (None: it is all content)."""
-
-    tools: ToolParsing | None = None
 
 
 def held_from(text: str, mode: ToolMode) -> int:
