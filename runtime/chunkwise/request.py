@@ -80,7 +80,6 @@ class Request:
 
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
-    last_token_time: float | None = None
     finished_time: float | None = None
 
     def __post_init__(self) -> None:
@@ -107,9 +106,6 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
-
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
 
 
 def resolve_max_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:

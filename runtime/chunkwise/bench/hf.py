@@ -13,7 +13,6 @@ Hugging Face's names, chunkwise.model.presets.preset_state_dict) loads unchanged
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chunkwise.bench.clock import ClockName, Recorder, RunClock
@@ -77,14 +76,6 @@ def load_hf_model(model: str, dtype: str = "float32") -> Any:
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = _PAD_ID
     return hf
-
-
-def save_hf_dir(model: str, dest: str | Path) -> Path:
-    """Write a preset as a Hugging Face directory (config.json + safetensors)."""
-    hf = load_hf_model(model)
-    hf.generation_config.eos_token_id = hf.config.eos_token_id
-    hf.save_pretrained(dest)
-    return Path(dest)
 
 
 class _StepClock:

@@ -106,11 +106,6 @@ class BlockPool:
                 self.events.record(h, False)
         self.block_hash[block_id] = None
 
-    def reset_cache(self) -> None:
-        for h, block_id in list(self._cached.items()):
-            if self.ref_cnt[block_id] == 0:
-                self._drop(h, block_id)
-
     def check_invariants(self) -> None:
         """Raise AssertionError if the pool's bookkeeping is inconsistent (tests call this after workloads)."""
         for b in range(self.num_blocks):

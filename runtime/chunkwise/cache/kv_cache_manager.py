@@ -250,6 +250,3 @@ class KVCacheManager:
         self.swap_space.free(slots)
         self._register(req, req.num_computed_tokens)
         return list(zip(slots, blocks))
-
-    def num_host_blocks_held(self, req: Request) -> int:
-        return len(self._host_slots.get(req.request_id, ()))

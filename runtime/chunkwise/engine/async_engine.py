@@ -132,8 +132,9 @@ class AsyncEngine:
     def add_observer(
         self, observer: Callable[[StepStats | None, list[RequestOutput], list[Request]], None]
     ) -> None:
-        """Call `observer(step, outputs, finished_requests)` on the loop thread after each step. It must be
-        quick and must not block; an exception it raises is logged and otherwise ignored."""
+        """Call `observer(step, outputs, finished_requests)` on the output thread after each step's outputs
+        are delivered. It must be quick and must not block (the next step's outputs wait behind it); an
+        exception it raises is logged and otherwise ignored."""
         self._observers = [*self._observers, observer]
 
     def load(self) -> LoadSnapshot:

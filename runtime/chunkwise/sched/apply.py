@@ -68,7 +68,6 @@ class ApplyStepResult:
             self.stats.spec_num_accepted_tokens += accepted
             if req.first_token_time is None:
                 req.first_token_time = now
-            req.last_token_time = now
             token_ids = req.token_ids
             limit = req.length_limit
             stop_ids = req.stop_check_ids
@@ -135,7 +134,6 @@ class ApplyStepResult:
             req.num_computed_tokens += 1
             if req.first_token_time is None:
                 req.first_token_time = now
-            req.last_token_time = now
             token_ids = req.token_ids
             token_ids.append(t)
             if len(token_ids) >= req.length_limit or t in req.stop_check_ids:

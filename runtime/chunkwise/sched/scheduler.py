@@ -63,7 +63,6 @@ class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
         self._finished_ids: set[str] = set()
-        self.last_schedule_seconds = 0.0
         # n > 1 (fork.py): parents not yet forked; forked parents' children by the parent's id.
         self._parents: list[Request] = []
         self._families: dict[str, list[Request]] = {}
@@ -177,12 +176,10 @@ class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
 
     # -- one step ---------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        t0 = time.perf_counter()
         # A fork (rare) adds rows whose COW copies this step carries: that step takes the general path.
         copies = self._fork_ready() if self._parents else None
         out = self._schedule_decodes() if copies is None else None
         if out is not None:
-            self.last_schedule_seconds = time.perf_counter() - t0
             return out
         budget = self.config.max_num_batched_tokens
         num_new: dict[str, int] = {}
@@ -253,7 +250,6 @@ class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
         if out.is_empty and not num_preempted and not self.running and (self.swapped or len(self.waiting)):
             out.failed = self._fail_stalled()
         self._update_gauges()
-        self.last_schedule_seconds = time.perf_counter() - t0
         return out
 
     def _schedule_decodes(self) -> SchedulerOutput | None:

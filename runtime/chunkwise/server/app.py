@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from chunkwise.metrics import EngineMetrics
 from chunkwise.sched.shedding import SheddingPolicy
+from chunkwise.server.args import DEFAULT_MAX_REQUEST_BYTES
 from chunkwise.server.endpoints import CHAT, COMPLETIONS
 from chunkwise.server.errors import APIError, bad_request, install_error_handlers, validation_message
 from chunkwise.server.kv_events import add_kv_event_routes
@@ -29,7 +30,6 @@ from chunkwise.server.serving import UNAVAILABLE_RETRY_AFTER_S, ServerState, ser
 if TYPE_CHECKING:
     from chunkwise.engine import AsyncEngine
 
-DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 M = TypeVar("M", bound=BaseModel)
 
 
