@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from chunkwise import metric_names as N
 from chunkwise.sched.output import SchedulerStats
 from chunkwise.sched.shedding import REJECT_REASONS
 
@@ -58,31 +59,6 @@ REQUEST_LATENCY_BUCKETS = (
 )  # fmt: skip
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
-# Every exposed sample-name stem the design contract fixes (histograms add _bucket/_sum/_count).
-CONTRACT_NAMES = (
-    "vllm:num_requests_running",
-    "vllm:num_requests_waiting",
-    "vllm:kv_cache_usage_perc",
-    "vllm:num_preemptions_total",
-    "vllm:prefix_cache_queries_total",
-    "vllm:prefix_cache_hits_total",
-    "vllm:prompt_tokens_total",
-    "vllm:generation_tokens_total",
-    "vllm:request_success_total",
-    "vllm:time_to_first_token_seconds",
-    "vllm:inter_token_latency_seconds",
-    "vllm:e2e_request_latency_seconds",
-    "vllm:request_queue_time_seconds",
-    "vllm:iteration_tokens_total",
-    "vllm:spec_decode_num_draft_tokens_total",
-    "vllm:spec_decode_num_accepted_tokens_total",
-    "chunkwise:step_duration_seconds",
-    "chunkwise:admission_rejections_total",
-    "chunkwise:preemptions_total",
-    "chunkwise:output_length_estimate_tokens",
-    "chunkwise:spec_draft_length",
-)
-
 
 class _SchedulerCollector(Collector):
     """Gauges and cumulative scheduler counters, read at scrape time from the published stats."""
@@ -105,63 +81,61 @@ class _SchedulerCollector(Collector):
             c.add_metric(m, value)
             return c
 
-        yield gauge("vllm:num_requests_running", "Requests in the running batch.", s.num_running)
+        yield gauge(N.NUM_REQUESTS_RUNNING, "Requests in the running batch.", s.num_running)
         yield gauge(
-            "vllm:num_requests_waiting",
+            N.NUM_REQUESTS_WAITING,
             "Requests waiting to be scheduled (preempted included).",
             s.num_waiting,
         )
         yield gauge(
-            "chunkwise:num_requests_swapped",
+            N.NUM_REQUESTS_SWAPPED,
             "Requests preempted by swapping, KV in host memory.",
             s.num_swapped,
         )
-        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", s.kv_usage)
+        yield gauge(N.KV_CACHE_USAGE, "Fraction of KV cache blocks in use (1 = full).", s.kv_usage)
         yield gauge(
-            "chunkwise:output_length_estimate_tokens",
+            N.OUTPUT_LENGTH_ESTIMATE,
             "Output length admission reserved for the last admitted request.",
             s.last_output_length_estimate,
         )
         yield gauge(
-            "chunkwise:spec_draft_length",
+            N.SPEC_DRAFT_LENGTH,
             "Current speculative draft length.",
             s.spec_draft_length,
         )
         swap, recompute = s.num_preemptions_swap, s.num_preemptions_recompute
-        yield counter("vllm:num_preemptions_total", "Cumulative preemptions.", swap + recompute)
+        yield counter(N.NUM_PREEMPTIONS, "Cumulative preemptions.", swap + recompute)
         modes = CounterMetricFamily(
-            "chunkwise:preemptions_total", "Cumulative preemptions by mode.", labels=["model_name", "mode"]
+            N.PREEMPTIONS_BY_MODE, "Cumulative preemptions by mode.", labels=["model_name", "mode"]
         )
         modes.add_metric([self.model_name, "swap"], swap)
         modes.add_metric([self.model_name, "recompute"], recompute)
         yield modes
         yield counter(
-            "chunkwise:preemption_fallbacks_total",
+            N.PREEMPTION_FALLBACKS,
             "Preemptions that chose swap but recomputed, the host swap space being full (raise "
             "--swap-space-bytes).",
             s.num_preemption_fallbacks,
         )
         yield counter(
-            "chunkwise:stalled_requests_total",
+            N.STALLED_REQUESTS,
             "Requests the scheduler's watchdog failed: work waiting, nothing running, nothing admitted (a bug "
             "or a leaked block; each is logged).",
             s.num_stalled_requests,
         )
         yield counter(
-            "vllm:prefix_cache_queries_total",
+            N.PREFIX_CACHE_QUERIES,
             "Prompt tokens looked up in the prefix cache.",
             s.prefix_cache_queries,
         )
+        yield counter(N.PREFIX_CACHE_HITS, "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
         yield counter(
-            "vllm:prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits
-        )
-        yield counter(
-            "vllm:spec_decode_num_draft_tokens_total",
+            N.SPEC_DRAFT_TOKENS,
             "Speculative tokens proposed.",
             s.spec_num_draft_tokens,
         )
         yield counter(
-            "vllm:spec_decode_num_accepted_tokens_total",
+            N.SPEC_ACCEPTED_TOKENS,
             "Speculative tokens accepted.",
             s.spec_num_accepted_tokens,
         )
@@ -183,16 +157,16 @@ class EngineMetrics:
         labels = ["model_name"]
 
         self.prompt_tokens = Counter(
-            "vllm:prompt_tokens_total",
+            N.PROMPT_TOKENS,
             "Prompt tokens of requests that started generating.",
             labels,
             registry=r,
         ).labels(model_name)
-        self.generation_tokens = Counter(
-            "vllm:generation_tokens_total", "Generated tokens.", labels, registry=r
-        ).labels(model_name)
+        self.generation_tokens = Counter(N.GENERATION_TOKENS, "Generated tokens.", labels, registry=r).labels(
+            model_name
+        )
         self.request_success = Counter(
-            "vllm:request_success_total",
+            N.REQUEST_SUCCESS,
             "Finished requests, by finish reason.",
             [*labels, "finished_reason"],
             registry=r,
@@ -200,56 +174,56 @@ class EngineMetrics:
         for reason in FINISHED_REASONS:
             self.request_success.labels(model_name, reason)
         self.ttft = Histogram(
-            "vllm:time_to_first_token_seconds",
+            N.TIME_TO_FIRST_TOKEN,
             "Time to first token.",
             labels,
             buckets=TTFT_BUCKETS,
             registry=r,
         ).labels(model_name)
         self.itl = Histogram(
-            "vllm:inter_token_latency_seconds",
+            N.INTER_TOKEN_LATENCY,
             "Time between tokens.",
             labels,
             buckets=ITL_BUCKETS,
             registry=r,
         ).labels(model_name)
         self.e2e = Histogram(
-            "vllm:e2e_request_latency_seconds",
+            N.E2E_REQUEST_LATENCY,
             "Arrival to finish.",
             labels,
             buckets=REQUEST_LATENCY_BUCKETS,
             registry=r,
         ).labels(model_name)
         self.queue_time = Histogram(
-            "vllm:request_queue_time_seconds",
+            N.REQUEST_QUEUE_TIME,
             "Arrival to first scheduled.",
             labels,
             buckets=REQUEST_LATENCY_BUCKETS,
             registry=r,
         ).labels(model_name)
         self.iteration_tokens = Histogram(
-            "vllm:iteration_tokens_total",
+            N.ITERATION_TOKENS,
             "Tokens computed per step (decode rows + prefill chunks).",
             labels,
             buckets=ITERATION_TOKENS_BUCKETS,
             registry=r,
         ).labels(model_name)
         self.step_duration = Histogram(
-            "chunkwise:step_duration_seconds",
+            N.STEP_DURATION,
             "Wall time of one engine step (schedule + forward + sample + emit).",
             labels,
             buckets=STEP_DURATION_BUCKETS,
             registry=r,
         ).labels(model_name)
         self.scheduler_seconds = Histogram(
-            "chunkwise:scheduler_seconds",
+            N.SCHEDULER_SECONDS,
             "Time in schedule() per step.",
             labels,
             buckets=SCHEDULER_BUCKETS,
             registry=r,
         ).labels(model_name)
         self.admission_rejections = Counter(
-            "chunkwise:admission_rejections_total",
+            N.ADMISSION_REJECTIONS,
             "Requests refused at admission (load shedding), by reason.",
             [*labels, "reason"],
             registry=r,
@@ -258,7 +232,7 @@ class EngineMetrics:
             self.admission_rejections.labels(model_name, reason)
         # vLLM's info metric (value 1; the facts are labels): the router reads the KV capacity from it.
         self.cache_config_info = Gauge(
-            "vllm:cache_config_info",
+            N.CACHE_CONFIG_INFO,
             "KV cache configuration.",
             [*labels, "block_size", "num_gpu_blocks", "enable_prefix_caching"],
             registry=r,

@@ -7,7 +7,8 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from chunkwise.engine import StepStats
-from chunkwise.metrics import CONTRACT_NAMES, EngineMetrics
+from chunkwise.metric_names import CONTRACT_NAMES
+from chunkwise.metrics import EngineMetrics
 from chunkwise.outputs import CompletionOutput, RequestOutput
 from chunkwise.request import Request
 from chunkwise.sampling_params import SamplingParams
@@ -178,3 +179,18 @@ def test_a_request_is_counted_by_how_its_output_ended() -> None:
     assert value(text, "vllm:request_success_total", finished_reason="stop") == 2
     assert value(text, "vllm:request_success_total", finished_reason="length") == 0
     assert value(text, "vllm:request_success_total", finished_reason="abort") == 0
+
+
+def test_every_engine_name_of_the_one_module_is_exposed(live: LiveServer) -> None:
+    """metric_names owns the names the router, the benchmark client and the operator read (issue 32): each of
+    the engine's is on a live server's /metrics, so a rename in one place cannot leave a reader behind."""
+    from chunkwise import metric_names
+
+    engine_names = [
+        v
+        for k, v in vars(metric_names).items()
+        if k.isupper() and isinstance(v, str) and not k.startswith("ROUTER_")
+    ]
+    names = samples(httpx.get(f"{live.url}/metrics").text)
+    assert len(engine_names) > 20
+    assert [n for n in engine_names if not exposes(names, n)] == []

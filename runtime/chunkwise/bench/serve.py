@@ -22,15 +22,16 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
+from chunkwise import metric_names
 from chunkwise.bench.metrics import RequestRecord
 from chunkwise.bench.results import RunResult
 from chunkwise.bench.workloads import WorkItem
 
 # Gauges read from /metrics (the vLLM names every chunkwise replica exports), summed over label sets.
 _GAUGES = {
-    "vllm:num_requests_running": "running",
-    "vllm:num_requests_waiting": "waiting",
-    "vllm:kv_cache_usage_perc": "kv",
+    metric_names.NUM_REQUESTS_RUNNING: "running",
+    metric_names.NUM_REQUESTS_WAITING: "waiting",
+    metric_names.KV_CACHE_USAGE: "kv",
 }
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 

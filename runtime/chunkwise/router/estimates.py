@@ -24,14 +24,15 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-WAITING = "vllm:num_requests_waiting"
-RUNNING = "vllm:num_requests_running"
-KV_USAGE = "vllm:kv_cache_usage_perc"
-STEP = "chunkwise:step_duration_seconds"
-ITERATION_TOKENS = "vllm:iteration_tokens_total"
-ITL = "vllm:inter_token_latency_seconds"
-# vLLM's info metric; its num_gpu_blocks label is the KV cache's capacity in blocks.
-CACHE_CONFIG_INFO = "vllm:cache_config_info"
+from chunkwise import metric_names
+
+WAITING = metric_names.NUM_REQUESTS_WAITING
+RUNNING = metric_names.NUM_REQUESTS_RUNNING
+KV_USAGE = metric_names.KV_CACHE_USAGE
+STEP = metric_names.STEP_DURATION
+ITERATION_TOKENS = metric_names.ITERATION_TOKENS
+ITL = metric_names.INTER_TOKEN_LATENCY
+CACHE_CONFIG_INFO = metric_names.CACHE_CONFIG_INFO
 
 # Forgetting factor of the step-cost fit per scrape: about the last 10 intervals count.
 FIT_DECAY = 0.9

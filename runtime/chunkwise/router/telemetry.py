@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from chunkwise import metric_names
 from chunkwise.router.replica import Replica
 
 TTFT_BUCKETS = (
@@ -135,7 +136,7 @@ class RouterMetrics:
         )
         # The operator reads it to scale from zero straight to what the held demand needs (not 0 -> 1 only).
         self.held = Gauge(
-            "chunkwise:router_held_requests",
+            metric_names.ROUTER_HELD_REQUESTS,
             "Requests held while no replica is ready (scale from zero); 0 when the router wakes nothing.",
             registry=r,
         )
