@@ -51,7 +51,7 @@ unit: $(STAMP)
 # The unit run above already covered this CPU's own choices, so its level is skipped here.
 ISAS ?= avx2 amx
 isa: $(STAMP)
-	here=$$($(BIN)/python -c "from chunkwise.platform import detect_isa; print(detect_isa())"); \
+	here=$$($(BIN)/python -c "from chunkwise.hardware import detect_isa; print(detect_isa())"); \
 	for isa in $(ISAS); do \
 		if [ "$$isa" = "$$here" ]; then echo "isa: $$isa is this CPU's own, covered by the unit run"; continue; fi; \
 		CHUNKWISE_CPU_ISA=$$isa $(BIN)/python -m chunkwise.kernels >/dev/null; \

@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     add_replay_args(
         sub.add_parser("replay", help="the scheduler on a virtual clock with a calibrated cost model")
     )
-    from chunkwise.inspect import add_inspect_args
+    from chunkwise.checkpoint_report import add_inspect_args
 
     add_inspect_args(
         sub.add_parser("inspect", help="what the loader understands of a checkpoint, and the memory it needs")
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_bench(args)
     if args.command == "inspect":
-        from chunkwise.inspect import run_inspect
+        from chunkwise.checkpoint_report import run_inspect
 
         return run_inspect(args)
     if args.command == "fetch-model":

@@ -271,7 +271,7 @@ class EngineConfig:
         "tiny",
         help="built-in model (tiny, small: random weights; pylm: trained) or a local Hugging Face directory",
     )
-    # "auto" is resolved by chunkwise.platform.resolve_dtype.
+    # "auto" is resolved by chunkwise.hardware.resolve_dtype.
     dtype: Dtype = option(
         "auto",
         help="auto: bfloat16 where the hardware has bf16 matmuls (CUDA, CPUs with bf16 matrix units), else "

@@ -326,7 +326,7 @@ def test_cpu_backend_runs_bf16_prefill_on_its_own_kernel_only_at_the_avx512_leve
     and the kernels have it; torch's flash attention on AMX (its tiles) and below AVX-512. `make isa`
     runs this under every level."""
     from chunkwise import kernels
-    from chunkwise.platform import cpu_isa
+    from chunkwise.hardware import cpu_isa
 
     calls = []
     real = kernels.prefill_attention

@@ -216,10 +216,10 @@ def test_argmax_is_torchs_first_largest_index(cols):
 
 
 def test_avx512_builds_target_avx512_with_bf16_and_the_isa_override_never_builds_above_the_cpu(monkeypatch):
-    from chunkwise import platform
+    from chunkwise import hardware
 
     def kernels_for(asked: str, detected: str) -> tuple[str, list[str]]:
-        monkeypatch.setattr(platform, "cpu_isa", lambda: platform.CpuIsa(asked, detected, "test"))
+        monkeypatch.setattr(hardware, "cpu_isa", lambda: hardware.CpuIsa(asked, detected, "test"))
         return kernels._isa_flags()
 
     name, flags = kernels_for("amx", "amx")

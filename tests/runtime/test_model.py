@@ -21,11 +21,11 @@ from chunkwise import kernels as chunkwise_kernels
 from chunkwise.attention.backend import AttentionMetadata, kv_cache_shape
 from chunkwise.attention.torch_ref import TorchAttentionBackend
 from chunkwise.config import ModelConfig
+from chunkwise.hardware import cpu_has_avx512
 from chunkwise.model import PRESETS, LoadedModel, load_model
 from chunkwise.model.layers import Linear, onednn_bf16_available
 from chunkwise.model.llama import LlamaForCausalLM as ChunkwiseLlama
 from chunkwise.model.loader import hf_state_dict
-from chunkwise.platform import cpu_has_avx512
 from chunkwise.tokenizer import ByteTokenizer
 
 # Its expectations depend on the CPU's choices: `make test` runs it again under each CHUNKWISE_CPU_ISA.

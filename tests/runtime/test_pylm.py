@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from chunkwise import LLM, SamplingParams
+from chunkwise.checkpoint_report import inspect_model
 from chunkwise.config import engine_config_from_kwargs
 from chunkwise.engine import EngineCore
-from chunkwise.inspect import inspect_model
 from chunkwise.model.loader import read_checkpoint
 from chunkwise.models import bundled_path, resolve_model_path
 from chunkwise.models.train import CHAT_TEMPLATE, SPECIAL_TOKENS, chat_exchanges, corpus_files

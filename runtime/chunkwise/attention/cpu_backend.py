@@ -34,7 +34,7 @@ from chunkwise.attention.torch_ref import (
     one_token_queries,
     split_short_rows,
 )
-from chunkwise.platform import cpu_has_avx512, cpu_has_bf16_matmul, cpu_isa
+from chunkwise.hardware import cpu_has_avx512, cpu_has_bf16_matmul, cpu_isa
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ from chunkwise.engine.calibration import (
 )
 from chunkwise.engine.output_processor import OutputProcessor
 from chunkwise.engine.step import StepStats, StepUpdate
+from chunkwise.hardware import cpu_has_bf16_matmul, cpu_isa, resolve_dtype
 from chunkwise.model.loader import LoadedModel, checkpoint_dtype, load_model
 from chunkwise.outputs import RequestOutput
-from chunkwise.platform import cpu_has_bf16_matmul, cpu_isa, resolve_dtype
 from chunkwise.request import Request, RequestStatus, resolve_max_tokens
 from chunkwise.sampling_params import SamplingParams
 from chunkwise.sched.output import SchedulerStats

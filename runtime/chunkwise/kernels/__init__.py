@@ -60,9 +60,9 @@ AVX512_FLAGS = [
 
 def _isa_flags() -> tuple[str, list[str]]:
     """A name for the instruction set and the flags that target it: AVX-512 (with bf16) or AVX2+FMA on x86
-    machines, as chunkwise.platform.cpu_isa() says (never above what the machine executes), the compiler's
+    machines, as chunkwise.hardware.cpu_isa() says (never above what the machine executes), the compiler's
     baseline elsewhere."""
-    from chunkwise.platform import cpu_isa
+    from chunkwise.hardware import cpu_isa
 
     target = cpu_isa().kernels
     if target == "avx2":

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from chunkwise.config import RopeScaling
+from chunkwise.hardware import configure_onednn, cpu_has_avx512
 from chunkwise.model.rope import rope_frequencies
-from chunkwise.platform import configure_onednn, cpu_has_avx512
 
 log = logging.getLogger(__name__)
 

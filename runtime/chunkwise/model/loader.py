@@ -18,6 +18,7 @@ import torch
 
 from chunkwise.attention.backend import AttentionBackend
 from chunkwise.config import ModelConfig
+from chunkwise.hardware import cpu_has_bf16_matmul
 
 # Re-exported: `chunkwise inspect` reads the supported architectures from here.
 from chunkwise.model.hf_config import SUPPORTED_ARCHITECTURES as SUPPORTED_ARCHITECTURES
@@ -33,7 +34,6 @@ from chunkwise.model.presets import (
     random_tensors,
 )
 from chunkwise.models import BUNDLED, resolve_model_path
-from chunkwise.platform import cpu_has_bf16_matmul
 from chunkwise.tokenizer import ByteTokenizer, HFTokenizer, NoTokenizer, Tokenizer
 
 # Checkpoints saved by older transformers versions carry the rotary table; we compute it.

@@ -15,7 +15,7 @@ class ApplyStepResult:
     # The Scheduler's, read and written here.
     requests: dict[str, Request]
     stats: SchedulerStats
-    spec: AdaptiveDraftLength | None
+    draft_length: AdaptiveDraftLength | None
     cost_model: PreemptionCostModel
     max_model_len: int
 
@@ -93,10 +93,10 @@ class ApplyStepResult:
         every step's whole time, shape and acceptance, the preemption cost model's recompute rate from
         prefill-heavy steps (whose forward is mostly prefill)."""
         prefill = out.num_prefill_tokens
-        spec = self.spec
-        if spec is not None and out.scheduled:
+        draft = self.draft_length
+        if draft is not None and out.scheduled:
             asked = slots = 0
-            if spec.last_k:  # this step's k (schedule chose it): only then may a row verify drafts
+            if draft.last_k:  # this step's k (schedule chose it): only then may a row verify drafts
                 for sr in out.scheduled:
                     if sr.num_spec_tokens:
                         asked += 1
@@ -110,7 +110,7 @@ class ApplyStepResult:
                     accepted += got
                     cut += got < n  # a rejection ended this draft (the geometric rate's failures)
                 rows = len(out.scheduled)
-                spec.observe_step(
+                draft.observe_step(
                     step_seconds,
                     rows,
                     prompt_tokens=out.num_batched_tokens - slots - rows,

@@ -50,7 +50,7 @@ class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
         self.policies = policies
         self.cost_model = policies.cost_model
         self.estimator = policies.estimator
-        self.spec = policies.draft_length
+        self.draft_length = policies.draft_length
         self.admission = policies.admission
         self.budget = policies.budget
         self.batching = policies.batching
@@ -198,7 +198,7 @@ class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
         queued = bool(self.swapped or len(self.waiting)) and self.batching.admission_open(len(self.running))
         # Decode rows that may draft once admission has taken its share (_add_drafts).
         drafters: list[Request] = []
-        spec = self.spec is not None
+        speculate = self.draft_length is not None
         parents = bool(self._parents)  # n > 1 requests not yet forked (rare): only then is fork_hold read
         for req in decodes + prefills:
             if budget <= 0:
@@ -223,7 +223,7 @@ class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
             else:
                 num_new[req.request_id] = n
                 budget -= n
-                if spec and not own_prefill and self._may_speculate(req):
+                if speculate and not own_prefill and self._may_speculate(req):
                     drafters.append(req)
         if budget <= 0 and len(num_new) < len(self.running):
             # More rows than the budget (max_num_seqs above max_num_batched_tokens): the ones left out go
@@ -241,7 +241,7 @@ class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
                 budget = self._admit_waiting(budget, num_new, cached_hits)
 
         # 3. Drafts last, from what prefill and admission left: speculation never starves a waiting prompt.
-        if spec:
+        if speculate:
             budget = self._add_drafts(drafters, num_new, budget)
 
         out = self._compose(num_new, swap_out, swap_in, num_preempted)
@@ -258,7 +258,7 @@ class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
         path; None sends anything else there (what was allocated here stays valid for it)."""
         running = self.running
         if (
-            self.spec is not None
+            self.draft_length is not None
             or self.swapped
             or len(self.waiting)
             or not running
@@ -330,11 +330,11 @@ class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
         draft length policy picks k for that share (budget // rows at most), each row drafts up to k but never
         past max_tokens or max_model_len (the verify may accept every draft). A row whose table cannot grow
         for its drafts decodes plainly: drafts never preempt anyone."""
-        assert self.spec is not None
+        assert self.draft_length is not None
         # Preempted after it was given its token (a later row's victim): no longer in this step.
         rows = [r for r in drafters if r.request_id in num_new]
         # Each row already holds its one token: choose() caps k at budget // rows - 1 of what it is given.
-        k = self.spec.choose(len(rows), budget + len(rows))
+        k = self.draft_length.choose(len(rows), budget + len(rows))
         self.stats.spec_draft_length = k
         if not k:
             return budget

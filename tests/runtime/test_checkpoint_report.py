@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from chunkwise.inspect import inspect_model
+from chunkwise.checkpoint_report import inspect_model
 from tests.runtime.hf_models import save_random_family
 
 

@@ -76,6 +76,7 @@ def inspect_model(
     import torch
 
     from chunkwise.attention.torch_ref import TorchAttentionBackend
+    from chunkwise.hardware import cpu_has_bf16_matmul, resolve_dtype
     from chunkwise.model.layers import Linear
     from chunkwise.model.llama import LlamaForCausalLM
     from chunkwise.model.loader import (
@@ -86,7 +87,6 @@ def inspect_model(
     )
     from chunkwise.model.presets import PRESETS
     from chunkwise.models import resolve_model_path
-    from chunkwise.platform import cpu_has_bf16_matmul, resolve_dtype
     from chunkwise.tokenizer import NoTokenizer
     from chunkwise.worker.model_runner import kv_bytes_per_token
 

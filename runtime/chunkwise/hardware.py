@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-logger = logging.getLogger("chunkwise.platform")
+logger = logging.getLogger("chunkwise.hardware")
 
 # oneDNN makes one primitive per (weight shape, row count) and keeps ONEDNN_PRIMITIVE_CACHE_CAPACITY of them
 # (1024 by default). A server meets hundreds of row counts (every decode batch size, every mixed prefill

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from chunkwise import platform
-from chunkwise.platform import ONEDNN_PRIMITIVE_CACHE_CAPACITY
+from chunkwise import hardware
+from chunkwise.hardware import ONEDNN_PRIMITIVE_CACHE_CAPACITY
 
 # Its expectations depend on the CPU's choices: `make test` runs it again under each CHUNKWISE_CPU_ISA.
 pytestmark = pytest.mark.isa
@@ -19,37 +19,37 @@ pytestmark = pytest.mark.isa
 @pytest.fixture
 def bf16_units(monkeypatch):
     def set_units(present: bool) -> None:
-        monkeypatch.setattr(platform, "cpu_has_bf16_matmul", lambda: present)
+        monkeypatch.setattr(hardware, "cpu_has_bf16_matmul", lambda: present)
 
     return set_units
 
 
 def test_explicit_dtypes_are_kept():
-    for name, dtype in platform.DTYPES.items():
-        choice = platform.resolve_dtype(name, torch.device("cpu"), "bfloat16")
+    for name, dtype in hardware.DTYPES.items():
+        choice = hardware.resolve_dtype(name, torch.device("cpu"), "bfloat16")
         assert choice.dtype == dtype and choice.name == name
 
 
 def test_unknown_dtype_is_refused():
     with pytest.raises(ValueError, match="dtype must be one of auto, float32"):
-        platform.resolve_dtype("float64", torch.device("cpu"), None)
+        hardware.resolve_dtype("float64", torch.device("cpu"), None)
 
 
 def test_auto_on_cpu_follows_the_matrix_units(bf16_units):
     bf16_units(False)
-    choice = platform.resolve_dtype("auto", torch.device("cpu"), "bfloat16")
+    choice = hardware.resolve_dtype("auto", torch.device("cpu"), "bfloat16")
     assert choice.dtype == torch.float32
     assert "no bf16 matrix units" in choice.reason and "bfloat16" in choice.reason
     bf16_units(True)
-    assert platform.resolve_dtype("auto", torch.device("cpu"), "float32").dtype == torch.bfloat16
+    assert hardware.resolve_dtype("auto", torch.device("cpu"), "float32").dtype == torch.bfloat16
 
 
 def test_auto_on_cuda_is_half_precision():
     cuda = torch.device("cuda")
-    assert platform.resolve_dtype("auto", cuda, "float32").dtype == torch.bfloat16
-    assert platform.resolve_dtype("auto", cuda, None).dtype == torch.bfloat16
+    assert hardware.resolve_dtype("auto", cuda, "float32").dtype == torch.bfloat16
+    assert hardware.resolve_dtype("auto", cuda, None).dtype == torch.bfloat16
     # A float16 checkpoint stays float16: bf16 would round what it stores.
-    assert platform.resolve_dtype("auto", cuda, "float16").dtype == torch.float16
+    assert hardware.resolve_dtype("auto", cuda, "float16").dtype == torch.float16
 
 
 def test_the_engine_logs_its_choice_and_records_the_resolved_dtype(caplog):
@@ -58,7 +58,7 @@ def test_the_engine_logs_its_choice_and_records_the_resolved_dtype(caplog):
 
     with caplog.at_level("INFO", logger="chunkwise.engine"):
         engine = EngineCore(engine_config_from_kwargs("tiny", max_model_len=64))
-    expected = platform.resolve_dtype("auto", torch.device("cpu"), None)
+    expected = hardware.resolve_dtype("auto", torch.device("cpu"), None)
     assert engine.config.dtype == expected.name
     assert engine.loaded.model.model.embed_tokens.weight.dtype == expected.dtype
     assert any(r.getMessage() == f"dtype {expected.name} ({expected.reason})" for r in caplog.records)
@@ -113,31 +113,31 @@ AVX512_FLAGS = {f: True for f in ("avx512_f", "avx512_bw", "avx512_vl", "avx512_
     ],
 )
 def test_detected_isa_follows_the_flags(monkeypatch, caps, want):
-    monkeypatch.setattr(platform, "cpu_capabilities", lambda: caps)
+    monkeypatch.setattr(hardware, "cpu_capabilities", lambda: caps)
     monkeypatch.setattr("platform.machine", lambda: "x86_64")
-    assert platform.detect_isa() == want
+    assert hardware.detect_isa() == want
 
 
 def test_the_isa_override_sets_every_choice_and_is_checked(monkeypatch):
-    platform.cpu_isa.cache_clear()
+    hardware.cpu_isa.cache_clear()
     try:
-        monkeypatch.setattr(platform, "detect_isa", lambda: "avx2")
-        monkeypatch.setenv(platform.ISA_ENV, "AMX")
-        isa = platform.cpu_isa()
+        monkeypatch.setattr(hardware, "detect_isa", lambda: "avx2")
+        monkeypatch.setenv(hardware.ISA_ENV, "AMX")
+        isa = hardware.cpu_isa()
         assert (isa.name, isa.kernels, isa.source) == ("amx", "avx2", "CHUNKWISE_CPU_ISA=amx")
-        assert platform.cpu_has_bf16_matmul() and platform.cpu_has_avx512()
-        assert platform.resolve_dtype("auto", torch.device("cpu"), None).dtype == torch.bfloat16
-        platform.cpu_isa.cache_clear()
-        monkeypatch.setattr(platform, "detect_isa", lambda: "amx")
-        monkeypatch.setenv(platform.ISA_ENV, "avx2")
-        assert not platform.cpu_has_bf16_matmul() and not platform.cpu_has_avx512()
-        assert platform.resolve_dtype("auto", torch.device("cpu"), None).dtype == torch.float32
-        assert platform.cpu_isa().kernels == "avx2"
-        platform.cpu_isa.cache_clear()
-        monkeypatch.setenv(platform.ISA_ENV, "sse2")
+        assert hardware.cpu_has_bf16_matmul() and hardware.cpu_has_avx512()
+        assert hardware.resolve_dtype("auto", torch.device("cpu"), None).dtype == torch.bfloat16
+        hardware.cpu_isa.cache_clear()
+        monkeypatch.setattr(hardware, "detect_isa", lambda: "amx")
+        monkeypatch.setenv(hardware.ISA_ENV, "avx2")
+        assert not hardware.cpu_has_bf16_matmul() and not hardware.cpu_has_avx512()
+        assert hardware.resolve_dtype("auto", torch.device("cpu"), None).dtype == torch.float32
+        assert hardware.cpu_isa().kernels == "avx2"
+        hardware.cpu_isa.cache_clear()
+        monkeypatch.setenv(hardware.ISA_ENV, "sse2")
         with pytest.raises(
             ValueError, match="CHUNKWISE_CPU_ISA must be one of avx2, avx512, amx, got 'sse2'"
         ):
-            platform.cpu_isa()
+            hardware.cpu_isa()
     finally:
-        platform.cpu_isa.cache_clear()
+        hardware.cpu_isa.cache_clear()
