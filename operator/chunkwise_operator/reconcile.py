@@ -350,7 +350,7 @@ class Reconciler:
         previous = (body.get("status") or {}).get("autoscaler")
         history, events = status.autoscaler_history(previous)
         a = parsed.autoscaling
-        grace_s = autoscale.STARTUP_GRACE_S
+        grace_s = float(parsed.engine.startup_timeout_seconds)
         young = autoscale.starting(parsed.replicas, observed.ready_replicas, unready_since, now, grace_s)
         last_active = autoscale.last_activity(status.last_active(previous), observed.requests, young, now)
         external: tuple[autoscale.ExternalScaler, ...] = ()
