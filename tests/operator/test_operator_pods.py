@@ -1,5 +1,5 @@
 """The pods on day two (issue 31): the router through drains and rollouts (point 4), cold starts sized from the
-spec (point 6) and accelerators other than one nvidia.com/gpu (point 10).
+spec (point 6), GitOps beside a scaler (point 7) and accelerators other than one nvidia.com/gpu (point 10).
 
 Rendered objects are checked by exact assertion and by kubernetes-validate; custom resources by the CRD's
 own schema (jsonschema + CEL, operator_harness.schema_errors); the operator's wiring on kmock.
@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import time
 from typing import Any
 
 import kubernetes_validate
 import pytest
+import yaml
 from operator_harness import (
+    ROOT,
     Cluster,
     apply_defaults,
     crd_schema,
@@ -34,9 +37,10 @@ from test_autoscale_operator import (  # noqa: F401  (fixtures)
 from test_autoscale_operator import spec as autoscaled
 from test_operator_manifests import restricted_violations
 
-from chunkwise_operator import manifests
-from chunkwise_operator.spec import SpecError, parse
+from chunkwise_operator import manifests, status
+from chunkwise_operator.spec import ServiceSpec, SpecError, parse
 
+GPU_EXAMPLE = ROOT / "manifests" / "examples" / "gpu-service.yaml"
 HF_GPU: dict[str, Any] = {
     "model": {"uri": "hf://meta-llama/Llama-3.1-8B-Instruct", "credentialsSecret": "hf-token"},
     "image": "reg/chunkwise:1-cuda",
@@ -266,6 +270,175 @@ async def test_the_autoscaler_counts_a_replica_as_starting_for_the_specs_startup
     await add_unready_pod(cluster, "quick", "quick-old-2", time.time() - 120)
     await eventually(lambda: replicas(cluster, "quick") == 1, what="scale down to 1", timeout=15)
     assert autoscaler_status(cluster, "quick")["reason"] != "ScaleDownHeld"
+    assert operator.failures() == []
+
+
+# ---------------------------------------------------------------------------------- point 7: GitOps
+
+SSA_REPLICAS = {
+    "manager": "kustomize-controller",
+    "operation": "Apply",
+    "apiVersion": "serving.chunkwise.dev/v1alpha1",
+    "fieldsType": "FieldsV1",
+    "fieldsV1": {"f:spec": {"f:model": {"f:preset": {}}, "f:replicas": {}}},
+}
+HPA_SCALE = {
+    "manager": "kube-controller-manager",
+    "operation": "Update",
+    "subresource": "scale",
+    "fieldsType": "FieldsV1",
+    "fieldsV1": {"f:spec": {"f:replicas": {}}},
+}
+
+
+# Where `kubectl apply` keeps what it applied.
+LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
+
+
+def last_applied(spec: dict[str, Any]) -> dict[str, Any]:
+    body = inference_service("svc", spec)
+    return {"annotations": {LAST_APPLIED: json.dumps(body)}}
+
+
+def test_the_gpu_example_leaves_replicas_to_its_scaler() -> None:
+    """Issue 31, point 7: the example set replicas: 2 with delegated autoscaling; each sync reset the HPA."""
+    (doc,) = yaml.safe_load_all(GPU_EXAMPLE.read_text())
+    assert doc["spec"]["autoscaling"]["enabled"] is True
+    assert "replicas" not in doc["spec"]
+    # A manifest applied as it is would not fight the scaler.
+    assert status.replicas_fight(parse(doc["spec"]), last_applied(doc["spec"])) is None
+
+
+@pytest.mark.parametrize(
+    ("metadata", "writers"),
+    [
+        ({}, ()),
+        (last_applied({"model": {"preset": "tiny"}}), ()),
+        (
+            last_applied({"model": {"preset": "tiny"}, "replicas": 2}),
+            ("kubectl apply (its last-applied-configuration)",),
+        ),
+        ({"managedFields": [SSA_REPLICAS]}, ("server-side apply by kustomize-controller",)),
+        # The HPA's (and KEDA's) writes through /scale, the operator's own patches, a one-off kubectl scale.
+        ({"managedFields": [HPA_SCALE]}, ()),
+        ({"managedFields": [{**SSA_REPLICAS, "manager": "chunkwise-operator"}]}, ()),
+        ({"managedFields": [{**SSA_REPLICAS, "operation": "Update", "manager": "kubectl-edit"}]}, ()),
+        # An applier that leaves replicas out.
+        ({"managedFields": [{**SSA_REPLICAS, "fieldsV1": {"f:spec": {"f:model": {}}}}]}, ()),
+        ({"annotations": {LAST_APPLIED: "not json"}}, ()),
+    ],
+    ids=[
+        "none",
+        "applied-without",
+        "client-side",
+        "server-side",
+        "hpa",
+        "operator",
+        "update",
+        "ssa-without",
+        "bad",
+    ],
+)
+def test_who_declares_spec_replicas(metadata: dict[str, Any], writers: tuple[str, ...]) -> None:
+    assert status.replicas_writers(metadata) == writers
+
+
+def test_a_declared_replicas_fights_only_a_scaler() -> None:
+    declared = {"managedFields": [SSA_REPLICAS]}
+    fixed = parse({"model": {"preset": "tiny"}, "replicas": 2})
+    assert status.replicas_fight(fixed, declared) is None  # no scaler: replicas is the user's to set
+    delegated = parse({"model": {"preset": "tiny"}, "autoscaling": {"enabled": True, "delegated": True}})
+    assert status.replicas_fight(delegated, declared) == (
+        "spec.replicas is declared by server-side apply by kustomize-controller while the HPA or KEDA "
+        "(autoscaling.delegated) owns it: every sync writes its count back over the scaler's; leave replicas "
+        "out of the manifest (docs/operator.md, GitOps)"
+    )
+    builtin = parse({"model": {"preset": "tiny"}, "autoscaling": {"enabled": True}})
+    message = status.replicas_fight(builtin, declared)
+    assert message is not None and "while the built-in autoscaler owns it" in message
+
+
+def scaler_conflict(st: dict[str, Any]) -> tuple[str, str]:
+    (cond,) = [c for c in st["conditions"] if c["type"] == "ScalerConflict"]
+    return cond["status"], cond["reason"]
+
+
+def computed(
+    spec: ServiceSpec, metadata: dict[str, Any], previous: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return status.compute_status(
+        name="svc",
+        namespace="ml",
+        parsed=spec,
+        runtime=None,
+        router=None,
+        previous=previous or {},
+        now="2030-01-01T00:00:00Z",
+        generation=1,
+        failure=None,
+        metadata=metadata,
+    )
+
+
+def test_the_fight_is_a_condition_for_either_scaler_and_an_event_once() -> None:
+    declared = {"managedFields": [SSA_REPLICAS]}
+    delegated = parse({"model": {"preset": "tiny"}, "autoscaling": {"enabled": True, "delegated": True}})
+    calm = computed(delegated, {})
+    assert scaler_conflict(calm) == ("False", "NoConflict")
+    fighting = computed(delegated, declared, calm)
+    assert scaler_conflict(fighting) == ("True", "ReplicasFightScaler")
+    # One event when it begins, none while it goes on.
+    assert status.replicas_fight_began(calm, fighting) == status.replicas_fight(delegated, declared)
+    assert status.replicas_fight_began(fighting, computed(delegated, declared, fighting)) is None
+
+    builtin = parse({"model": {"preset": "tiny"}, "autoscaling": {"enabled": True}})
+    assert scaler_conflict(computed(builtin, {})) == ("False", "NoExternalScaler")
+    assert scaler_conflict(computed(builtin, declared)) == ("True", "ReplicasFightScaler")
+    # An HPA beside the built-in autoscaler is the conflict reported first: it stops the autoscaler.
+    external = {"autoscaler": {"reason": "ScalerConflict", "desiredReplicas": 1, "message": "hpa/x"}}
+    assert scaler_conflict(computed(builtin, declared, external)) == ("True", "ExternalScaler")
+    # Without autoscaling there is no scaler to fight.
+    fixed = parse({"model": {"preset": "tiny"}, "replicas": 2})
+    assert not [c for c in computed(fixed, declared)["conditions"] if c["type"] == "ScalerConflict"]
+
+
+async def test_a_sync_that_writes_replicas_over_the_hpa_is_reported(cluster: Cluster, operator: Any) -> None:
+    """Issue 31, point 7, on kmock: `kubectl apply` of a manifest with replicas: 2 after the HPA scaled the
+    service to 5 resets it, and the operator says so (a condition and a Warning event)."""
+    spec = {
+        "model": {"preset": "tiny"},
+        "image": "chunkwise:dev",
+        "autoscaling": {"enabled": True, "delegated": True},
+    }
+    await cluster.create_isvc("chat", spec)
+    await eventually(lambda: cluster.get(Cluster.DEPLOYMENTS, "chat"), what="deployment")
+    await eventually(
+        lambda: (
+            "ScalerConflict"
+            in [c["type"] for c in (cluster.isvc("chat") or {}).get("status", {}).get("conditions", [])]
+        ),
+        what="ScalerConflict condition",
+    )
+    await cluster.scale_isvc("chat", 5)
+    applied = {**spec, "replicas": 2}
+    await cluster.patch_isvc(
+        "chat",
+        {"metadata": last_applied(applied), "spec": {"replicas": 2}},
+    )
+
+    def conflict() -> dict[str, Any] | None:
+        for cond in (cluster.isvc("chat") or {}).get("status", {}).get("conditions", []):
+            if cond["type"] == "ScalerConflict" and cond["status"] == "True":
+                return dict(cond)
+        return None
+
+    cond = await eventually(conflict, what="conflict reported")
+    assert cond["reason"] == "ReplicasFightScaler"
+    assert "kubectl apply" in cond["message"]
+    events = await eventually(
+        lambda: [e for e in cluster.events() if e["reason"] == "ReplicasFightScaler"], what="event"
+    )
+    assert events[0]["type"] == "Warning" and events[0]["message"] == cond["message"]
     assert operator.failures() == []
 
 
