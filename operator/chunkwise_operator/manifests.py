@@ -6,6 +6,7 @@ kubernetes-validate. Owner references are added by the caller (reconcile.py), wh
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
 import re
@@ -607,7 +608,9 @@ def router_deployment(name: str, namespace: str, spec: ServiceSpec) -> Manifest:
         container["volumeMounts"] = [
             {"name": "model-cache", "mountPath": ROUTER_TOKENIZER_PATH, "readOnly": True}
         ]
-        fetch = _fetch_container(spec, True, container["resources"])
+        # A copy: one dict in two containers is a YAML alias (&id001) in `operator render`, and an edit of
+        # one container's resources would change the other's.
+        fetch = _fetch_container(spec, True, copy.deepcopy(container["resources"]))
         # The tokenizer fetcher runs the router's image, which is the CPU build unless told otherwise.
         fetch["image"] = spec.router.image
         pod["initContainers"] = [fetch]
