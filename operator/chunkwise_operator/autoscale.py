@@ -35,8 +35,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from chunkwise_operator import manifests
-from chunkwise_operator.spec import GROUP, KIND, AutoscalingSpec, AutoscalingTargets, AutoscalingTolerances
+from chunkwise_operator.spec import (
+    DEFAULT_STARTUP_TIMEOUT_SECONDS,
+    GROUP,
+    KIND,
+    AutoscalingSpec,
+    AutoscalingTargets,
+    AutoscalingTolerances,
+)
 
 QUEUE_DEPTH = "queueDepthPerReplica"
 PREEMPTION_RATE = "preemptionRatePerSecond"
@@ -50,8 +56,9 @@ THRESHOLDS = frozenset({KV_USAGE})
 CEILINGS = frozenset({P99_STEP_TIME})
 # How long a replica may be not ready and still count as starting: the startup probe's budget (the kubelet
 # restarts a container that has not started by then). Past it, the replica holds no decision and is no
-# activity for scaling to zero.
-STARTUP_GRACE_S = float(manifests.STARTUP_PERIOD_SECONDS * manifests.STARTUP_FAILURE_THRESHOLD)
+# activity for scaling to zero. The reconcile passes the service's own (spec.engine.startupTimeoutSeconds);
+# this is the CPU default, for callers without a spec.
+STARTUP_GRACE_S = float(DEFAULT_STARTUP_TIMEOUT_SECONDS)
 
 # Reasons, as status.autoscaler.reason and event reasons.
 SCALED_UP = "ScaledUp"

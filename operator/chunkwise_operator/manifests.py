@@ -6,6 +6,7 @@ kubernetes-validate. Owner references are added by the caller (reconcile.py), wh
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
 import re
@@ -29,7 +30,8 @@ SHM_MOUNT_PATH = "/dev/shm"
 # so replicas sharing one claim can fill it at once.
 TRITON_CACHE_SUBPATH = "triton-cache"
 TRITON_CACHE_MOUNT_PATH = "/triton-cache"
-GPU_RESOURCE = "nvidia.com/gpu"
+# The taint GPU node pools commonly carry (GKE, EKS, AKS), also where the resource is a MIG slice.
+NVIDIA_GPU_TAINT = "nvidia.com/gpu"
 # The runtime image's user (runtime/Dockerfile); fsGroup makes the cache volumes writable for it.
 RUNTIME_UID = 65532
 # The tokenizer is all the router needs of a fetched model.
@@ -41,13 +43,14 @@ PRESTOP_SLEEP_SECONDS = 5
 # Slack after the drain for the process to flush and exit before the kubelet's SIGKILL.
 SHUTDOWN_MARGIN_SECONDS = 10
 LIVENESS_PERIOD_SECONDS = 10
-# Loading weights can take minutes; the startup probe holds liveness off for up to this long.
+# Loading weights can take minutes; the startup probe holds liveness off for spec.engine.startupTimeoutSeconds.
 STARTUP_PERIOD_SECONDS = 5
-STARTUP_FAILURE_THRESHOLD = 120
-# The engine Deployment's progress deadline: past the startup probe's budget, with 15 minutes for the image
-# pull and the model fetch before it. At Kubernetes' default (600 s, the startup budget itself) a model that
-# loads slowly but well would read as ProgressDeadlineExceeded in the status.
-PROGRESS_DEADLINE_SECONDS = STARTUP_PERIOD_SECONDS * STARTUP_FAILURE_THRESHOLD + 900
+# The engine Deployment's progress deadline is the startup budget plus this: 15 minutes for the image pull
+# and the model fetch before it. At Kubernetes' default (600 s, no more than the startup budget) a model
+# that loads slowly but well would read as ProgressDeadlineExceeded in the status.
+PULL_AND_FETCH_SECONDS = 900
+# The router's tokenizer emptyDir: tokenizer.json and its configs, tens of megabytes.
+ROUTER_TOKENIZER_CACHE_SIZE = "1Gi"
 
 MANAGER = "chunkwise-operator"
 LABEL_NAME = "app.kubernetes.io/name"
@@ -186,6 +189,15 @@ def router_tokenizer(spec: ServiceSpec) -> str:
 
 
 def router_command(name: str, namespace: str, spec: ServiceSpec) -> list[str]:
+    r = spec.router
+    wake = [
+        "--wake-timeout-seconds",
+        str(r.wake_timeout_seconds),
+        "--wake-queue-limit",
+        str(r.wake_queue_limit),
+        "--wake-inference-service",
+        name,
+    ]
     return [
         "chunkwise",
         "router",
@@ -204,7 +216,7 @@ def router_command(name: str, namespace: str, spec: ServiceSpec) -> list[str]:
         "--block-size",
         str(spec.engine.block_size),
         # minReplicas 0: at zero replicas the router holds requests and raises /scale to 1.
-        *(["--wake-inference-service", name] if scales_from_zero(spec) else []),
+        *(wake if scales_from_zero(spec) else []),
         # The gateway's endpoint picker: Envoy ext_proc (gRPC, plaintext) for the InferencePool.
         *(["--epp-port", str(gateway.EPP_PORT)] if spec.gateway.inference_pool else []),
     ]
@@ -216,6 +228,27 @@ def scales_from_zero(spec: ServiceSpec) -> bool:
 
 def termination_grace_seconds(spec: ServiceSpec) -> int:
     return PRESTOP_SLEEP_SECONDS + spec.engine.drain_grace_seconds + SHUTDOWN_MARGIN_SECONDS
+
+
+def router_termination_grace_seconds(spec: ServiceSpec) -> int:
+    """A stopping router finishes what it holds: a request held up to the wake timeout, then streamed.
+
+    uvicorn stops accepting at SIGTERM and waits for every open response, so the grace period is the only
+    bound; the kubelet ends the pod as soon as the last one is done. Counted whether or not the router
+    wakes the service: it costs nothing to a router with nothing in flight, and minReplicas 0 can be set
+    later without a rollout of the router caught short.
+    """
+    r = spec.router
+    return PRESTOP_SLEEP_SECONDS + r.wake_timeout_seconds + r.drain_grace_seconds + SHUTDOWN_MARGIN_SECONDS
+
+
+def startup_failure_threshold(spec: ServiceSpec) -> int:
+    """Startup probe failures allowed: spec.engine.startupTimeoutSeconds in probe periods."""
+    return math.ceil(spec.engine.startup_timeout_seconds / STARTUP_PERIOD_SECONDS)
+
+
+def progress_deadline_seconds(spec: ServiceSpec) -> int:
+    return STARTUP_PERIOD_SECONDS * startup_failure_threshold(spec) + PULL_AND_FETCH_SECONDS
 
 
 def _metadata(name: str, namespace: str, component: str) -> Manifest:
@@ -242,7 +275,11 @@ def container_security_context() -> Manifest:
     }
 
 
-def pod_security_context() -> Manifest:
+def pod_security_context(spec: ServiceSpec) -> Manifest:
+    if spec.pod.platform_assigns_uid:
+        # OpenShift's restricted-v2 SCC assigns runAsUser and fsGroup from the namespace's range and refuses
+        # a pod that names others; runAsNonRoot still holds whatever UID it picks.
+        return {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
     return {
         "runAsNonRoot": True,
         "runAsUser": RUNTIME_UID,
@@ -255,11 +292,25 @@ def pod_security_context() -> Manifest:
 def _runtime_resources(spec: ServiceSpec) -> Manifest:
     r = spec.resources
     # No CPU limit: CFS throttling stretches step times (the p99 the autoscaler watches) for no gain.
+    requests: dict[str, Any] = {"cpu": r.cpu, "memory": r.memory}
     limits: dict[str, Any] = {"memory": r.memory}
     if r.gpu:
         # A string, as the API server stores quantities: an int would read as drift on every comparison.
-        limits[GPU_RESOURCE] = str(r.gpu)
-    return {"requests": {"cpu": r.cpu, "memory": r.memory}, "limits": limits}
+        limits[r.accelerator] = str(r.gpu)
+    cache = _cache_size_limit(spec)
+    if cache is not None:
+        # The emptyDir's bound as a request too: the scheduler then places the pod on a node whose disk
+        # holds the model, rather than one where the fetch gets it evicted.
+        requests["ephemeral-storage"] = cache
+    return {"requests": requests, "limits": limits}
+
+
+def _cache_size_limit(spec: ServiceSpec) -> str | None:
+    """The per-pod model cache's bound; None where the model needs no emptyDir (a claim, a preset)."""
+    model = spec.model
+    if model.source != "uri" or model.cache.claim_name is not None:
+        return None
+    return model.cache.size_limit
 
 
 def _tolerations(spec: ServiceSpec) -> list[Manifest]:
@@ -275,9 +326,16 @@ def _tolerations(spec: ServiceSpec) -> list[Manifest]:
         if t.toleration_seconds is not None:
             item["tolerationSeconds"] = t.toleration_seconds
         result.append(item)
-    # GPU nodes are commonly tainted so that only GPU workloads land there.
-    if spec.resources.gpu and not any(t.key == GPU_RESOURCE for t in spec.pod.tolerations):
-        result.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+    # GPU nodes are commonly tainted with the resource's name so that only GPU workloads land there; NVIDIA
+    # pools keep the nvidia.com/gpu taint when they hand out MIG slices.
+    if spec.resources.gpu:
+        accelerator = spec.resources.accelerator
+        taints = [accelerator]
+        if accelerator.startswith("nvidia.com/") and accelerator != NVIDIA_GPU_TAINT:
+            taints.append(NVIDIA_GPU_TAINT)
+        for taint in taints:
+            if not any(t.key == taint for t in spec.pod.tolerations):
+                result.append({"key": taint, "operator": "Exists", "effect": "NoSchedule"})
     return result
 
 
@@ -340,10 +398,9 @@ def _model_volumes(spec: ServiceSpec) -> tuple[list[Manifest], list[Manifest]]:
                 "persistentVolumeClaim": {"claimName": model.cache.claim_name},
             }
         else:
-            empty: Manifest = {}
-            if model.cache.size_limit is not None:
-                empty["sizeLimit"] = model.cache.size_limit
-            volume = {"name": "model-cache", "emptyDir": empty}
+            # Bounded (spec.parse always gives it a size): past it the kubelet evicts this pod, not its
+            # neighbours after the node's disk is full.
+            volume = {"name": "model-cache", "emptyDir": {"sizeLimit": model.cache.size_limit}}
         mounts = [{"name": "model-cache", "mountPath": MODEL_CACHE_MOUNT_PATH, "readOnly": True}]
         if _triton_cache(spec):
             mounts.append(
@@ -376,7 +433,7 @@ def runtime_deployment(name: str, namespace: str, spec: ServiceSpec) -> Manifest
         "args": argv[1:],
         "ports": [{"name": "http", "containerPort": RUNTIME_PORT, "protocol": "TCP"}],
         "resources": _runtime_resources(spec),
-        "startupProbe": _http_probe("http", STARTUP_PERIOD_SECONDS, 2, STARTUP_FAILURE_THRESHOLD),
+        "startupProbe": _http_probe("http", STARTUP_PERIOD_SECONDS, 2, startup_failure_threshold(spec)),
         # /health answers 503 while draining: readiness drops the replica from endpoints at once.
         "readinessProbe": _http_probe("http", 5, 2, 2),
         # Liveness must outlast a full drain of 503s, or the kubelet kills a replica mid-drain.
@@ -406,10 +463,12 @@ def runtime_deployment(name: str, namespace: str, spec: ServiceSpec) -> Manifest
         # The engine never calls the Kubernetes API; no token is mounted into it.
         "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),
-        "securityContext": pod_security_context(),
+        "securityContext": pod_security_context(spec),
         "containers": [container],
         "volumes": volumes,
     }
+    if spec.pod.runtime_class_name is not None:
+        pod["runtimeClassName"] = spec.pod.runtime_class_name
     if spec.model.source == "uri":
         r = spec.resources
         fetch_resources = {"requests": {"cpu": r.cpu, "memory": r.memory}, "limits": {"memory": r.memory}}
@@ -434,7 +493,7 @@ def runtime_deployment(name: str, namespace: str, spec: ServiceSpec) -> Manifest
             "replicas": spec.replicas,
             "selector": {"matchLabels": match_labels(name, component)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling},
-            "progressDeadlineSeconds": PROGRESS_DEADLINE_SECONDS,
+            "progressDeadlineSeconds": progress_deadline_seconds(spec),
             "template": {
                 "metadata": {"labels": labels(name, component), "annotations": annotations},
                 "spec": pod,
@@ -472,13 +531,16 @@ def runtime_service(name: str, namespace: str) -> Manifest:
     }
 
 
-def pod_disruption_budget(name: str, namespace: str) -> Manifest:
-    # maxUnavailable rather than minAvailable: a one-replica service must still let nodes drain.
+def pod_disruption_budget(name: str, namespace: str, component: str = RUNTIME) -> Manifest:
+    """One pod of the component evicted at a time (the runtime's, or with ROUTER the router's).
+
+    maxUnavailable rather than minAvailable: a one-replica service must still let nodes drain.
+    """
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(name, namespace, RUNTIME),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": match_labels(name, RUNTIME)}},
+        "metadata": _metadata(name, namespace, component),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": match_labels(name, component)}},
     }
 
 
@@ -519,6 +581,9 @@ def router_deployment(name: str, namespace: str, spec: ServiceSpec) -> Manifest:
         "resources": {"requests": {"cpu": r.cpu, "memory": r.memory}, "limits": {"memory": r.memory}},
         "readinessProbe": _http_probe("http", 5, 2, 2),
         "livenessProbe": _http_probe("http", LIVENESS_PERIOD_SECONDS, 5, 3),
+        # As for the engine: the endpoint removal reaches every kube-proxy and gateway before SIGTERM
+        # closes the router's listener.
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
         "securityContext": container_security_context(),
     }
     if spec.router.image == spec.image and spec.image_pull_policy is not None:
@@ -527,7 +592,8 @@ def router_deployment(name: str, namespace: str, spec: ServiceSpec) -> Manifest:
         # The router watches EndpointSlices of the runtime Service, so it needs its token.
         "serviceAccountName": router_name(name),
         "automountServiceAccountToken": True,
-        "securityContext": pod_security_context(),
+        "terminationGracePeriodSeconds": router_termination_grace_seconds(spec),
+        "securityContext": pod_security_context(spec),
         "containers": [container],
     }
     model = spec.model
@@ -538,11 +604,13 @@ def router_deployment(name: str, namespace: str, spec: ServiceSpec) -> Manifest:
         container["volumeMounts"] = [{"name": "model", "mountPath": MODEL_MOUNT_PATH, "readOnly": True}]
     elif model.source == "uri":
         # Only the tokenizer files, into the router's own small emptyDir.
-        pod["volumes"] = [{"name": "model-cache", "emptyDir": {}}]
+        pod["volumes"] = [{"name": "model-cache", "emptyDir": {"sizeLimit": ROUTER_TOKENIZER_CACHE_SIZE}}]
         container["volumeMounts"] = [
             {"name": "model-cache", "mountPath": ROUTER_TOKENIZER_PATH, "readOnly": True}
         ]
-        fetch = _fetch_container(spec, True, container["resources"])
+        # A copy: one dict in two containers is a YAML alias (&id001) in `operator render`, and an edit of
+        # one container's resources would change the other's.
+        fetch = _fetch_container(spec, True, copy.deepcopy(container["resources"]))
         # The tokenizer fetcher runs the router's image, which is the CPU build unless told otherwise.
         fetch["image"] = spec.router.image
         pod["initContainers"] = [fetch]
@@ -607,6 +675,7 @@ def children(name: str, namespace: str, spec: ServiceSpec) -> list[Manifest]:
             router_service_account(name, namespace),
             router_role_binding(name, namespace),
             router_deployment(name, namespace, spec),
+            pod_disruption_budget(name, namespace, ROUTER),
             router_service(name, namespace, epp=spec.gateway.inference_pool),
         ]
     if spec.gateway.inference_pool:
@@ -619,6 +688,7 @@ def router_children_refs(name: str) -> list[tuple[str, str, str]]:
     """(apiVersion, kind, name) of what exists only while the router is enabled; removed when it is not."""
     n = router_name(name)
     return [
+        ("policy/v1", "PodDisruptionBudget", n),
         ("v1", "Service", n),
         ("apps/v1", "Deployment", n),
         ("rbac.authorization.k8s.io/v1", "RoleBinding", n),

@@ -297,10 +297,13 @@ class Reconciler:
             failure=failure,
             pods=pods,
             pool=pool,
+            metadata=current["metadata"],
         )
         patch = status.status_patch(previous, new)
         if patch is not None:
             self.kube.patch_inference_service_status(namespace, name, patch)
+        if (fight := status.replicas_fight_began(previous, new)) is not None:
+            _event(current, "Warning", status.REPLICAS_FIGHT_SCALER, fight)
 
     # -- the autoscaler ------------------------------------------------------------------------------------
     async def evaluate_autoscaler(
@@ -354,7 +357,7 @@ class Reconciler:
         previous = (body.get("status") or {}).get("autoscaler")
         history, events = status.autoscaler_history(previous)
         a = parsed.autoscaling
-        grace_s = autoscale.STARTUP_GRACE_S
+        grace_s = float(parsed.engine.startup_timeout_seconds)
         young = autoscale.starting(
             parsed.replicas, observed.ready_replicas, unready_since, now, grace_s, creation_failing
         )

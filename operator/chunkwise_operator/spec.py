@@ -9,9 +9,10 @@ test holds the two together.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from types import MappingProxyType
 from typing import Any
@@ -32,6 +33,32 @@ URI_SCHEMES = ("hf", "s3", "gs", "http", "https", "pvc")
 DEFAULT_IMAGE = "chunkwise/runtime:0.1.0"
 DEFAULT_CUDA_IMAGE = DEFAULT_IMAGE + "-cuda"
 DEFAULT_SHM_SIZE = "1Gi"
+GIB = 2**30
+# The extended resource a GPU replica asks for; AMD (amd.com/gpu) and MIG slices (nvidia.com/mig-1g.10gb)
+# are other names for the same one device the engine drives with --device cuda (ROCm's torch calls it cuda).
+DEFAULT_ACCELERATOR = "nvidia.com/gpu"
+# The engine drives one device per replica until tensor parallelism lands (issue 33): a second GPU in the
+# pod would be allocated, paid for, and sit idle.
+MAX_GPUS = 1
+# Cold start: how long the startup probe waits for /health. The CPU default is what the probe always had
+# (10 minutes; the built-in models start in seconds). A GPU replica loads gigabytes of weights, then
+# compiles Triton kernels and captures CUDA graphs: 30 minutes, as KubeAI and KServe allow for large models.
+DEFAULT_STARTUP_TIMEOUT_SECONDS = 600
+DEFAULT_GPU_STARTUP_TIMEOUT_SECONDS = 1800
+# Host memory. On CPU the weights and the KV cache live in it (spec.resources.memory is checked against
+# the cache). On a GPU the weights pass through it while loading, beside torch, the CUDA context and the
+# swap space for preempted requests (1 GiB): the weights' size plus GPU_MEMORY_HEADROOM when spec.model.size
+# is given, else DEFAULT_GPU_MEMORY, which holds a checkpoint of about 24 GiB (a 12B model in bf16).
+DEFAULT_MEMORY = "2Gi"
+DEFAULT_GPU_MEMORY = "32Gi"
+GPU_MEMORY_HEADROOM = 8 * GIB
+# The per-pod model cache (an emptyDir) when spec.model.cache.sizeLimit is not given. From spec.model.size:
+# the weights (twice for an http(s) archive, which lies beside what it extracts until the end), a tenth
+# more for the user's estimate, and CACHE_HEADROOM for the tokenizer, configs and Triton's kernels. Without
+# a size: a default per device that holds the models such a replica usually serves.
+CACHE_HEADROOM = 2 * GIB
+DEFAULT_CPU_MODEL_CACHE = "20Gi"
+DEFAULT_GPU_MODEL_CACHE = "80Gi"
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 ROUTER_POLICIES = ("predicted-completion", "round-robin", "least-loaded", "prefix-affinity")
@@ -66,6 +93,8 @@ DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a
 SERVED_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$"
 ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 IMAGE_PATTERN = r"^\S+$"
+# An extended resource name as Kubernetes accepts it in limits: a DNS-subdomain prefix, '/', a name.
+EXTENDED_RESOURCE_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 
 
 class SpecError(ValueError):
@@ -100,13 +129,19 @@ class ModelSpec:
     cache: ModelCache = field(default_factory=ModelCache)
     # A Secret whose keys become the fetcher's environment (HF_TOKEN, AWS_*, GOOGLE_OAUTH_ACCESS_TOKEN).
     credentials_secret: str | None = None
+    # spec.model.size: the checkpoint's bytes on disk, when the user states it. It sizes the per-pod cache
+    # and a GPU replica's host memory; the operator never downloads the model to find out.
+    size_bytes: int | None = None
 
 
 @dataclass(frozen=True)
 class Resources:
     cpu: str = "1"
-    memory: str = "2Gi"
+    # Resolved by parse(): DEFAULT_MEMORY on CPU; on a GPU from spec.model.size, else DEFAULT_GPU_MEMORY.
+    memory: str = DEFAULT_MEMORY
     gpu: int = 0
+    # The extended resource `gpu` counts (spec.resources.accelerator).
+    accelerator: str = DEFAULT_ACCELERATOR
 
 
 @dataclass(frozen=True)
@@ -128,6 +163,8 @@ class EngineSpec:
     speculation: Speculation = field(default_factory=Speculation)
     queue_delay_slo_seconds: float = 30.0
     drain_grace_seconds: int = 30
+    # The startup probe's budget; resolved by parse() from the device when the spec leaves it out.
+    startup_timeout_seconds: int = DEFAULT_STARTUP_TIMEOUT_SECONDS
     # Flags the CRD does not model, appended to `chunkwise serve`; the runtime validates them at start.
     extra_args: tuple[str, ...] = ()
 
@@ -178,10 +215,20 @@ class RouterResources:
 class RouterSpec:
     enabled: bool = False
     policy: str = "predicted-completion"
-    replicas: int = 1
-    # spec.router.image, else spec.image, else the CPU image: the router never needs CUDA.
+    # Two, so that a node drain or a rollout (with the router's PodDisruptionBudget) leaves one serving.
+    replicas: int = 2
+    # spec.router.image, else the CPU image: spec.image on a CPU service, the default CPU build on a GPU
+    # one. The router never needs CUDA, and the CUDA build is gigabytes more to pull on every node.
     image: str = DEFAULT_IMAGE
     resources: RouterResources = field(default_factory=RouterResources)
+    # Scale from zero (`chunkwise router --wake-timeout-seconds`, --wake-queue-limit): how long a request
+    # is held for a replica, and how many at once. The runtime's defaults; raise the timeout for a model
+    # whose cold start (pull, fetch, load) takes longer.
+    wake_timeout_seconds: int = 300
+    wake_queue_limit: int = 128
+    # How long a stopping router keeps streaming the responses it has in flight (after the wake timeout,
+    # for a request that was held). The pod's terminationGracePeriodSeconds is derived from both.
+    drain_grace_seconds: int = 60
 
 
 @dataclass(frozen=True)
@@ -223,6 +270,12 @@ class PodOverrides:
     volumes: tuple[Mapping[str, Any], ...] = ()
     volume_mounts: tuple[Mapping[str, Any], ...] = ()
     shm_size: str = DEFAULT_SHM_SIZE
+    # A RuntimeClass for the runtime pods (e.g. `nvidia` where the NVIDIA container runtime is not the
+    # node's default).
+    runtime_class_name: str | None = None
+    # Leave runAsUser, runAsGroup and fsGroup out of every pod, for platforms that assign them from the
+    # namespace's range and refuse a fixed one (OpenShift's restricted-v2 SCC refuses the image's 65532).
+    platform_assigns_uid: bool = False
 
 
 @dataclass(frozen=True)
@@ -371,6 +424,29 @@ def validate_name(name: str) -> None:
 
 
 def _model(spec: Mapping[str, Any]) -> ModelSpec:
+    model = _model_source(spec)
+    data = _section(spec, "model", "spec.", "InvalidModelSource")
+    size = _bytes(data, "size", "spec.model.", "InvalidModelSource", minimum=2**20)
+    return model if size is None else replace(model, size_bytes=size)
+
+
+def _bytes(data: Mapping[str, Any], key: str, path: str, reason: str, minimum: int) -> int | None:
+    """A byte count such as 16Gi or 16000000000, or None when absent."""
+    raw = data.get(key)
+    if raw is None:
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, (int, str)):
+        raise SpecError(reason, f"{path}{key} must be a byte count such as 4Gi, got {raw!r}")
+    try:
+        value = parse_bytes(raw)
+    except ValueError as e:
+        raise SpecError(reason, f"{path}{key}: {e}") from None
+    if value < minimum:
+        raise SpecError(reason, f"{path}{key} must be at least {minimum} bytes, got {raw!r}")
+    return value
+
+
+def _model_source(spec: Mapping[str, Any]) -> ModelSpec:
     reason = "InvalidModelSource"
     if spec.get("model") is None:
         raise SpecError(reason, "spec.model is required: give one of preset, pvc, path or uri")
@@ -498,18 +574,61 @@ def _bad_path(path: str) -> bool:
     return ".." in path.split("/") or any(c.isspace() for c in path) or "\x00" in path
 
 
-def _resources(spec: Mapping[str, Any]) -> Resources:
+def _resources(spec: Mapping[str, Any], model: ModelSpec) -> Resources:
     reason = "InvalidResources"
+    p = "spec.resources."
     data = _section(spec, "resources", "spec.", reason)
     d = Resources()
+    raw_gpu = data.get("gpu")
+    if isinstance(raw_gpu, int) and not isinstance(raw_gpu, bool) and raw_gpu > MAX_GPUS:
+        raise SpecError(
+            reason,
+            f"{p}gpu is {raw_gpu}, but the engine uses one GPU per replica until tensor parallelism lands "
+            f"(issue 33): the others would sit idle. Set {p}gpu to 1 and raise spec.replicas instead",
+        )
+    gpu = _req_int(data, "gpu", p, reason, d.gpu, 0, MAX_GPUS)
+    accelerator = _str(
+        data, "accelerator", p, reason, d.accelerator, pattern=EXTENDED_RESOURCE_PATTERN, max_length=317
+    )
+    assert accelerator is not None
+    domain, _, resource = accelerator.partition("/")
+    if (
+        domain == "kubernetes.io"
+        or domain.endswith(".kubernetes.io")
+        or len(domain) > 253
+        or len(resource) > 63
+    ):
+        raise SpecError(
+            reason,
+            f"{p}accelerator {accelerator!r} must be an extended resource name, domain/name, outside "
+            "kubernetes.io (e.g. nvidia.com/gpu, amd.com/gpu, nvidia.com/mig-1g.10gb)",
+        )
     return Resources(
-        cpu=_quantity(data, "cpu", "spec.resources.", reason, d.cpu),
-        memory=_quantity(data, "memory", "spec.resources.", reason, d.memory),
-        gpu=_req_int(data, "gpu", "spec.resources.", reason, d.gpu, 0, 16),
+        cpu=_quantity(data, "cpu", p, reason, d.cpu),
+        memory=_quantity(data, "memory", p, reason, default_memory(gpu, model.size_bytes)),
+        gpu=gpu,
+        accelerator=accelerator,
     )
 
 
-def _engine(spec: Mapping[str, Any]) -> EngineSpec:
+def default_memory(gpu: int, model_bytes: int | None) -> str:
+    """spec.resources.memory when the spec leaves it out (see DEFAULT_GPU_MEMORY for why)."""
+    if not gpu:
+        return DEFAULT_MEMORY
+    if model_bytes is None:
+        return DEFAULT_GPU_MEMORY
+    return f"{math.ceil((model_bytes + GPU_MEMORY_HEADROOM) / GIB)}Gi"
+
+
+def default_cache_size(model: ModelSpec, gpu: int) -> str:
+    """The per-pod model cache's sizeLimit (and ephemeral-storage request) when the spec leaves it out."""
+    if model.size_bytes is None:
+        return DEFAULT_GPU_MODEL_CACHE if gpu else DEFAULT_CPU_MODEL_CACHE
+    copies = 2 if (model.uri or "").startswith(("http://", "https://")) else 1
+    return f"{math.ceil(model.size_bytes * copies * 1.1 / GIB + CACHE_HEADROOM / GIB)}Gi"
+
+
+def _engine(spec: Mapping[str, Any], gpu: int) -> EngineSpec:
     reason = "InvalidEngine"
     p = "spec.engine."
     data = _section(spec, "engine", "spec.", reason)
@@ -549,6 +668,15 @@ def _engine(spec: Mapping[str, Any]) -> EngineSpec:
         ),
         drain_grace_seconds=_req_int(data, "drainGraceSeconds", p, reason, d.drain_grace_seconds, 0, 3600),
         extra_args=_extra_args(data, p, reason),
+        startup_timeout_seconds=_req_int(
+            data,
+            "startupTimeoutSeconds",
+            p,
+            reason,
+            DEFAULT_GPU_STARTUP_TIMEOUT_SECONDS if gpu else DEFAULT_STARTUP_TIMEOUT_SECONDS,
+            30,
+            86400,
+        ),
     )
 
 
@@ -684,6 +812,11 @@ def _router(spec: Mapping[str, Any], default_image: str) -> RouterSpec:
             cpu=_quantity(res, "cpu", p + "resources.", reason, rd.cpu),
             memory=_quantity(res, "memory", p + "resources.", reason, rd.memory),
         ),
+        wake_timeout_seconds=_req_int(
+            data, "wakeTimeoutSeconds", p, reason, d.wake_timeout_seconds, 1, 86400
+        ),
+        wake_queue_limit=_req_int(data, "wakeQueueLimit", p, reason, d.wake_queue_limit, 1, 100000),
+        drain_grace_seconds=_req_int(data, "drainGraceSeconds", p, reason, d.drain_grace_seconds, 0, 3600),
     )
 
 
@@ -800,6 +933,10 @@ def _pod(spec: Mapping[str, Any]) -> PodOverrides:
         volumes=tuple(_frozen(v) for v in volumes),
         volume_mounts=tuple(_frozen(m) for m in mounts),
         shm_size=_quantity(data, "shmSize", p, reason, DEFAULT_SHM_SIZE),
+        runtime_class_name=_str(
+            data, "runtimeClassName", p, reason, None, pattern=DNS_SUBDOMAIN_PATTERN, max_length=253
+        ),
+        platform_assigns_uid=_bool(data, "platformAssignsUID", p, reason, False),
     )
 
 
@@ -827,8 +964,12 @@ def parse(spec: Mapping[str, Any] | None) -> ServiceSpec:
     if spec is None or not isinstance(spec, Mapping):
         raise SpecError("InvalidSpec", f"spec must be an object, got {spec!r}")
     model = _model(spec)
-    resources = _resources(spec)
-    engine = _engine(spec)
+    resources = _resources(spec, model)
+    engine = _engine(spec, resources.gpu)
+    if model.source == "uri" and model.cache.claim_name is None and model.cache.size_limit is None:
+        # The per-pod emptyDir is always bounded: unbounded, a fetch fills the node's disk (and every pod
+        # on it is evicted), and without a request the scheduler places the pod where it cannot fit.
+        model = replace(model, cache=ModelCache(size_limit=default_cache_size(model, resources.gpu)))
     default_image = DEFAULT_CUDA_IMAGE if resources.gpu else DEFAULT_IMAGE
     image = _str(spec, "image", "spec.", "InvalidImage", default_image, pattern=IMAGE_PATTERN)
     assert image is not None
@@ -837,7 +978,8 @@ def parse(spec: Mapping[str, Any] | None) -> ServiceSpec:
     pull_policy = _str(spec, "imagePullPolicy", "spec.", "InvalidImage", None, choices=PULL_POLICIES)
     replicas = _req_int(spec, "replicas", "spec.", "InvalidReplicas", 1, 0, 1000)
     autoscaling = _autoscaling(spec)
-    router = _router(spec, image if spec.get("image") is not None else DEFAULT_IMAGE)
+    # The router runs the CPU build: spec.image is one only on a CPU service.
+    router = _router(spec, DEFAULT_IMAGE if resources.gpu else image)
     return ServiceSpec(
         model=model,
         image=image,

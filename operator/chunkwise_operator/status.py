@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import enum
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,11 @@ DEGRADED = "Degraded"
 # targets the same InferenceService and the built-in one stands down; METRICS_AVAILABLE is False while no
 # ready replica's /metrics could be read, with why.
 METRICS_AVAILABLE = "MetricsAvailable"
+# SCALER_CONFLICT's reason, with any autoscaling (built-in or delegated), while an applied manifest declares
+# spec.replicas: each GitOps sync or `kubectl apply` writes its count back over the scaler's.
+REPLICAS_FIGHT_SCALER = "ReplicasFightScaler"
+# Where `kubectl apply` (and Argo CD's default client-side apply) keeps what it applied.
+LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
 # Present while spec.gateway.inferencePool is on: whether the InferencePool could be applied.
 INFERENCE_POOL_READY = gateway.CONDITION
 CONDITION_TYPES = (READY, PROGRESSING, DEGRADED, SCALER_CONFLICT, METRICS_AVAILABLE, INFERENCE_POOL_READY)
@@ -348,6 +354,72 @@ def _with_times(
     return result
 
 
+def replicas_writers(metadata: Mapping[str, Any]) -> tuple[str, ...]:
+    """Who declares spec.replicas in a manifest they apply again and again, from the object's metadata.
+
+    Client-side apply (`kubectl apply`, Argo CD's default) records what it applied in an annotation: a
+    replicas there is written back at every apply. Server-side apply (Flux, `kubectl apply --server-side`,
+    Argo CD's ServerSideApply) shows as a managedFields entry of operation Apply that owns f:spec.f:replicas.
+    A scaler's writes are Updates (the HPA's through the scale subresource, the operator's a patch), and a
+    one-off `kubectl scale` or `kubectl edit` is an Update too: none of them is named here.
+    """
+    found: list[str] = []
+    annotations = metadata.get("annotations")
+    last = annotations.get(LAST_APPLIED) if isinstance(annotations, Mapping) else None
+    if isinstance(last, str):
+        try:
+            applied = json.loads(last)
+        except ValueError:
+            applied = None
+        applied_spec = applied.get("spec") if isinstance(applied, Mapping) else None
+        if isinstance(applied_spec, Mapping) and "replicas" in applied_spec:
+            found.append("kubectl apply (its last-applied-configuration)")
+    for entry in metadata.get("managedFields") or []:
+        if not isinstance(entry, Mapping) or entry.get("operation") != "Apply" or entry.get("subresource"):
+            continue
+        if entry.get("manager") == manifests.MANAGER:
+            continue
+        spec_fields = (entry.get("fieldsV1") or {}).get("f:spec")
+        if isinstance(spec_fields, Mapping) and "f:replicas" in spec_fields:
+            found.append(f"server-side apply by {entry.get('manager') or 'an unnamed manager'}")
+    return tuple(found)
+
+
+def replicas_fight(spec: ServiceSpec, metadata: Mapping[str, Any]) -> str | None:
+    """Why a write to spec.replicas fights the scaler that owns it, or None when nothing does."""
+    a = spec.autoscaling
+    if not a.enabled:
+        return None  # spec.replicas is the user's to set: nothing else writes it
+    writers = replicas_writers(metadata)
+    if not writers:
+        return None
+    scaler = "the HPA or KEDA (autoscaling.delegated)" if a.delegated else "the built-in autoscaler"
+    return (
+        f"spec.replicas is declared by {' and '.join(writers)} while {scaler} owns it: every sync writes "
+        "its count back over the scaler's; leave replicas out of the manifest (docs/operator.md, GitOps)"
+    )
+
+
+def replicas_fight_began(previous: Mapping[str, Any], new: Mapping[str, Any]) -> str | None:
+    """The fight's message when `new` reports it and `previous` did not: the moment for one Warning event."""
+
+    def fighting(st: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        for cond in st.get("conditions") or []:
+            if (
+                isinstance(cond, Mapping)
+                and cond.get("type") == SCALER_CONFLICT
+                and cond.get("status") == "True"
+                and cond.get("reason") == REPLICAS_FIGHT_SCALER
+            ):
+                return cond
+        return None
+
+    now = fighting(new)
+    if now is None or fighting(previous) is not None:
+        return None
+    return str(now.get("message", ""))
+
+
 def compute_status(
     *,
     name: str,
@@ -361,6 +433,7 @@ def compute_status(
     failure: Failure | Keep | None = KEEP,
     pods: Sequence[Mapping[str, Any]] = (),
     pool: PoolState | Keep = KEEP,
+    metadata: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The managed part of .status. `generation` is the generation just reconciled, or KEEP.
 
@@ -368,6 +441,7 @@ def compute_status(
     cannot create them or gave up on the rollout (`deployment_failure`, `deployment_stalled`), sets Degraded,
     Ready while no replica is ready, and Progressing once the rollout's deadline has passed.
     `pool` is what the reconcile found applying the InferencePool; KEEP: as the previous status says.
+    `metadata` is the InferenceService's own: whether an applied manifest fights the scaler (replicas_fight).
     """
     observed = previous.get("observedGeneration") if generation is KEEP else generation
     run = deployment_state(runtime)
@@ -450,10 +524,26 @@ def compute_status(
         status["url"] = manifests.service_url(name, namespace, parsed)
         status["model"] = parsed.model.served_name
         status["autoscaler"] = _autoscaler(parsed, previous.get("autoscaler"))
+        fight = replicas_fight(parsed, metadata or {})
         if parsed.autoscaling.enabled and not parsed.autoscaling.delegated:
             block = status["autoscaler"]
             message = str(block.get("message", ""))
-            conditions += [_condition(*state, message, gen) for state in autoscaler_conditions(block)]
+            for ctype, on, reason in autoscaler_conditions(block):
+                if ctype == SCALER_CONFLICT and not on and fight is not None:
+                    # Another scaler's conflict (ExternalScaler) is reported first: it stops the autoscaler.
+                    conditions.append(_condition(ctype, True, REPLICAS_FIGHT_SCALER, fight, gen))
+                else:
+                    conditions.append(_condition(ctype, on, reason, message, gen))
+        elif parsed.autoscaling.enabled:
+            conditions.append(
+                _condition(
+                    SCALER_CONFLICT,
+                    fight is not None,
+                    REPLICAS_FIGHT_SCALER if fight is not None else "NoConflict",
+                    fight or "no applied manifest declares spec.replicas: the HPA or KEDA owns it",
+                    gen,
+                )
+            )
         if parsed.gateway.inference_pool:
             state = _previous_pool(previous) if pool is KEEP else pool
             conditions.append(_condition(INFERENCE_POOL_READY, state.ready, state.reason, state.message, gen))

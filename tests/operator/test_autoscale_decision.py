@@ -264,10 +264,13 @@ def test_a_replica_unready_past_the_startup_budget_stops_holding_a_scale_down() 
 
 
 def test_the_startup_budget_is_the_startup_probes() -> None:
+    """The default grace is a CPU service's startup probe budget; the reconcile passes each spec's own."""
     from chunkwise_operator import manifests
+    from chunkwise_operator.spec import parse
 
-    probe = manifests.STARTUP_PERIOD_SECONDS * manifests.STARTUP_FAILURE_THRESHOLD
-    assert a.STARTUP_GRACE_S == probe == 600
+    cpu = manifests.runtime_deployment("s", "ns", parse({"model": {"preset": "tiny"}}))
+    probe = cpu["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
+    assert a.STARTUP_GRACE_S == probe["periodSeconds"] * probe["failureThreshold"] == 600
 
 
 def test_not_ready_since_reads_the_ready_condition_then_the_creation() -> None:

@@ -19,11 +19,12 @@ from operator_harness import MERGE, NAMESPACE, VERBS, Cluster, HttpStub, eventua
 
 from chunkwise_operator import manifests
 from chunkwise_operator.main import AUTOSCALER_INTERVAL_ENV
-from chunkwise_operator.spec import GROUP, PLURAL, VERSION
+from chunkwise_operator.spec import DEFAULT_STARTUP_TIMEOUT_SECONDS, GROUP, PLURAL, VERSION
 
 PODS = km.resource("v1/pods")
-# The startup probe's budget: a pod not ready for longer has failed to start, not yet to start.
-STARTUP_BUDGET_S = manifests.STARTUP_PERIOD_SECONDS * manifests.STARTUP_FAILURE_THRESHOLD
+# The startup probe's budget (a CPU service's default): a pod not ready for longer has failed to start,
+# not yet to start.
+STARTUP_BUDGET_S = DEFAULT_STARTUP_TIMEOUT_SECONDS
 
 
 class MetricsServer(HttpStub):

@@ -62,12 +62,13 @@ async def test_create_makes_owned_children_with_engine_arguments(
     cluster: Cluster, operator: Operator
 ) -> None:
     await cluster.create_isvc("chat", ROUTED)
-    await eventually(lambda: len(cluster.children()) == 7, what="7 children")
+    await eventually(lambda: len(cluster.children()) == 8, what="8 children")
     kinds = sorted((c["kind"], c["metadata"]["name"]) for c in cluster.children())
     assert kinds == [
         ("Deployment", "chat"),
         ("Deployment", "chat-router"),
         ("PodDisruptionBudget", "chat"),
+        ("PodDisruptionBudget", "chat-router"),
         ("RoleBinding", "chat-router"),
         ("Service", "chat"),
         ("Service", "chat-router"),

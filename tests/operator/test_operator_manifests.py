@@ -292,7 +292,9 @@ def test_router_children() -> None:
     ]  # fmt: skip
     # minReplicas 0: the router is the one that brings the first replica back.
     from_zero = parse({**GPU_ROUTER, "autoscaling": {"enabled": True, "minReplicas": 0}})
-    assert manifests.router_command("llama", "ml", from_zero)[-2:] == ["--wake-inference-service", "llama"]
+    assert manifests.router_command("llama", "ml", from_zero)[-6:] == [
+        "--wake-timeout-seconds", "300", "--wake-queue-limit", "128", "--wake-inference-service", "llama",
+    ]  # fmt: skip
     assert manifests.router_service_account("llama", "ml") == {
         "apiVersion": "v1",
         "kind": "ServiceAccount",
@@ -321,7 +323,8 @@ def test_router_children() -> None:
         }
     }
     assert pod["serviceAccountName"] == "llama-router"
-    assert router["image"] == "reg/chunkwise:1"
+    # spec.image is the service's CUDA build: the router keeps the CPU one.
+    assert router["image"] == "chunkwise/runtime:0.1.0"
     assert [router["command"][0], *router["args"]] == manifests.router_command("llama", "ml", parsed)
     assert router["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
     assert router["resources"] == {
@@ -344,6 +347,7 @@ def test_children_and_stale_children_follow_router_enabled() -> None:
         ("ServiceAccount", "llama-router"),
         ("RoleBinding", "llama-router"),
         ("Deployment", "llama-router"),
+        ("PodDisruptionBudget", "llama-router"),
         ("Service", "llama-router"),
     ]
     # No spec.gateway.inferencePool: a pool of this name would be stale (the operator deletes it if it owns it).
@@ -358,6 +362,7 @@ def test_children_and_stale_children_follow_router_enabled() -> None:
     ]
     assert manifests.stale_children("tiny", spec(MINIMAL)) == [
         ("inference.networking.k8s.io/v1", "InferencePool", "tiny"),
+        ("policy/v1", "PodDisruptionBudget", "tiny-router"),
         ("v1", "Service", "tiny-router"),
         ("apps/v1", "Deployment", "tiny-router"),
         ("rbac.authorization.k8s.io/v1", "RoleBinding", "tiny-router"),
@@ -392,7 +397,7 @@ def test_builders_return_fresh_objects() -> None:
 def test_every_built_child_validates_for_kubernetes_1_30(variant: dict[str, Any]) -> None:
     children = manifests.children("svc", "ml", spec(variant))
     kopf.append_owner_reference(children, owner=kopf.Body(OWNER))  # type: ignore[arg-type]
-    assert len(children) == (7 if variant in (GPU_ROUTER, HF_GPU) else 3)
+    assert len(children) == (8 if variant in (GPU_ROUTER, HF_GPU) else 3)
     for child in children:
         assert child["metadata"]["ownerReferences"][0]["uid"] == OWNER["metadata"]["uid"]
         kubernetes_validate.validate(child, "1.30.0", strict=True)
@@ -474,7 +479,9 @@ def test_a_gpu_service_from_hugging_face() -> None:
     # The fetcher writes the cache; the server reads the same volume.
     assert fetch["volumeMounts"] == [{"name": "model-cache", "mountPath": "/model-cache"}]
     assert {"name": "model-cache", "mountPath": "/model-cache", "readOnly": True} in engine["volumeMounts"]
-    assert {"name": "model-cache", "emptyDir": {}} in pod["volumes"]
+    # No spec.model.size: the GPU default bound, requested as ephemeral storage too.
+    assert {"name": "model-cache", "emptyDir": {"sizeLimit": "80Gi"}} in pod["volumes"]
+    assert engine["resources"]["requests"]["ephemeral-storage"] == "80Gi"
     # Triton's compiled kernels go to a writable directory of the same volume, at a path of its own.
     assert engine["volumeMounts"] == [
         {"name": "model-cache", "mountPath": "/model-cache", "readOnly": True},
@@ -589,6 +596,8 @@ def test_a_triton_cache_dir_in_the_spec_is_kept() -> None:
 def test_the_engine_rollout_deadline_outlasts_its_startup_budget():
     """Kubernetes' default progress deadline (600 s) equals the startup probe's budget: a model that loads
     slowly but well would read as ProgressDeadlineExceeded in the status (status.py reads that condition)."""
-    startup = manifests.STARTUP_PERIOD_SECONDS * manifests.STARTUP_FAILURE_THRESHOLD
-    deployment = manifests.runtime_deployment("tiny", "default", spec(MINIMAL))
-    assert deployment["spec"]["progressDeadlineSeconds"] > startup
+    for variant in (MINIMAL, GPU_ROUTER, HF_GPU):
+        deployment = manifests.runtime_deployment("tiny", "default", spec(variant))
+        probe = deployment["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
+        startup = probe["periodSeconds"] * probe["failureThreshold"]
+        assert deployment["spec"]["progressDeadlineSeconds"] == startup + 900 > startup

@@ -54,6 +54,51 @@ def test_the_gpu_example_renders_what_reconcile_applies() -> None:
     assert {"name": "TRITON_CACHE_DIR", "value": "/triton-cache"} in engine["env"]
 
 
+def test_the_gpu_example_renders_a_router_built_for_drains_and_a_bounded_cold_start() -> None:
+    """Issue 31, points 4 and 6, as a reviewer sees them in `chunkwise operator render`: the router with a
+    PodDisruptionBudget, a preStop, a grace period above its wake timeout and the CPU image; the engine with
+    a bounded model cache and the startup budget the example's spec gives."""
+    result = render("-f", str(GPU_EXAMPLE))
+    assert result.returncode == 0, result.stderr
+    # Plain YAML for a reviewer: no object shared between two places of the output (an &id001 alias).
+    assert "&id0" not in result.stdout
+    objects = {(o["kind"], o["metadata"]["name"]): o for o in yaml.safe_load_all(result.stdout)}
+    (doc,) = yaml.safe_load_all(GPU_EXAMPLE.read_text())
+    router_spec, engine_spec = doc["spec"]["router"], doc["spec"]["engine"]
+
+    pdb = objects[("PodDisruptionBudget", "llama-router")]
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "router"
+    router = objects[("Deployment", "llama-router")]
+    assert router["spec"]["replicas"] == 2
+    pod = router["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["lifecycle"]["preStop"] == {"exec": {"command": ["sleep", "5"]}}
+    assert (
+        pod["terminationGracePeriodSeconds"]
+        > router_spec["wakeTimeoutSeconds"] + router_spec["drainGraceSeconds"]
+    )
+    # The service runs the CUDA build; its router the CPU one.
+    assert doc["spec"]["image"].endswith("-cuda")
+    assert container["image"] == pod["initContainers"][0]["image"] == "chunkwise/runtime:0.1.0"
+
+    engine_pod = objects[("Deployment", "llama")]["spec"]["template"]["spec"]
+    (engine,) = engine_pod["containers"]
+    (cache,) = [v for v in engine_pod["volumes"] if v["name"] == "model-cache"]
+    # model.size 16Gi: 16 x 1.1 + 2 = 19.6, in whole Gi; the scheduler is asked for as much disk.
+    assert cache == {"name": "model-cache", "emptyDir": {"sizeLimit": "20Gi"}}
+    assert engine["resources"]["requests"]["ephemeral-storage"] == "20Gi"
+    probe = engine["startupProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] == engine_spec["startupTimeoutSeconds"]
+    assert objects[("Deployment", "llama")]["spec"]["progressDeadlineSeconds"] == (
+        engine_spec["startupTimeoutSeconds"] + 900
+    )
+    # Host memory from the model's size (16Gi + 8Gi), not the 2Gi a CPU replica gets.
+    assert engine["resources"]["limits"]["memory"] == "24Gi"
+    for obj in objects.values():
+        kubernetes_validate.validate(obj, "1.30.0", strict=True)
+
+
 def test_the_gateway_example_renders_its_inference_pool() -> None:
     result = render("-f", str(GATEWAY_EXAMPLE))
     assert result.returncode == 0, result.stderr
@@ -100,7 +145,7 @@ def test_an_invalid_spec_exits_non_zero_naming_the_field(tmp_path: Path) -> None
     assert result.stdout == ""
     assert result.stderr.strip() == (
         f"error: {bad}: document 1 (InferenceService default/llama): InvalidResources: "
-        "spec.resources.gpu must be an integer in [0, 16], got -3"
+        "spec.resources.gpu must be an integer in [0, 1], got -3"
     )
 
 

@@ -74,7 +74,7 @@ def test_minimal_spec_gets_every_default() -> None:
         router=RouterSpec(
             enabled=False,
             policy="predicted-completion",
-            replicas=1,
+            replicas=2,
             image="chunkwise:dev",
             resources=RouterResources(cpu="250m", memory="256Mi"),
         ),
@@ -104,7 +104,7 @@ def test_full_spec_is_read_field_by_field() -> None:
         "image": "registry.example/chunkwise:1.0",
         "imagePullPolicy": "IfNotPresent",
         "replicas": 3,
-        "resources": {"cpu": 8, "memory": "64Gi", "gpu": 2},
+        "resources": {"cpu": 8, "memory": "64Gi", "gpu": 1},
         "engine": {
             "maxNumSeqs": 128,
             "maxNumBatchedTokens": 4096,
@@ -155,7 +155,7 @@ def test_full_spec_is_read_field_by_field() -> None:
     )
     assert parsed.image_pull_policy == "IfNotPresent"
     assert parsed.replicas == 3
-    assert parsed.resources == Resources(cpu="8", memory="64Gi", gpu=2)
+    assert parsed.resources == Resources(cpu="8", memory="64Gi", gpu=1)
     assert parsed.engine == EngineSpec(
         max_num_seqs=128,
         max_num_batched_tokens=4096,
@@ -166,6 +166,7 @@ def test_full_spec_is_read_field_by_field() -> None:
         speculation=Speculation(method="draft", num_tokens=6),
         queue_delay_slo_seconds=1.0,
         drain_grace_seconds=90,
+        startup_timeout_seconds=1800,  # the GPU default
     )
     assert parsed.autoscaling == AutoscalingSpec(
         enabled=True,
@@ -233,6 +234,8 @@ def test_model_sources_and_served_name_defaults(model: dict[str, Any], expected:
                 served_name="Llama-3.1-8B-Instruct",
                 uri="hf://meta-llama/Llama-3.1-8B-Instruct@main",
                 credentials_secret="hf-token",
+                # The per-pod emptyDir is always bounded: the CPU default without spec.model.size.
+                cache=ModelCache(size_limit="20Gi"),
             ),
         ),
         (
@@ -256,6 +259,7 @@ def test_model_sources_and_served_name_defaults(model: dict[str, Any], expected:
                 source="uri",
                 served_name="llama-57m",
                 uri="https://host/a/llama-57m.tar.gz#sha256=" + "0" * 64,
+                cache=ModelCache(size_limit="20Gi"),
             ),
         ),
         (
@@ -276,7 +280,10 @@ def test_the_image_follows_the_device_unless_given() -> None:
     assert (cpu.image, cpu.router.image) == ("chunkwise/runtime:0.1.0", "chunkwise/runtime:0.1.0")
     # The router never needs CUDA: it keeps the CPU build unless an image is named.
     assert (gpu.image, gpu.router.image) == ("chunkwise/runtime:0.1.0-cuda", "chunkwise/runtime:0.1.0")
-    assert (given.image, given.router.image) == ("reg/cw:2", "reg/cw:2")
+    # A GPU service's spec.image is a CUDA build: the router keeps the CPU one. On CPU spec.image is one.
+    assert (given.image, given.router.image) == ("reg/cw:2", "chunkwise/runtime:0.1.0")
+    cpu_given = parse({"model": {"preset": "tiny"}, "image": "reg/cw:2"})
+    assert (cpu_given.image, cpu_given.router.image) == ("reg/cw:2", "reg/cw:2")
 
 
 def test_zero_replicas_floor_is_allowed_when_delegated() -> None:
@@ -351,7 +358,7 @@ INVALID = [
     (
         with_(MINIMAL, resources={"gpu": -3}),
         "InvalidResources",
-        "spec.resources.gpu must be an integer in [0, 16], got -3",
+        "spec.resources.gpu must be an integer in [0, 1], got -3",
         True,
     ),
     (
@@ -485,7 +492,8 @@ INVALID = [
     (
         with_(MINIMAL, resources={"gpu": 17}),
         "InvalidResources",
-        "spec.resources.gpu must be an integer in [0, 16], got 17",
+        "spec.resources.gpu is 17, but the engine uses one GPU per replica until tensor parallelism lands "
+        "(issue 33): the others would sit idle. Set spec.resources.gpu to 1 and raise spec.replicas instead",
         True,
     ),
     (
