@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -217,11 +219,15 @@ def kustomization_resources(directory: Path) -> list[Path]:
 
 
 def test_kustomizations_resolve() -> None:
-    installed = kustomization_resources(ROOT / "manifests")
-    assert [str(p.relative_to(ROOT)) for p in installed] == [
+    # The CRDs are their own install (crds/), not part of manifests/: `kubectl delete -k manifests/` must not
+    # delete the CRD, which would delete every InferenceService with it (issue 31, point 9).
+    assert [str(p.relative_to(ROOT)) for p in kustomization_resources(ROOT / "crds")] == [
         "crds/inferenceservice.yaml",
         "crds/kopf-peering.yaml",
         "crds/router-clusterrole.yaml",
+    ]
+    installed = kustomization_resources(ROOT / "manifests")
+    assert [str(p.relative_to(ROOT)) for p in installed] == [
         "manifests/namespace.yaml",
         "manifests/rbac.yaml",
         "manifests/operator/operator.yaml",
@@ -428,3 +434,29 @@ def test_the_metrics_network_policy_admits_the_operator_prometheus_and_routers()
     assert admitted(router, None)
     assert admitted({"app.kubernetes.io/name": "prometheus"}, "monitoring")
     assert not admitted({"app": "anything-else"}, "default")
+
+
+def test_deleting_the_operator_install_keeps_the_crds() -> None:
+    """What `kubectl delete -k manifests/` deletes is what kubectl's own kustomize builds from it: no CRD."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("no kubectl binary on PATH (its built-in kustomize builds the install)")
+    built = subprocess.run(
+        [kubectl, "kustomize", str(ROOT / "manifests")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    kinds = {o["kind"] for o in yaml.safe_load_all(built.stdout) if o}
+    assert "CustomResourceDefinition" not in kinds
+    assert "Deployment" in kinds
+    crds = subprocess.run(
+        [kubectl, "kustomize", str(ROOT / "crds")], capture_output=True, text=True, timeout=60, check=True
+    )
+    names = {
+        o["metadata"]["name"]
+        for o in yaml.safe_load_all(crds.stdout)
+        if o and o["kind"] == "CustomResourceDefinition"
+    }
+    assert "inferenceservices.serving.chunkwise.dev" in names
