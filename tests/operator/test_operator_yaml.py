@@ -52,7 +52,6 @@ def test_the_expected_files_exist() -> None:
         "crds/inferenceservice.yaml",
         "crds/kopf-peering.yaml",
         "crds/kustomization.yaml",
-        "crds/router-clusterrole.yaml",
         "manifests/examples/gateway-httproute.yaml",
         "manifests/examples/gateway-service.yaml",
         "manifests/examples/gpu-service.yaml",
@@ -224,7 +223,6 @@ def test_kustomizations_resolve() -> None:
     assert [str(p.relative_to(ROOT)) for p in kustomization_resources(ROOT / "crds")] == [
         "crds/inferenceservice.yaml",
         "crds/kopf-peering.yaml",
-        "crds/router-clusterrole.yaml",
     ]
     installed = kustomization_resources(ROOT / "manifests")
     assert [str(p.relative_to(ROOT)) for p in installed] == [
@@ -250,15 +248,10 @@ def test_kustomizations_resolve() -> None:
 
 def test_rbac_bindings_name_the_accounts() -> None:
     """The rules themselves are held against a running operator's requests in test_operator_rbac.py."""
-    router = find("ClusterRole", manifests.ROUTER_CLUSTER_ROLE)
-    assert router["rules"] == [
-        {
-            "apiGroups": ["discovery.k8s.io"],
-            "resources": ["endpointslices"],
-            "verbs": ["get", "list", "watch"],
-        },
-        # Scale from zero: the router reads and raises its service's count (chunkwise.router.wake).
-        {"apiGroups": [GROUP], "resources": [f"{PLURAL}/scale"], "verbs": ["get", "patch"]},
+    # No ClusterRole for routers any more: each router's Role names its own InferenceService
+    # (test_operator_manifests.py), so a router cannot scale its neighbours.
+    assert not [
+        d for _p, d in all_documents() if d["kind"] == "ClusterRole" and "router" in d["metadata"]["name"]
     ]
     binding = find("ClusterRoleBinding", "chunkwise-operator")
     account = find("ServiceAccount", "chunkwise-operator", "manifests/rbac.yaml")
