@@ -29,6 +29,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # What `chunkwise fetch-model` downloads; pvc:// is mounted instead.
 URI_SCHEMES = ("hf", "s3", "gs", "http", "https", "pvc")
 # The image tag this operator release runs when spec.image is not given; the CUDA build is tagged -cuda.
+# A service records the one it started with (status.runtimeImage) and keeps it across operator upgrades until
+# asked to move (reconcile.UPGRADE_RUNTIME_ANNOTATION; docs/operator.md, "Upgrading").
 DEFAULT_IMAGE = "chunkwise/runtime:0.1.0"
 DEFAULT_CUDA_IMAGE = DEFAULT_IMAGE + "-cuda"
 DEFAULT_SHM_SIZE = "1Gi"
@@ -822,14 +824,19 @@ def _frozen(value: Mapping[str, Any]) -> Mapping[str, Any]:
     return MappingProxyType(dict(value))
 
 
-def parse(spec: Mapping[str, Any] | None) -> ServiceSpec:
-    """The typed view of `spec`, defaults filled in. Raises SpecError with a reason and a message."""
+def parse(spec: Mapping[str, Any] | None, runtime_image: str | None = None) -> ServiceSpec:
+    """The typed view of `spec`, defaults filled in. Raises SpecError with a reason and a message.
+
+    `runtime_image` is the (CPU) runtime image the service is pinned to, used where spec.image and
+    spec.router.image are not given (its CUDA build, tagged -cuda, for GPUs); None: this release's DEFAULT_IMAGE.
+    """
     if spec is None or not isinstance(spec, Mapping):
         raise SpecError("InvalidSpec", f"spec must be an object, got {spec!r}")
     model = _model(spec)
     resources = _resources(spec)
     engine = _engine(spec)
-    default_image = DEFAULT_CUDA_IMAGE if resources.gpu else DEFAULT_IMAGE
+    base_image = runtime_image or DEFAULT_IMAGE
+    default_image = base_image + "-cuda" if resources.gpu else base_image
     image = _str(spec, "image", "spec.", "InvalidImage", default_image, pattern=IMAGE_PATTERN)
     assert image is not None
     _check_memory(resources, engine)
@@ -837,7 +844,7 @@ def parse(spec: Mapping[str, Any] | None) -> ServiceSpec:
     pull_policy = _str(spec, "imagePullPolicy", "spec.", "InvalidImage", None, choices=PULL_POLICIES)
     replicas = _req_int(spec, "replicas", "spec.", "InvalidReplicas", 1, 0, 1000)
     autoscaling = _autoscaling(spec)
-    router = _router(spec, image if spec.get("image") is not None else DEFAULT_IMAGE)
+    router = _router(spec, image if spec.get("image") is not None else base_image)
     return ServiceSpec(
         model=model,
         image=image,
