@@ -61,7 +61,7 @@ async def test_an_operator_upgrade_keeps_each_services_image_until_asked(
         # The opt-in: the old service moves to the running operator's image, and its status says so.
         await cluster.patch_isvc("old", {"metadata": {"annotations": {UPGRADE_RUNTIME_ANNOTATION: "true"}}})
         await eventually(lambda: images(cluster, "old") == (NEW, NEW), what="the old service rolled")
-        await eventually(lambda: pinned(cluster, 'old') == NEW, what='the new image recorded')
+        await eventually(lambda: pinned(cluster, "old") == NEW, what="the new image recorded")
 
 
 def test_a_gpu_service_pins_the_cuda_build_of_the_recorded_release() -> None:
