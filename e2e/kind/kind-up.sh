@@ -46,7 +46,7 @@ log "kind load docker-image ${RUNTIME_IMAGE} ${OPERATOR_IMAGE}"
 kind load docker-image --name "$CLUSTER" "$RUNTIME_IMAGE" "$OPERATOR_IMAGE"
 
 # The CRDs first, on their own (manifests/ does not hold them, so deleting the install keeps the services).
-log "kubectl apply -k crds (CRDs, chunkwise-router)"
+log "kubectl apply -k crds (the CRDs)"
 kubectl --context "$CONTEXT" apply -k "${ROOT}/crds"
 kubectl --context "$CONTEXT" wait --for condition=Established "crd/${CRD}" --timeout=60s
 log "kubectl apply -k e2e/kind (namespace, RBAC, operator)"

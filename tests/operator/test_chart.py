@@ -76,6 +76,12 @@ def test_helm_template_renders_what_kustomize_builds() -> None:
     assert sorted(with_crds, key=key) == sorted(kustomize("crds") + kustomize("manifests"), key=key)
 
 
+def test_helm_lint_finds_no_error() -> None:
+    done = subprocess.run([helm(), "lint", str(CHART)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[ERROR]" not in done.stdout and "[WARNING]" not in done.stdout, done.stdout
+
+
 def test_the_values_change_only_what_they_name() -> None:
     default = {key(o): o for o in helm_template()}
     custom = helm_template("--set", "namespace=ops", "--set", "image.tag=0.2.0")
