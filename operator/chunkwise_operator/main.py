@@ -20,9 +20,9 @@ import kopf
 
 from chunkwise_operator.kube import CHILD_KINDS, ApiException, ChildKind, Kube
 from chunkwise_operator.manifests import LABEL_MANAGED_BY, MANAGER
-from chunkwise_operator.reconcile import UPGRADE_RUNTIME_ANNOTATION, Reconciler, ServiceGone
+from chunkwise_operator.reconcile import Reconciler, ServiceGone
 from chunkwise_operator.scrape import PodSample
-from chunkwise_operator.spec import GROUP, PLURAL, VERSION
+from chunkwise_operator.spec import GROUP, PLURAL, UPGRADE_RUNTIME_ANNOTATION, VERSION
 
 # Seconds between autoscaler evaluations of one InferenceService (each scrapes every ready runtime pod).
 AUTOSCALER_INTERVAL_ENV = "CHUNKWISE_AUTOSCALER_INTERVAL_SECONDS"

@@ -20,7 +20,6 @@ import httpx
 import kopf
 
 from chunkwise_operator import autoscale, gateway, manifests, prometheus, scrape, status
-from chunkwise_operator import spec as spec_module
 from chunkwise_operator.kube import (
     INFERENCE_POOL,
     ApiException,
@@ -30,7 +29,15 @@ from chunkwise_operator.kube import (
     controller_owner,
     owned_by,
 )
-from chunkwise_operator.spec import ServiceSpec, SpecError, parse, validate_name
+from chunkwise_operator.spec import (
+    RUNTIME_IMAGE_STATUS,
+    UPGRADE_RUNTIME_ANNOTATION,
+    ServiceSpec,
+    SpecError,
+    parse,
+    runtime_image,
+    validate_name,
+)
 
 NORMAL = "Normal"
 WARNING = "Warning"
@@ -43,25 +50,6 @@ DRIFT_CORRECTED = "DriftCorrected"
 
 def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-# An operator upgrade must not roll every service at once: each service records in its status the default
-# runtime image it was first served with and keeps it. This annotation, set to "true", moves it (and keeps it)
-# on the running operator's default; removing it afterwards pins the service there again. Not under GROUP's
-# prefix: Kopf keeps its own state in annotations there and leaves them out of the diffs it handles, so a
-# change of such an annotation would call no handler.
-UPGRADE_RUNTIME_ANNOTATION = "chunkwise.dev/upgrade-runtime"
-RUNTIME_IMAGE_STATUS = "runtimeImage"
-
-
-def runtime_image(body: Mapping[str, Any]) -> str:
-    """The default runtime image `body` runs: the one its status records, or this operator's when there is none
-    yet or the upgrade annotation asks for it."""
-    annotations = (body.get("metadata") or {}).get("annotations") or {}
-    pinned = (body.get("status") or {}).get(RUNTIME_IMAGE_STATUS)
-    if annotations.get(UPGRADE_RUNTIME_ANNOTATION) == "true" or not isinstance(pinned, str) or not pinned:
-        return spec_module.DEFAULT_IMAGE  # read at call time: the default of the operator running now
-    return pinned
 
 
 def parse_service(name: str, body: Mapping[str, Any]) -> ServiceSpec | SpecError:

@@ -824,10 +824,10 @@ def _frozen(value: Mapping[str, Any]) -> Mapping[str, Any]:
     return MappingProxyType(dict(value))
 
 
-def parse(spec: Mapping[str, Any] | None, runtime_image: str | None = None) -> ServiceSpec:
+def parse(spec: Mapping[str, Any] | None, pinned_image: str | None = None) -> ServiceSpec:
     """The typed view of `spec`, defaults filled in. Raises SpecError with a reason and a message.
 
-    `runtime_image` is the (CPU) runtime image the service is pinned to, used where spec.image and
+    `pinned_image` is the (CPU) runtime image the service is pinned to, used where spec.image and
     spec.router.image are not given (its CUDA build, tagged -cuda, for GPUs); None: this release's DEFAULT_IMAGE.
     """
     if spec is None or not isinstance(spec, Mapping):
@@ -835,7 +835,7 @@ def parse(spec: Mapping[str, Any] | None, runtime_image: str | None = None) -> S
     model = _model(spec)
     resources = _resources(spec)
     engine = _engine(spec)
-    base_image = runtime_image or DEFAULT_IMAGE
+    base_image = pinned_image or DEFAULT_IMAGE
     default_image = base_image + "-cuda" if resources.gpu else base_image
     image = _str(spec, "image", "spec.", "InvalidImage", default_image, pattern=IMAGE_PATTERN)
     assert image is not None
@@ -877,3 +877,22 @@ def _check_memory(resources: Resources, engine: EngineSpec) -> None:
             f"spec.resources.memory ({resources.memory} = {limit} bytes), which must also hold the weights; "
             "raise the memory or lower the cache",
         )
+
+
+# An operator upgrade must not roll every service at once: each service records in its status the default
+# runtime image it was first served with and keeps it. This annotation, set to "true", moves it (and keeps it)
+# on the running operator's default; removing it afterwards pins the service there again. Not under GROUP's
+# prefix: Kopf keeps its own state in annotations there and leaves them out of the diffs it handles, so a
+# change of such an annotation would call no handler.
+UPGRADE_RUNTIME_ANNOTATION = "chunkwise.dev/upgrade-runtime"
+RUNTIME_IMAGE_STATUS = "runtimeImage"
+
+
+def runtime_image(body: Mapping[str, Any]) -> str:
+    """The default runtime image `body` runs: the one its status records, or this operator's when there is none
+    yet or the upgrade annotation asks for it."""
+    annotations = (body.get("metadata") or {}).get("annotations") or {}
+    pinned = (body.get("status") or {}).get(RUNTIME_IMAGE_STATUS)
+    if annotations.get(UPGRADE_RUNTIME_ANNOTATION) == "true" or not isinstance(pinned, str) or not pinned:
+        return DEFAULT_IMAGE  # the module's global, read now: the default of the operator running now
+    return pinned

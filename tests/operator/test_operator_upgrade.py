@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 from operator_harness import Cluster, eventually, running_operator
 
+from chunkwise_operator import render
 from chunkwise_operator import spec as spec_module
-from chunkwise_operator.reconcile import RUNTIME_IMAGE_STATUS, UPGRADE_RUNTIME_ANNOTATION
+from chunkwise_operator.spec import RUNTIME_IMAGE_STATUS, UPGRADE_RUNTIME_ANNOTATION
 
 OLD, NEW = "chunkwise/runtime:0.1.0", "chunkwise/runtime:0.2.0"
 # No spec.image: the service runs the operator's default. The router too (its default is the CPU image).
@@ -75,3 +76,30 @@ def test_a_gpu_service_pins_the_cuda_build_of_the_recorded_release() -> None:
     assert parsed.router.image == OLD
     # Given explicitly, spec.image wins over any pin.
     assert spec_module.parse({**gpu, "image": "mine:1"}, OLD).image == "mine:1"
+
+
+def test_render_of_a_live_object_shows_its_pinned_image(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kubectl get infsvc -o yaml | chunkwise operator render -f -` shows what the operator applies."""
+    monkeypatch.setattr(spec_module, "DEFAULT_IMAGE", NEW)
+    live = {
+        "apiVersion": "serving.chunkwise.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "old"},
+        "spec": SERVICE,
+        "status": {RUNTIME_IMAGE_STATUS: OLD},
+    }
+    objects, _ = render.render_documents([live], "<stdin>")
+    assert {
+        c["image"]
+        for o in objects
+        if o["kind"] == "Deployment"
+        for c in o["spec"]["template"]["spec"]["containers"]
+    } == {OLD}
+    live["metadata"]["annotations"] = {UPGRADE_RUNTIME_ANNOTATION: "true"}
+    objects, _ = render.render_documents([live], "<stdin>")
+    assert {
+        c["image"]
+        for o in objects
+        if o["kind"] == "Deployment"
+        for c in o["spec"]["template"]["spec"]["containers"]
+    } == {NEW}
