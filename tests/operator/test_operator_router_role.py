@@ -5,8 +5,14 @@ from __future__ import annotations
 import kmock as km
 from operator_harness import TEST_USER_AGENT, Cluster, Operator, eventually
 
+from chunkwise_operator.manifests import LEGACY_ROUTER_CLUSTER_ROLE
+
 ROUTED = {"model": {"preset": "tiny"}, "image": "chunkwise:dev", "router": {"enabled": True}}
-LEGACY_REF = {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "chunkwise-router"}
+LEGACY_REF = {
+    "apiGroup": "rbac.authorization.k8s.io",
+    "kind": "ClusterRole",
+    "name": LEGACY_ROUTER_CLUSTER_ROLE,
+}
 OWN_REF = {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "chat-router"}
 
 
