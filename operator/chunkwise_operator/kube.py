@@ -64,6 +64,10 @@ CHILD_KINDS = (
         kubernetes.client.RbacAuthorizationV1Api,
         "role_binding",
     ),
+    # Each router's own Role (manifests.router_role).
+    ChildKind(
+        "rbac.authorization.k8s.io", "v1", "roles", "Role", kubernetes.client.RbacAuthorizationV1Api, "role"
+    ),
     # Served only where GAIE's CRDs are installed: Kopf watches it once it is, and `serves` tells.
     ChildKind(gateway.GROUP, gateway.VERSION, gateway.PLURAL, gateway.KIND),
 )
@@ -212,6 +216,11 @@ class Kube:
             raise ChildConflict(f"{kind} {namespace}/{name} exists and is not owned by this InferenceService")
         if live is not None and not drifted(desired, live):
             return Outcome.UNCHANGED
+        if live is not None and "roleRef" in desired and live.get("roleRef") != desired["roleRef"]:
+            # A RoleBinding's roleRef cannot change in place (the API server refuses the patch): one from an
+            # older operator (bound to the shared ClusterRole chunkwise-router) is deleted and created anew.
+            self._call(api_version, kind, "delete", name=name, namespace=namespace)
+            live = None
         try:
             self._call(
                 api_version,

@@ -22,7 +22,7 @@ from chunkwise_operator.kube import CHILD_KINDS, ApiException, ChildKind, Kube
 from chunkwise_operator.manifests import LABEL_MANAGED_BY, MANAGER
 from chunkwise_operator.reconcile import Reconciler, ServiceGone
 from chunkwise_operator.scrape import PodSample
-from chunkwise_operator.spec import GROUP, PLURAL, VERSION
+from chunkwise_operator.spec import GROUP, PLURAL, UPGRADE_RUNTIME_ANNOTATION, VERSION
 
 # Seconds between autoscaler evaluations of one InferenceService (each scrapes every ready runtime pod).
 AUTOSCALER_INTERVAL_ENV = "CHUNKWISE_AUTOSCALER_INTERVAL_SECONDS"
@@ -131,6 +131,15 @@ def close(memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.resume(GROUP, VERSION, PLURAL, id="reconcile-resume", backoff=15)
 @kopf.on.create(GROUP, VERSION, PLURAL, id="reconcile-create", backoff=15)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec", id="reconcile-update", backoff=15)
+# The opt-in to the running operator's runtime image is an annotation, outside `spec`.
+@kopf.on.update(
+    GROUP,
+    VERSION,
+    PLURAL,
+    field=("metadata", "annotations", UPGRADE_RUNTIME_ANNOTATION),
+    id="reconcile-upgrade-runtime",
+    backoff=15,
+)
 def reconcile(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     _reconciler(memo).reconcile(body, logger)
 

@@ -60,8 +60,10 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_SERVICE = f"{GROUP}/inferenceservice"
 RUNTIME = "runtime"
 ROUTER = "router"
-# Shipped in manifests/rbac.yaml: read access to EndpointSlices, bound per namespace to each router.
-ROUTER_CLUSTER_ROLE = "chunkwise-router"
+# Before issue 31 the routers shared a ClusterRole `chunkwise-router` (shipped in crds/), which let every router
+# patch the /scale of every InferenceService in its namespace. Each router now gets a Role of its own, naming
+# its one InferenceService; a RoleBinding left over from then is replaced (roleRef cannot be changed in place).
+LEGACY_ROUTER_CLUSTER_ROLE = "chunkwise-router"
 
 Manifest = dict[str, Any]
 
@@ -552,6 +554,36 @@ def router_service_account(name: str, namespace: str) -> Manifest:
     }
 
 
+def router_role(name: str, namespace: str) -> Manifest:
+    """What one router needs, and only for its own InferenceService.
+
+    It finds the runtime replicas through their Service's EndpointSlices (list and watch cannot be narrowed by
+    name: the router filters by label), and, scaling from zero, reads and raises its InferenceService's /scale
+    (chunkwise.router.wake): that right names the one service. Kubernetes lets the operator create this Role
+    only because it holds every one of these permissions itself (RBAC's escalation check), which is why its
+    ClusterRole (manifests/rbac.yaml) grants endpointslices get/list/watch and inferenceservices/scale get/patch
+    that its own code never sends.
+    """
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _metadata(name, namespace, ROUTER),
+        "rules": [
+            {
+                "apiGroups": ["discovery.k8s.io"],
+                "resources": ["endpointslices"],
+                "verbs": ["get", "list", "watch"],
+            },
+            {
+                "apiGroups": [GROUP],
+                "resources": ["inferenceservices/scale"],
+                "resourceNames": [name],
+                "verbs": ["get", "patch"],
+            },
+        ],
+    }
+
+
 def router_role_binding(name: str, namespace: str) -> Manifest:
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
@@ -559,8 +591,8 @@ def router_role_binding(name: str, namespace: str) -> Manifest:
         "metadata": _metadata(name, namespace, ROUTER),
         "roleRef": {
             "apiGroup": "rbac.authorization.k8s.io",
-            "kind": "ClusterRole",
-            "name": ROUTER_CLUSTER_ROLE,
+            "kind": "Role",
+            "name": router_name(name),
         },
         "subjects": [{"kind": "ServiceAccount", "name": router_name(name), "namespace": namespace}],
     }
@@ -673,6 +705,7 @@ def children(name: str, namespace: str, spec: ServiceSpec) -> list[Manifest]:
     if spec.router.enabled:
         result += [
             router_service_account(name, namespace),
+            router_role(name, namespace),
             router_role_binding(name, namespace),
             router_deployment(name, namespace, spec),
             pod_disruption_budget(name, namespace, ROUTER),
@@ -692,6 +725,7 @@ def router_children_refs(name: str) -> list[tuple[str, str, str]]:
         ("v1", "Service", n),
         ("apps/v1", "Deployment", n),
         ("rbac.authorization.k8s.io/v1", "RoleBinding", n),
+        ("rbac.authorization.k8s.io/v1", "Role", n),
         ("v1", "ServiceAccount", n),
     ]
 

@@ -29,7 +29,15 @@ from chunkwise_operator.kube import (
     controller_owner,
     owned_by,
 )
-from chunkwise_operator.spec import ServiceSpec, SpecError, parse, validate_name
+from chunkwise_operator.spec import (
+    RUNTIME_IMAGE_STATUS,
+    UPGRADE_RUNTIME_ANNOTATION,
+    ServiceSpec,
+    SpecError,
+    parse,
+    runtime_image,
+    validate_name,
+)
 
 NORMAL = "Normal"
 WARNING = "Warning"
@@ -44,10 +52,10 @@ def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def parse_service(name: str, spec: Mapping[str, Any] | None) -> ServiceSpec | SpecError:
+def parse_service(name: str, body: Mapping[str, Any]) -> ServiceSpec | SpecError:
     try:
         validate_name(name)
-        return parse(spec)
+        return parse(body.get("spec"), runtime_image(body))
     except SpecError as e:
         return e
 
@@ -95,12 +103,13 @@ class Reconciler:
         name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
         generation = meta.get("generation")
         with self._lock(namespace, name):
-            parsed = parse_service(name, body.get("spec"))
+            parsed = parse_service(name, body)
             if isinstance(parsed, SpecError):
                 logger.warning(f"Invalid spec, children left as they are: {parsed.message}")
                 _event(body, WARNING, parsed.reason, parsed.message)
                 self._refresh(namespace, name, parsed=parsed, generation=generation, failure=None)
                 return
+            self._pin_runtime_image(body, namespace, name, logger)
             try:
                 pool = self._apply_children(body, name, namespace, uid, parsed, logger)
             except ChildConflict as e:
@@ -119,6 +128,20 @@ class Reconciler:
                 self._fail(body, namespace, name, parsed, generation, status.API_ERROR, message, logger)
                 raise kopf.TemporaryError(message, delay=15) from e
             self._refresh(namespace, name, parsed=parsed, generation=generation, failure=None, pool=pool)
+
+    def _pin_runtime_image(self, body: Mapping[str, Any], namespace: str, name: str, logger: Any) -> None:
+        """Record the default runtime image the children are about to get, before they get it.
+
+        Written first, so that a service never runs an image its status does not name: after an operator
+        upgrade the next reconcile reads it back and keeps it (runtime_image).
+        """
+        image = runtime_image(body)
+        recorded = (body.get("status") or {}).get(RUNTIME_IMAGE_STATUS)
+        if recorded == image:
+            return
+        self.kube.patch_inference_service_status(namespace, name, {RUNTIME_IMAGE_STATUS: image})
+        if recorded:
+            logger.info(f"Runtime image moved from {recorded} to {image} ({UPGRADE_RUNTIME_ANNOTATION})")
 
     def _apply_children(
         self, body: Mapping[str, Any], name: str, namespace: str, uid: str, parsed: ServiceSpec, logger: Any
@@ -219,8 +242,9 @@ class Reconciler:
             uid = owner["metadata"]["uid"]
             if not owned_by(child, uid):
                 return  # the child of an earlier object with the same name, awaiting garbage collection
-            parsed = parse_service(owner_name, owner.get("spec"))
+            parsed = parse_service(owner_name, owner)
             if isinstance(parsed, ServiceSpec):
+                self._pin_runtime_image(owner, namespace, owner_name, logger)
                 wanted = {
                     (c["kind"], c["metadata"]["name"]): c
                     for c in manifests.children(owner_name, namespace, parsed)
@@ -245,7 +269,7 @@ class Reconciler:
             current = self.kube.get_inference_service(namespace, name)
             if current is None or _deleting(current):
                 raise ServiceGone(f"{namespace}/{name}")
-            parsed = parse_service(name, current.get("spec"))
+            parsed = parse_service(name, current)
             pool: status.PoolState | status.Keep = status.KEEP
             if isinstance(parsed, ServiceSpec) and parsed.gateway.inference_pool and _awaits_crd(current):
                 pool = self._retry_pool(current, namespace, name, logger)
@@ -324,7 +348,7 @@ class Reconciler:
         body = await asyncio.to_thread(self.kube.get_inference_service, namespace, name)
         if body is None or _deleting(body):
             raise ServiceGone(f"{namespace}/{name}")
-        parsed = parse_service(name, body.get("spec"))
+        parsed = parse_service(name, body)
         if isinstance(parsed, SpecError) or not parsed.autoscaling.enabled:
             return None
         now = self._wall()

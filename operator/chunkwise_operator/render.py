@@ -16,7 +16,7 @@ from typing import Any, TextIO
 import yaml
 
 from chunkwise_operator import manifests
-from chunkwise_operator.spec import API_VERSION, KIND, SpecError, parse, validate_name
+from chunkwise_operator.spec import API_VERSION, KIND, SpecError, parse, runtime_image, validate_name
 
 DEFAULT_NAMESPACE = "default"
 
@@ -47,7 +47,9 @@ def render_documents(
         ns = namespace or meta.get("namespace") or DEFAULT_NAMESPACE
         try:
             validate_name(name)
-            parsed = parse(doc.get("spec"))
+            # A live object (`kubectl get infsvc NAME -o yaml | chunkwise operator render -f -`) renders with
+            # the runtime image its status pins, as the operator would apply it.
+            parsed = parse(doc.get("spec"), runtime_image(doc))
         except SpecError as e:
             # The reason and message the Degraded condition would carry.
             raise RenderError(f"{where} ({KIND} {ns}/{name}): {e.reason}: {e.message}") from None

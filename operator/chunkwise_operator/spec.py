@@ -30,8 +30,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # What `chunkwise fetch-model` downloads; pvc:// is mounted instead.
 URI_SCHEMES = ("hf", "s3", "gs", "http", "https", "pvc")
 # The image tag this operator release runs when spec.image is not given; the CUDA build is tagged -cuda.
+# A service records the one it started with (status.runtimeImage) and keeps it across operator upgrades until
+# asked to move (reconcile.UPGRADE_RUNTIME_ANNOTATION; docs/operator.md, "Upgrading").
 DEFAULT_IMAGE = "chunkwise/runtime:0.1.0"
-DEFAULT_CUDA_IMAGE = DEFAULT_IMAGE + "-cuda"
 DEFAULT_SHM_SIZE = "1Gi"
 GIB = 2**30
 # The extended resource a GPU replica asks for; AMD (amd.com/gpu) and MIG slices (nvidia.com/mig-1g.10gb)
@@ -959,8 +960,12 @@ def _frozen(value: Mapping[str, Any]) -> Mapping[str, Any]:
     return MappingProxyType(dict(value))
 
 
-def parse(spec: Mapping[str, Any] | None) -> ServiceSpec:
-    """The typed view of `spec`, defaults filled in. Raises SpecError with a reason and a message."""
+def parse(spec: Mapping[str, Any] | None, pinned_image: str | None = None) -> ServiceSpec:
+    """The typed view of `spec`, defaults filled in. Raises SpecError with a reason and a message.
+
+    `pinned_image` is the (CPU) runtime image the service is pinned to, used where spec.image and
+    spec.router.image are not given (its CUDA build, tagged -cuda, for GPUs); None: this release's DEFAULT_IMAGE.
+    """
     if spec is None or not isinstance(spec, Mapping):
         raise SpecError("InvalidSpec", f"spec must be an object, got {spec!r}")
     model = _model(spec)
@@ -970,7 +975,9 @@ def parse(spec: Mapping[str, Any] | None) -> ServiceSpec:
         # The per-pod emptyDir is always bounded: unbounded, a fetch fills the node's disk (and every pod
         # on it is evicted), and without a request the scheduler places the pod where it cannot fit.
         model = replace(model, cache=ModelCache(size_limit=default_cache_size(model, resources.gpu)))
-    default_image = DEFAULT_CUDA_IMAGE if resources.gpu else DEFAULT_IMAGE
+    # The release recorded in status (an operator upgrade rolls nothing until asked), else this operator's.
+    base_image = pinned_image or DEFAULT_IMAGE
+    default_image = base_image + "-cuda" if resources.gpu else base_image
     image = _str(spec, "image", "spec.", "InvalidImage", default_image, pattern=IMAGE_PATTERN)
     assert image is not None
     _check_memory(resources, engine)
@@ -979,7 +986,7 @@ def parse(spec: Mapping[str, Any] | None) -> ServiceSpec:
     replicas = _req_int(spec, "replicas", "spec.", "InvalidReplicas", 1, 0, 1000)
     autoscaling = _autoscaling(spec)
     # The router runs the CPU build: spec.image is one only on a CPU service.
-    router = _router(spec, DEFAULT_IMAGE if resources.gpu else image)
+    router = _router(spec, base_image if resources.gpu else image)
     return ServiceSpec(
         model=model,
         image=image,
@@ -1012,3 +1019,22 @@ def _check_memory(resources: Resources, engine: EngineSpec) -> None:
             f"spec.resources.memory ({resources.memory} = {limit} bytes), which must also hold the weights; "
             "raise the memory or lower the cache",
         )
+
+
+# An operator upgrade must not roll every service at once: each service records in its status the default
+# runtime image it was first served with and keeps it. This annotation, set to "true", moves it (and keeps it)
+# on the running operator's default; removing it afterwards pins the service there again. Not under GROUP's
+# prefix: Kopf keeps its own state in annotations there and leaves them out of the diffs it handles, so a
+# change of such an annotation would call no handler.
+UPGRADE_RUNTIME_ANNOTATION = "chunkwise.dev/upgrade-runtime"
+RUNTIME_IMAGE_STATUS = "runtimeImage"
+
+
+def runtime_image(body: Mapping[str, Any]) -> str:
+    """The default runtime image `body` runs: the one its status records, or this operator's when there is none
+    yet or the upgrade annotation asks for it."""
+    annotations = (body.get("metadata") or {}).get("annotations") or {}
+    pinned = (body.get("status") or {}).get(RUNTIME_IMAGE_STATUS)
+    if annotations.get(UPGRADE_RUNTIME_ANNOTATION) == "true" or not isinstance(pinned, str) or not pinned:
+        return DEFAULT_IMAGE  # the module's global, read now: the default of the operator running now
+    return pinned

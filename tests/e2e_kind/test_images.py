@@ -188,6 +188,7 @@ async def cluster() -> AsyncIterator[Cluster]:
             ("v1/pods", "Pod", True),
             ("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", True),
             ("rbac.authorization.k8s.io/v1/rolebindings", "RoleBinding", True),
+            ("rbac.authorization.k8s.io/v1/roles", "Role", True),
             ("v1/namespaces", "Namespace", False),
             ("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False),
         ]:

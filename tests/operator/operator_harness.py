@@ -52,9 +52,10 @@ class Cluster:
     SERVICE_ACCOUNTS = km.resource("v1/serviceaccounts")
     PDBS = km.resource("policy/v1/poddisruptionbudgets")
     ROLE_BINDINGS = km.resource("rbac.authorization.k8s.io/v1/rolebindings")
+    ROLES = km.resource("rbac.authorization.k8s.io/v1/roles")
     EVENTS = km.resource("v1/events")
     ISVCS = km.resource(GROUP, VERSION, PLURAL)
-    CHILD_RESOURCES = (DEPLOYMENTS, SERVICES, SERVICE_ACCOUNTS, PDBS, ROLE_BINDINGS)
+    CHILD_RESOURCES = (DEPLOYMENTS, SERVICES, SERVICE_ACCOUNTS, PDBS, ROLES, ROLE_BINDINGS)
     # A child too, but served only where GAIE's CRDs are (declared unless a test removes it): children()
     # leaves it out, so that counts of children mean the same with and without it.
     POOLS = km.resource(INFERENCE_POOLS)

@@ -27,12 +27,13 @@ async def test_a_deleted_child_of_any_kind_comes_back_with_one_line_and_one_even
     cluster: Cluster, operator: Operator
 ) -> None:
     await cluster.create_isvc("chat", ROUTED)
-    await eventually(lambda: len(cluster.children()) == 7, what="7 children")
+    await eventually(lambda: len(cluster.children()) == 8, what="8 children")
     deleted = [
         (Cluster.SERVICES, "Service", "chat"),
         (Cluster.PDBS, "PodDisruptionBudget", "chat"),
         (Cluster.SERVICE_ACCOUNTS, "ServiceAccount", "chat-router"),
         (Cluster.ROLE_BINDINGS, "RoleBinding", "chat-router"),
+        (Cluster.ROLES, "Role", "chat-router"),
         (Cluster.SERVICES, "Service", "chat-router"),
     ]
     for resource, _kind, name in deleted:

@@ -62,13 +62,14 @@ async def test_create_makes_owned_children_with_engine_arguments(
     cluster: Cluster, operator: Operator
 ) -> None:
     await cluster.create_isvc("chat", ROUTED)
-    await eventually(lambda: len(cluster.children()) == 8, what="8 children")
+    await eventually(lambda: len(cluster.children()) == 9, what="9 children")
     kinds = sorted((c["kind"], c["metadata"]["name"]) for c in cluster.children())
     assert kinds == [
         ("Deployment", "chat"),
         ("Deployment", "chat-router"),
         ("PodDisruptionBudget", "chat"),
         ("PodDisruptionBudget", "chat-router"),
+        ("Role", "chat-router"),
         ("RoleBinding", "chat-router"),
         ("Service", "chat"),
         ("Service", "chat-router"),
@@ -111,7 +112,7 @@ async def test_create_makes_owned_children_with_engine_arguments(
 
 async def test_spec_change_updates_children(cluster: Cluster, operator: Operator) -> None:
     await cluster.create_isvc("chat", ROUTED)
-    await eventually(lambda: len(cluster.children()) == 7, what="7 children")
+    await eventually(lambda: len(cluster.children()) == 9, what="9 children")
 
     await cluster.patch_isvc(
         "chat",
@@ -314,7 +315,7 @@ async def test_restart_resumes_without_rewriting_anything(
 ) -> None:
     async with running_operator(cluster, caplog):
         await cluster.create_isvc("chat", ROUTED)
-        await eventually(lambda: len(cluster.children()) == 7, what="7 children")
+        await eventually(lambda: len(cluster.children()) == 9, what="9 children")
         await eventually(lambda: condition(cluster, "chat", "Degraded"), what="status")
     writes = child_writes(cluster)
     caplog.clear()

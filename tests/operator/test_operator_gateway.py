@@ -217,7 +217,7 @@ def test_every_builtin_child_with_a_pool_validates_for_kubernetes_1_30() -> None
             }
         ),
     )  # type: ignore[arg-type]
-    assert len(children) == 9  # the router has its PodDisruptionBudget
+    assert len(children) == 10  # the router has its PodDisruptionBudget and its Role
     for child in children:
         assert child["metadata"]["ownerReferences"][0]["uid"] == "u"
         if child["kind"] == gateway.KIND:

@@ -74,7 +74,7 @@ async def test_the_pool_follows_the_field_and_the_router_serves_the_epp(
         pool["spec"]["selector"]["matchLabels"]
         == (cluster.get(Cluster.SERVICES, "chat") or {})["spec"]["selector"]
     )
-    await eventually(lambda: len(cluster.children()) == 8, what="the other 8 children")
+    await eventually(lambda: len(cluster.children()) == 9, what="the other 9 children")
     args, container_ports, service_ports = router(cluster)
     assert args[-2:] == ["--epp-port", "9002"]
     assert {"name": "grpc-epp", "containerPort": 9002, "protocol": "TCP"} in container_ports
@@ -105,7 +105,7 @@ async def test_the_pool_follows_the_field_and_the_router_serves_the_epp(
     # Kopf posts events from a queue: they may land after the status.
     await eventually(lambda: events(cluster, "Deleted") == ["Deleted InferencePool chat"], what="the event")
     assert operator.count("Deleted InferencePool chat: spec.gateway.inferencePool is off") == 1
-    assert len(cluster.children()) == 8
+    assert len(cluster.children()) == 9
     assert operator.failures() == []
 
 
@@ -139,7 +139,7 @@ async def test_without_the_crd_the_rest_is_created_and_the_pool_waits_for_it(
     del cluster.k.resources[INFERENCE_POOLS]
     async with running_operator(cluster, caplog) as operator:
         await cluster.create_isvc("chat", POOLED)
-        await eventually(lambda: len(cluster.children()) == 8, what="the other 8 children")
+        await eventually(lambda: len(cluster.children()) == 9, what="the other 9 children")
         await eventually(
             lambda: pool_condition(cluster) == ("False", "CRDNotInstalled"), what="the condition"
         )

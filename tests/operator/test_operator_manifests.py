@@ -304,12 +304,28 @@ def test_router_children() -> None:
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "RoleBinding",
         "metadata": meta,
-        "roleRef": {
-            "apiGroup": "rbac.authorization.k8s.io",
-            "kind": "ClusterRole",
-            "name": "chunkwise-router",
-        },
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "llama-router"},
         "subjects": [{"kind": "ServiceAccount", "name": "llama-router", "namespace": "ml"}],
+    }
+    # The router's rights (issue 31, point 9): its EndpointSlices, and the /scale of its own InferenceService
+    # only, named, where the shared ClusterRole let every router scale every service of its namespace.
+    assert manifests.router_role("llama", "ml") == {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": meta,
+        "rules": [
+            {
+                "apiGroups": ["discovery.k8s.io"],
+                "resources": ["endpointslices"],
+                "verbs": ["get", "list", "watch"],
+            },
+            {
+                "apiGroups": ["serving.chunkwise.dev"],
+                "resources": ["inferenceservices/scale"],
+                "resourceNames": ["llama"],
+                "verbs": ["get", "patch"],
+            },
+        ],
     }
     dep = manifests.router_deployment("llama", "ml", parsed)
     pod = dep["spec"]["template"]["spec"]
@@ -345,6 +361,7 @@ def test_children_and_stale_children_follow_router_enabled() -> None:
         ("Service", "llama"),
         ("PodDisruptionBudget", "llama"),
         ("ServiceAccount", "llama-router"),
+        ("Role", "llama-router"),
         ("RoleBinding", "llama-router"),
         ("Deployment", "llama-router"),
         ("PodDisruptionBudget", "llama-router"),
@@ -366,6 +383,7 @@ def test_children_and_stale_children_follow_router_enabled() -> None:
         ("v1", "Service", "tiny-router"),
         ("apps/v1", "Deployment", "tiny-router"),
         ("rbac.authorization.k8s.io/v1", "RoleBinding", "tiny-router"),
+        ("rbac.authorization.k8s.io/v1", "Role", "tiny-router"),
         ("v1", "ServiceAccount", "tiny-router"),
     ]
 
@@ -397,7 +415,7 @@ def test_builders_return_fresh_objects() -> None:
 def test_every_built_child_validates_for_kubernetes_1_30(variant: dict[str, Any]) -> None:
     children = manifests.children("svc", "ml", spec(variant))
     kopf.append_owner_reference(children, owner=kopf.Body(OWNER))  # type: ignore[arg-type]
-    assert len(children) == (8 if variant in (GPU_ROUTER, HF_GPU) else 3)
+    assert len(children) == (9 if variant in (GPU_ROUTER, HF_GPU) else 3)
     for child in children:
         assert child["metadata"]["ownerReferences"][0]["uid"] == OWNER["metadata"]["uid"]
         kubernetes_validate.validate(child, "1.30.0", strict=True)

@@ -14,13 +14,13 @@ import pytest
 import yaml
 from operator_harness import NAMESPACE, ROOT, TEST_USER_AGENT, Cluster, eventually, running_operator
 
+from chunkwise_operator import manifests
 from chunkwise_operator.main import (
     AUTOSCALER_INTERVAL_ENV,
     PEERING_NAME,
     POD_NAMESPACE_ENV,
     STATUS_INTERVAL_ENV,
 )
-from chunkwise_operator.manifests import ROUTER_CLUSTER_ROLE
 
 SPEC = {
     "model": {"preset": "tiny"},
@@ -90,7 +90,7 @@ async def exercise(cluster: Cluster) -> None:
     """Create (router, autoscaler, InferencePool), correct a deleted child, then remove the router's children
     and the pool."""
     await cluster.create_isvc("chat", SPEC)
-    await eventually(lambda: len(cluster.children()) == 7, what="7 children")
+    await eventually(lambda: len(cluster.children()) == 8, what="8 children")
     await eventually(lambda: cluster.pool("chat"), what="the InferencePool")
     await eventually(
         lambda: (
@@ -112,14 +112,11 @@ def check(calls: set[Call], rule_list: list[Mapping[str, Any]], cluster: Cluster
     refused = sorted(str(c) for c in calls if not any(allows(r, c) for r in rule_list))
     assert refused == [], f"requests the RBAC rules refuse: {refused}"
     used = {(c.group, c.resource, c.verb) for c in calls}
-    # `bind` is no request of its own: the API server checks it when a RoleBinding names the ClusterRole.
-    router_bindings = [
-        r
-        for r in cluster.k[km.action.CREATE, Cluster.ROLE_BINDINGS]
-        if (r.data or {}).get("roleRef", {}).get("name") == ROUTER_CLUSTER_ROLE
-    ]
-    if router_bindings:
-        used.add(("rbac.authorization.k8s.io", "clusterroles", "bind"))
+    # What the operator puts in the Roles it creates is used too, though never sent: Kubernetes refuses to
+    # create a Role granting more than its creator holds (RBAC's escalation check, unless it holds the
+    # `escalate` verb, which this operator does not).
+    for request in cluster.k[km.action.CREATE, Cluster.ROLES]:
+        used |= granted((request.data or {}).get("rules") or [])
     unused = sorted(granted(rule_list) - used)
     assert unused == [], f"granted but never used: {unused}"
 
@@ -149,3 +146,19 @@ async def test_the_namespaced_role_is_exactly_what_a_namespaced_operator_sends(
     # A Role grants nothing outside its namespace.
     assert sorted(str(c) for c in calls if c.namespace != NAMESPACE) == []
     check(calls, rules(ROOT / "manifests" / "namespaced" / "rbac.yaml", "Role"), cluster)
+
+
+def test_the_operator_holds_every_permission_it_grants_a_router() -> None:
+    """RBAC's escalation check, stated on the files: each rule of a router's Role is within the operator's."""
+    role = manifests.router_role("chat", NAMESPACE)
+    for path, kind in (
+        (ROOT / "manifests" / "rbac.yaml", "ClusterRole"),
+        (ROOT / "manifests" / "namespaced" / "rbac.yaml", "Role"),
+    ):
+        held = granted(rules(path, kind))
+        assert granted(role["rules"]) <= held, path
+        # ...and it may create the Role and its binding.
+        for resource in ("roles", "rolebindings"):
+            assert ("rbac.authorization.k8s.io", resource, "create") in held
+        # No shortcut around the check: neither `escalate` nor `bind` on roles.
+        assert not any(verb in ("escalate", "bind") for _g, r, verb in held if r in ("roles", "clusterroles"))

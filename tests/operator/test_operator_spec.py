@@ -379,7 +379,7 @@ INVALID = [
         with_(MINIMAL, model={"uri": "hf://just-a-name"}),
         "InvalidModelSource",
         "spec.model.uri 'hf://just-a-name' must be hf://org/name or hf://org/name@revision",
-        False,
+        True,
     ),
     (
         with_(MINIMAL, model={"uri": "https://host/?id=7"}),
@@ -391,7 +391,7 @@ INVALID = [
         with_(MINIMAL, model={"uri": "pvc://models/../etc"}),
         "InvalidModelSource",
         "spec.model.uri's path must be relative to the claim's root, without '..'; got '../etc'",
-        False,
+        True,
     ),
     (
         with_(MINIMAL, model={"preset": "tiny", "credentialsSecret": "hf"}),
@@ -409,13 +409,13 @@ INVALID = [
         with_(MINIMAL, engine={"extraArgs": ["--max-model-len", "8192", "--block-size=32"]}),
         "InvalidEngine",
         "spec.engine.extraArgs[2] --block-size is what spec.engine.blockSize sets; use that field instead",
-        False,
+        True,
     ),
     (
         with_(MINIMAL, engine={"extraArgs": ["8192"]}),
         "InvalidEngine",
         "spec.engine.extraArgs must start with a flag, got '8192'",
-        False,
+        True,
     ),
     (
         with_(MINIMAL, engine={"dtype": "int4"}),
@@ -427,7 +427,7 @@ INVALID = [
         with_(MINIMAL, pod={"volumes": [{"name": "dshm", "emptyDir": {}}]}),
         "InvalidPodOverrides",
         "spec.pod.volumes[0].name 'dshm' is taken (reserved: ('model', 'model-cache', 'dshm'))",
-        False,
+        True,
     ),
     (
         with_(
@@ -439,7 +439,7 @@ INVALID = [
         ),
         "InvalidPodOverrides",
         "spec.pod.volumeMounts[0].mountPath '/dev/shm' is under one the operator mounts",
-        False,
+        True,
     ),
     (
         with_(MINIMAL, engine={"preemptionMode": "lru"}),
@@ -475,7 +475,7 @@ INVALID = [
         with_(MINIMAL, model={"pvc": {"claimName": "m", "path": "a/../../etc"}}),
         "InvalidModelSource",
         "spec.model.pvc.path must be relative to the claim's root, without '..'; got 'a/../../etc'",
-        False,
+        True,
     ),
     (
         with_(MINIMAL, replicas=-1),
@@ -556,7 +556,7 @@ INVALID = [
         with_(MINIMAL, pod={"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}),
         "InvalidPodOverrides",
         "spec.pod.tolerations[0].value must be empty when operator is Exists",
-        False,
+        True,
     ),
     (
         with_(MINIMAL, pod={"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]}),

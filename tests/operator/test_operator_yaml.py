@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +52,6 @@ def test_the_expected_files_exist() -> None:
         "crds/inferenceservice.yaml",
         "crds/kopf-peering.yaml",
         "crds/kustomization.yaml",
-        "crds/router-clusterrole.yaml",
         "manifests/examples/gateway-httproute.yaml",
         "manifests/examples/gateway-service.yaml",
         "manifests/examples/gpu-service.yaml",
@@ -217,11 +218,14 @@ def kustomization_resources(directory: Path) -> list[Path]:
 
 
 def test_kustomizations_resolve() -> None:
-    installed = kustomization_resources(ROOT / "manifests")
-    assert [str(p.relative_to(ROOT)) for p in installed] == [
+    # The CRDs are their own install (crds/), not part of manifests/: `kubectl delete -k manifests/` must not
+    # delete the CRD, which would delete every InferenceService with it (issue 31, point 9).
+    assert [str(p.relative_to(ROOT)) for p in kustomization_resources(ROOT / "crds")] == [
         "crds/inferenceservice.yaml",
         "crds/kopf-peering.yaml",
-        "crds/router-clusterrole.yaml",
+    ]
+    installed = kustomization_resources(ROOT / "manifests")
+    assert [str(p.relative_to(ROOT)) for p in installed] == [
         "manifests/namespace.yaml",
         "manifests/rbac.yaml",
         "manifests/operator/operator.yaml",
@@ -244,15 +248,10 @@ def test_kustomizations_resolve() -> None:
 
 def test_rbac_bindings_name_the_accounts() -> None:
     """The rules themselves are held against a running operator's requests in test_operator_rbac.py."""
-    router = find("ClusterRole", manifests.ROUTER_CLUSTER_ROLE)
-    assert router["rules"] == [
-        {
-            "apiGroups": ["discovery.k8s.io"],
-            "resources": ["endpointslices"],
-            "verbs": ["get", "list", "watch"],
-        },
-        # Scale from zero: the router reads and raises its service's count (chunkwise.router.wake).
-        {"apiGroups": [GROUP], "resources": [f"{PLURAL}/scale"], "verbs": ["get", "patch"]},
+    # No ClusterRole for routers any more: each router's Role names its own InferenceService
+    # (test_operator_manifests.py), so a router cannot scale its neighbours.
+    assert not [
+        d for _p, d in all_documents() if d["kind"] == "ClusterRole" and "router" in d["metadata"]["name"]
     ]
     binding = find("ClusterRoleBinding", "chunkwise-operator")
     account = find("ServiceAccount", "chunkwise-operator", "manifests/rbac.yaml")
@@ -441,3 +440,29 @@ def test_the_metrics_network_policy_admits_the_operator_prometheus_and_routers()
     assert admitted(router, None)
     assert admitted({"app.kubernetes.io/name": "prometheus"}, "monitoring")
     assert not admitted({"app": "anything-else"}, "default")
+
+
+def test_deleting_the_operator_install_keeps_the_crds() -> None:
+    """What `kubectl delete -k manifests/` deletes is what kubectl's own kustomize builds from it: no CRD."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("no kubectl binary on PATH (its built-in kustomize builds the install)")
+    built = subprocess.run(
+        [kubectl, "kustomize", str(ROOT / "manifests")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    kinds = {o["kind"] for o in yaml.safe_load_all(built.stdout) if o}
+    assert "CustomResourceDefinition" not in kinds
+    assert "Deployment" in kinds
+    crds = subprocess.run(
+        [kubectl, "kustomize", str(ROOT / "crds")], capture_output=True, text=True, timeout=60, check=True
+    )
+    names = {
+        o["metadata"]["name"]
+        for o in yaml.safe_load_all(crds.stdout)
+        if o and o["kind"] == "CustomResourceDefinition"
+    }
+    assert "inferenceservices.serving.chunkwise.dev" in names
