@@ -2,19 +2,27 @@
 
 Children are written with server-side apply under one field manager, so a field the operator stops setting
 (an env var, a node selector) is removed, while fields others own (defaults, other controllers' annotations)
-stay. `apply` reads first and writes only when the live object has drifted from the desired one.
+stay. `apply` reads first and writes only when the live object has drifted from the desired one: a field it
+sends differs (after canonicalising both sides: the API server stores `cpu: 0.5` as `500m`), or a field its
+field manager owns on the live object is one it no longer sends.
+
+Every call carries a timeout and is not retried by the HTTP client: a half-open connection to the API server
+raises ApiUnreachable after `timeout` seconds instead of blocking its caller (and what it holds) forever.
 """
 
 from __future__ import annotations
 
+import decimal
 import enum
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import kubernetes
+import urllib3
+from kubernetes.utils.quantity import parse_quantity
 
 from chunkwise_operator import gateway
 from chunkwise_operator.spec import GROUP, PLURAL, VERSION
@@ -22,6 +30,10 @@ from chunkwise_operator.spec import GROUP, PLURAL, VERSION
 FIELD_MANAGER = "chunkwise-operator"
 APPLY = "application/apply-patch+yaml"
 MERGE = "application/merge-patch+json"
+# Seconds one API call may take, connection included. Long enough for a loaded API server's write (its own
+# request timeout is 60 s, but a healthy one answers in well under a second), short enough that a dead
+# connection frees its caller within one Kopf retry.
+DEFAULT_API_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -83,6 +95,16 @@ SCALER_KINDS = (
 ApiException = kubernetes.client.ApiException
 
 
+class ApiUnreachable(ApiException):
+    """No answer from the API server: a timeout, a refused or dropped connection.
+
+    An ApiException (status 0), so every caller that handles the API server's errors handles this one too.
+    """
+
+    def __init__(self, what: str, error: BaseException) -> None:
+        super().__init__(status=0, reason=f"no answer from the API server to {what}: {error}")
+
+
 class Outcome(enum.Enum):
     CREATED = "created"
     PATCHED = "patched"
@@ -93,21 +115,111 @@ class ChildConflict(Exception):
     """An object with a child's name exists but belongs to someone else; it is never taken over."""
 
 
-def drifted(desired: Any, live: Any) -> bool:
+# Fields holding quantities (or maps of them): the API server stores a quantity in canonical form, so
+# `cpu: "0.5"` and `memory: 1.5Gi` read back as "500m" and "1536Mi".
+QUANTITIES = frozenset({"requests", "limits", "sizeLimit"})
+
+
+def _quantity(value: Any) -> decimal.Decimal | None:
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        return None
+    try:
+        return decimal.Decimal(parse_quantity(value))
+    except (ValueError, decimal.InvalidOperation):
+        return None
+
+
+def differs(desired: Any, live: Any, quantity: bool = False) -> bool:
     """True when some field of `desired` is missing from or differs in `live`.
 
-    Extra fields in `live` are not drift: the API server adds defaults and status, other controllers add
-    annotations. Lists compare element by element, so a reordered or shortened list is drift.
+    Extra fields in `live` are no difference here: the API server adds defaults and status, other controllers
+    add annotations (`unsent` finds the extra fields that are the operator's own). Lists compare element by
+    element, so a reordered or shortened list differs. `quantity`: compare by value, not spelling.
     """
     if isinstance(desired, Mapping):
         if not isinstance(live, Mapping):
             return True
-        return any(key not in live or drifted(value, live[key]) for key, value in desired.items())
+        return any(
+            key not in live or differs(value, live[key], quantity or key in QUANTITIES)
+            for key, value in desired.items()
+        )
     if isinstance(desired, list):
         if not isinstance(live, list) or len(desired) != len(live):
             return True
-        return any(drifted(d, v) for d, v in zip(desired, live))
+        return any(differs(d, v) for d, v in zip(desired, live))
+    if quantity and desired != live:
+        a = _quantity(desired)
+        return a is None or a != _quantity(live)
     return bool(desired != live)
+
+
+def unsent(fields: Any, desired: Any, path: str = "") -> Iterator[str]:
+    """The fields of a managedFields entry (FieldsV1) that `desired` no longer has: what the operator owns
+    on the live object and stopped sending, which only an apply removes.
+
+    FieldsV1 names a map's field "f:<name>", a list element by its merge key "k:{json}" (e.g. a container
+    by name), a set element "v:<json>", a position "i:<n>"; "." is the node itself.
+    """
+    if not isinstance(fields, Mapping):
+        return
+    for key, sub in fields.items():
+        if key == ".":
+            continue
+        here = f"{path}.{key}" if path else key
+        child = _resolve(key, desired)
+        if child is _ABSENT:
+            yield here
+        else:
+            yield from unsent(sub, child, here)
+
+
+_ABSENT = object()
+
+
+def _resolve(key: str, desired: Any) -> Any:
+    kind, _, rest = key.partition(":")
+    if kind == "f":
+        return desired[rest] if isinstance(desired, Mapping) and rest in desired else _ABSENT
+    if not isinstance(desired, list):
+        return _ABSENT
+    if kind == "i":
+        return desired[int(rest)] if rest.isdigit() and int(rest) < len(desired) else _ABSENT
+    try:
+        value = json.loads(rest)
+    except ValueError:
+        return _ABSENT
+    if kind == "v":
+        return value if value in desired else _ABSENT
+    if kind == "k" and isinstance(value, Mapping):
+        for item in desired:
+            # A key field the operator leaves to the server's default (a port's protocol) is absent here.
+            if isinstance(item, Mapping) and all(
+                item.get(k) == v for k, v in value.items() if k in item or k != "protocol"
+            ):
+                return item
+    return _ABSENT
+
+
+def owned_fields(live: Mapping[str, Any], manager: str = FIELD_MANAGER) -> Any:
+    """The FieldsV1 that `manager` set by apply on `live` (None if it applied nothing there)."""
+    for entry in (live.get("metadata") or {}).get("managedFields") or []:
+        if (
+            isinstance(entry, Mapping)
+            and entry.get("manager") == manager
+            and entry.get("operation") == "Apply"
+            and entry.get("subresource") in (None, "")
+        ):
+            return entry.get("fieldsV1")
+    return None
+
+
+def drifted(desired: Any, live: Any) -> bool:
+    """True when `live` is not what an apply of `desired` would leave: a sent field differs, or a field this
+    field manager owns on `live` is no longer sent (an env var or a nodeSelector deleted from the spec)."""
+    if differs(desired, live):
+        return True
+    owned = owned_fields(live) if isinstance(live, Mapping) else None
+    return next(unsent(owned, desired), None) is not None
 
 
 def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
@@ -129,12 +241,43 @@ def controller_owner(obj: Mapping[str, Any]) -> str | None:
     return None
 
 
+class _Timed:
+    """A typed API client whose every call carries the timeout and raises ApiUnreachable for no answer."""
+
+    def __init__(self, api: Any, timeout: float) -> None:
+        self._api = api
+        self._timeout = timeout
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = getattr(self._api, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(*args, **kwargs, _request_timeout=self._timeout)
+            except urllib3.exceptions.HTTPError as e:
+                raise ApiUnreachable(name, e) from e
+
+        return call
+
+
 class Kube:
-    def __init__(self, api_client: kubernetes.client.ApiClient) -> None:
+    def __init__(
+        self, api_client: kubernetes.client.ApiClient, timeout: float = DEFAULT_API_TIMEOUT_S
+    ) -> None:
         self._client = api_client
+        self.timeout = timeout
 
     @classmethod
-    def from_environment(cls) -> Kube:
+    def from_configuration(
+        cls, config: kubernetes.client.Configuration, timeout: float = DEFAULT_API_TIMEOUT_S
+    ) -> Kube:
+        # No retries inside the HTTP client: urllib3 would retry a GET that timed out three more times,
+        # quadrupling the bound. A failed call fails its handler, and Kopf's retry (with its delay) decides.
+        config.retries = False
+        return cls(kubernetes.client.ApiClient(config), timeout)
+
+    @classmethod
+    def from_environment(cls, timeout: float = DEFAULT_API_TIMEOUT_S) -> Kube:
         """In-cluster credentials when running in a pod, else the kubeconfig (the same order Kopf uses)."""
         config = kubernetes.client.Configuration()
         try:
@@ -144,10 +287,14 @@ class Kube:
             kubernetes.config.load_kube_config(
                 config_file=os.environ.get("KUBECONFIG"), client_configuration=config, persist_config=False
             )
-        return cls(kubernetes.client.ApiClient(config))
+        return cls.from_configuration(config, timeout)
 
     def close(self) -> None:
         self._client.close()
+
+    def _api(self, api: Callable[[kubernetes.client.ApiClient], Any]) -> Any:
+        """Every API call goes through here, so that none is made without the timeout."""
+        return _Timed(api(self._client), self.timeout)
 
     def _call(self, api_version: str, kind: str, verb: str, **kwargs: Any) -> Any:
         try:
@@ -157,7 +304,7 @@ class Kube:
         if child_kind.api is None:
             response = self._custom_call(child_kind, verb, **kwargs)
         else:
-            method = getattr(child_kind.api(self._client), f"{verb}_namespaced_{child_kind.suffix}")
+            method = getattr(self._api(child_kind.api), f"{verb}_namespaced_{child_kind.suffix}")
             # Raw JSON, not the client's models: the builders and the status code speak plain dicts.
             response = method(**kwargs, _preload_content=False)
         data = response.data
@@ -165,7 +312,7 @@ class Kube:
 
     def _custom_call(self, c: ChildKind, verb: str, namespace: str, name: str = "", **kwargs: Any) -> Any:
         """The typed clients' verbs for a custom resource: CustomObjectsApi spells each one differently."""
-        api = kubernetes.client.CustomObjectsApi(self._client)
+        api = self._api(kubernetes.client.CustomObjectsApi)
         where = (c.group, c.version, namespace, c.plural)
         if verb == "read":
             return api.get_namespaced_custom_object(*where, name, **kwargs, _preload_content=False)
@@ -185,7 +332,7 @@ class Kube:
         Discovery, not a failed write: on a real API server a write to an unserved resource and a read of an
         absent object both answer 404, and discovery is open to every authenticated client (no RBAC rule).
         """
-        api = kubernetes.client.CustomObjectsApi(self._client)
+        api = self._api(kubernetes.client.CustomObjectsApi)
         try:
             response: Any = api.get_api_resources(
                 child_kind.group, child_kind.version, _preload_content=False
@@ -263,7 +410,7 @@ class Kube:
         return True
 
     def get_inference_service(self, namespace: str, name: str) -> dict[str, Any] | None:
-        api = kubernetes.client.CustomObjectsApi(self._client)
+        api = self._api(kubernetes.client.CustomObjectsApi)
         try:
             response: Any = api.get_namespaced_custom_object(
                 GROUP, VERSION, namespace, PLURAL, name, _preload_content=False
@@ -280,7 +427,7 @@ class Kube:
 
         A metadata.resourceVersion in `patch` is a precondition: the API server answers 409 if it is stale.
         """
-        api = kubernetes.client.CustomObjectsApi(self._client)
+        api = self._api(kubernetes.client.CustomObjectsApi)
         api.patch_namespaced_custom_object(
             GROUP,
             VERSION,
@@ -299,7 +446,7 @@ class Kube:
         The operator makes its own, rather than manifests/: `kubectl apply -k` of a CRD and an object of it
         together fails on a fresh cluster, before the CRD is established.
         """
-        api = kubernetes.client.CustomObjectsApi(self._client)
+        api = self._api(kubernetes.client.CustomObjectsApi)
         kind = "ClusterKopfPeering" if namespace is None else "KopfPeering"
         body = {"apiVersion": "kopf.dev/v1", "kind": kind, "metadata": {"name": name}}
         try:
@@ -315,7 +462,7 @@ class Kube:
 
     def list_scalers(self, namespace: str) -> list[dict[str, Any]]:
         """Every HPA and ScaledObject in the namespace; a kind the cluster does not serve (no KEDA) has none."""
-        api = kubernetes.client.CustomObjectsApi(self._client)
+        api = self._api(kubernetes.client.CustomObjectsApi)
         result: list[dict[str, Any]] = []
         for group, version, plural, kind in SCALER_KINDS:
             try:
@@ -333,7 +480,7 @@ class Kube:
     def list_pods(self, namespace: str, match_labels: Mapping[str, str]) -> list[dict[str, Any]]:
         """Pods carrying all of `match_labels` (checked here too: not every API server emulator filters)."""
         selector = ",".join(f"{k}={v}" for k, v in sorted(match_labels.items()))
-        response: Any = kubernetes.client.CoreV1Api(self._client).list_namespaced_pod(
+        response: Any = self._api(kubernetes.client.CoreV1Api).list_namespaced_pod(
             namespace, label_selector=selector, _preload_content=False
         )
         items = json.loads(response.data).get("items") or []
@@ -346,7 +493,7 @@ class Kube:
         ]
 
     def patch_inference_service_status(self, namespace: str, name: str, patch: Mapping[str, Any]) -> None:
-        api = kubernetes.client.CustomObjectsApi(self._client)
+        api = self._api(kubernetes.client.CustomObjectsApi)
         api.patch_namespaced_custom_object_status(
             GROUP,
             VERSION,

@@ -18,9 +18,9 @@ from typing import Any
 import httpx
 import kopf
 
-from chunkwise_operator.kube import CHILD_KINDS, ApiException, ChildKind, Kube
+from chunkwise_operator.kube import CHILD_KINDS, DEFAULT_API_TIMEOUT_S, ApiException, ChildKind, Kube
 from chunkwise_operator.manifests import LABEL_MANAGED_BY, MANAGER
-from chunkwise_operator.reconcile import Reconciler, ServiceGone
+from chunkwise_operator.reconcile import ObjectBusy, Reconciler, ServiceGone
 from chunkwise_operator.scrape import PodSample
 from chunkwise_operator.spec import GROUP, PLURAL, UPGRADE_RUNTIME_ANNOTATION, VERSION
 
@@ -39,6 +39,13 @@ PEERING_NAME = "chunkwise-operator"
 # saying so (SIGKILL, a lost node) blocks a standby from taking over. Kopf's default.
 PEERING_LIFETIME_ENV = "CHUNKWISE_PEERING_LIFETIME_SECONDS"
 DEFAULT_PEERING_LIFETIME_S = 60.0
+# Seconds one Kubernetes API call may take, the operator's own and Kopf's: past it the call fails and its
+# handler is retried, instead of a half-open connection holding the handler (and its object) forever.
+API_TIMEOUT_ENV = "CHUNKWISE_API_TIMEOUT_SECONDS"
+# Kopf's watch requests: the API server ends each after this long, and the client gives up 30 s later if it
+# has not (a watch over a dead connection otherwise waits forever: no event ever arrives to say so).
+WATCH_SERVER_TIMEOUT_S = 300.0
+WATCH_CLIENT_TIMEOUT_S = WATCH_SERVER_TIMEOUT_S + 30.0
 # The namespace a namespaced install runs in and serves (the downward API sets it): its KopfPeering goes there.
 POD_NAMESPACE_ENV = "POD_NAMESPACE"
 # Every child carries this label (manifests.labels); the watches see only objects that do.
@@ -89,6 +96,11 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.Log
     selector = ",".join(f"{k}={v}" for k, v in CHILD_LABELS.items())
     for child in CHILD_KINDS:
         settings.watching.label_selectors[child.group, child.plural] = selector
+    api_timeout = _env_float(API_TIMEOUT_ENV, DEFAULT_API_TIMEOUT_S) or DEFAULT_API_TIMEOUT_S
+    settings.networking.request_timeout = api_timeout
+    settings.networking.connect_timeout = api_timeout
+    settings.watching.server_timeout = WATCH_SERVER_TIMEOUT_S
+    settings.watching.client_timeout = WATCH_CLIENT_TIMEOUT_S
     memo.autoscaler_interval = _env_float(AUTOSCALER_INTERVAL_ENV, DEFAULT_AUTOSCALER_INTERVAL_S)
     memo.status_interval = _env_float(STATUS_INTERVAL_ENV, DEFAULT_STATUS_INTERVAL_S)
     if not settings.peering.clusterwide:
@@ -99,7 +111,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.Log
         url = _prometheus_url()
     except ValueError as e:
         raise kopf.PermanentError(str(e)) from None  # a misconfiguration no retry fixes: the operator stops
-    kube = Kube.from_environment()
+    kube = Kube.from_environment(api_timeout)
     memo.reconciler = Reconciler(kube, prometheus_url=url)
     if settings.peering.mandatory and not settings.peering.standalone:
         _ensure_peering(kube, settings, logger)
@@ -180,7 +192,7 @@ async def status_refresh(
             await asyncio.to_thread(reconciler.refresh_status, namespace, name, logger)
         except ServiceGone:
             return  # no finalizer, so Kopf never stops this daemon itself: it ends with its object
-        except (ApiException, OSError) as e:
+        except (ApiException, ObjectBusy, OSError) as e:
             logger.warning(f"Status refresh failed: {type(e).__name__}: {e}")
 
 
@@ -215,7 +227,7 @@ async def autoscaler(
                 await reconciler.evaluate_autoscaler(namespace, name, samples, client, logger)
             except ServiceGone:
                 return
-            except (ApiException, httpx.HTTPError, OSError) as e:
+            except (ApiException, ObjectBusy, httpx.HTTPError, OSError) as e:
                 # The next evaluation retries; a failed one changes nothing.
                 logger.warning(f"Autoscaler evaluation failed: {type(e).__name__}: {e}")
             await stopped.wait(interval)
@@ -226,12 +238,24 @@ def _without_finalizers(registry: kopf.OperatorRegistry) -> None:
 
     They hold nothing that outlives their object (the autoscaler's state is in status; the children go with
     it through garbage collection), so a finalizer would only make deletion hang whenever the operator is
-    not running, `kubectl delete -k manifests/` included. Kopf's decorator has no option for daemons, hence
-    the replaced handlers; a test pins that no finalizer is ever set. Each daemon ends when its object is
-    gone (ServiceGone), since Kopf stops daemons on deletion only through its finalizer.
+    not running, `kubectl delete -k manifests/` included. Kopf's decorator has no option for daemons (its
+    `kopf.daemon` hard-codes requires_finalizer=True, and timers do too), hence the replaced handlers; a test
+    pins that no finalizer is ever set. Each daemon ends when its object is gone (ServiceGone), since Kopf
+    stops daemons on deletion only through its finalizer.
+
+    `_spawning._handlers` is Kopf's private state: pyproject.toml pins Kopf to the minor version this is
+    tested against, and a Kopf without it stops the operator at import rather than running with finalizers.
     """
-    spawning = registry._spawning
-    spawning._handlers = [dataclasses.replace(h, requires_finalizer=False) for h in spawning._handlers]
+    spawning: Any = getattr(registry, "_spawning", None)
+    handlers = getattr(spawning, "_handlers", None)
+    if not isinstance(handlers, list) or not all(
+        dataclasses.is_dataclass(h) and hasattr(h, "requires_finalizer") for h in handlers
+    ):
+        raise RuntimeError(
+            f"kopf {getattr(kopf, '__version__', '?')} has no registry._spawning._handlers list of handler "
+            "dataclasses: the operator is tested with the Kopf version pinned in pyproject.toml"
+        )
+    spawning._handlers = [dataclasses.replace(h, requires_finalizer=False) for h in handlers]
 
 
 _without_finalizers(kopf.get_default_registry())

@@ -1,19 +1,36 @@
 """The reconcile: parse the spec, apply the children, remove the stale ones, write status, post events.
 
 Glue between the pure modules (spec, manifests, status, autoscale, scrape) and the thin I/O (kube). Kopf
-calls it from main.py. Work for one InferenceService is serialised by a per-object lock, because three Kopf
-workers touch the same object: the CR's own handler, the watch on its Deployments, and its autoscaler.
+calls it from main.py.
+
+Work for one InferenceService is serialised by a per-object lock, because four Kopf workers touch the same
+object: the CR's own handler, the watch on its children, the status refresh and the autoscaler. Each reads
+the cluster, computes, and writes children and status; interleaved, a status computed from older reads could
+land after a newer one, or a drift correction from an older spec after the reconcile of the new one. The lock
+is held across those API calls on purpose (it makes read-compute-write one step), and that is safe because:
+- every call has a timeout and no retries inside the client (kube.py), and a failed call ends the locked
+  section, except two failures caught under it (a child's apply in `reconcile`, whose `_fail` then writes
+  status; the restore in `child_changed`, followed by its status refresh), after which the next failure ends
+  it: a hold lasts at most 2 timeouts plus the time of the calls that did answer, however dead the
+  connection;
+- the lock is per object: an InferenceService whose calls hang holds no other's lock, and Kopf runs each
+  object's sync handlers in its thread pool, so the others proceed;
+- it is never awaited on the event loop (the async autoscaler takes it in a thread), and acquiring it gives up
+  after LOCK_WAIT_TIMEOUTS timeouts: ObjectBusy, which the caller turns into a retry or a skipped turn.
+No lock is shared between objects and none is held while scraping pods (the autoscaler scrapes first, then
+takes the lock only to write).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import json
 import threading
 import time
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any, cast
 
 import httpx
@@ -21,8 +38,10 @@ import kopf
 
 from chunkwise_operator import autoscale, gateway, manifests, prometheus, scrape, status
 from chunkwise_operator.kube import (
+    DEFAULT_API_TIMEOUT_S,
     INFERENCE_POOL,
     ApiException,
+    ApiUnreachable,
     ChildConflict,
     Kube,
     Outcome,
@@ -44,6 +63,12 @@ WARNING = "Warning"
 # A write of spec.replicas whose precondition keeps failing while the count stays the same is given up
 # after this many tries (the next evaluation decides again).
 REPLICA_WRITE_ATTEMPTS = 3
+# An evaluation that changes nothing but times writes status.autoscaler at most this often: a stalled
+# autoscaler still shows (lastEvaluationTime), and a restart loses at most this much of its times.
+EVALUATION_HEARTBEAT_S = 60.0
+# How long a worker waits for the object's lock, in API timeouts: past the longest hold (2 timeouts and the
+# calls that answered, see above).
+LOCK_WAIT_TIMEOUTS = 4
 # The event reason of a child put back as the spec wants it after someone else changed or deleted it.
 DRIFT_CORRECTED = "DriftCorrected"
 
@@ -62,6 +87,10 @@ def parse_service(name: str, body: Mapping[str, Any]) -> ServiceSpec | SpecError
 
 class ServiceGone(Exception):
     """The InferenceService is deleted or being deleted: its daemons end."""
+
+
+class ObjectBusy(Exception):
+    """Another worker held the InferenceService's lock for longer than any bounded hold: retry later."""
 
 
 def _deleting(body: Mapping[str, Any]) -> bool:
@@ -83,14 +112,24 @@ class Reconciler:
         # Where the autoscaler reads its signals when it does not scrape the pods itself.
         self._prometheus_url = prometheus_url
         self._locks: dict[tuple[str, str], threading.Lock] = {}
+        # Per object: the autoscaler's last block, and the lastEvaluationTime of the last one it wrote.
+        self._blocks: dict[tuple[str, str], tuple[dict[str, Any], Any]] = {}
         self._guard = threading.Lock()
 
     def close(self) -> None:
         self.kube.close()
 
-    def _lock(self, namespace: str, name: str) -> threading.Lock:
+    @contextlib.contextmanager
+    def _lock(self, namespace: str, name: str) -> Iterator[None]:
         with self._guard:
-            return self._locks.setdefault((namespace, name), threading.Lock())
+            lock = self._locks.setdefault((namespace, name), threading.Lock())
+        wait_s = LOCK_WAIT_TIMEOUTS * getattr(self.kube, "timeout", DEFAULT_API_TIMEOUT_S)
+        if not lock.acquire(timeout=wait_s):
+            raise ObjectBusy(f"{namespace}/{name} was busy for {wait_s:g} s")
+        try:
+            yield
+        finally:
+            lock.release()
 
     def reconcile(self, body: Mapping[str, Any], logger: Any) -> None:
         """Bring the children in line with `body`'s spec. Idempotent: create, update and resume all call it.
@@ -102,32 +141,48 @@ class Reconciler:
         meta = body["metadata"]
         name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
         generation = meta.get("generation")
-        with self._lock(namespace, name):
-            parsed = parse_service(name, body)
-            if isinstance(parsed, SpecError):
-                logger.warning(f"Invalid spec, children left as they are: {parsed.message}")
-                _event(body, WARNING, parsed.reason, parsed.message)
-                self._refresh(namespace, name, parsed=parsed, generation=generation, failure=None)
-                return
-            self._pin_runtime_image(body, namespace, name, logger)
-            try:
-                pool = self._apply_children(body, name, namespace, uid, parsed, logger)
-            except ChildConflict as e:
-                self._fail(body, namespace, name, parsed, generation, status.CHILD_CONFLICT, str(e), logger)
-                raise kopf.TemporaryError(str(e), delay=60) from e
-            except ApiException as e:
-                message = f"the API server refused a child: {e.status} {e.reason}: {_body_message(e)}"
-                if e.status == 403:
-                    self._fail(body, namespace, name, parsed, generation, status.FORBIDDEN, message, logger)
-                    raise kopf.TemporaryError(message, delay=300) from e
-                if e.status in (400, 422):
-                    self._fail(
-                        body, namespace, name, parsed, generation, status.CHILD_REJECTED, message, logger
-                    )
-                    raise kopf.PermanentError(message) from e
-                self._fail(body, namespace, name, parsed, generation, status.API_ERROR, message, logger)
-                raise kopf.TemporaryError(message, delay=15) from e
-            self._refresh(namespace, name, parsed=parsed, generation=generation, failure=None, pool=pool)
+        try:
+            with self._lock(namespace, name):
+                self._reconcile(body, name, namespace, uid, generation, logger)
+        except ObjectBusy as e:
+            raise kopf.TemporaryError(str(e), delay=5) from e
+
+    def _reconcile(
+        self,
+        body: Mapping[str, Any],
+        name: str,
+        namespace: str,
+        uid: str,
+        generation: int | None,
+        logger: Any,
+    ) -> None:
+        parsed = parse_service(name, body)
+        if isinstance(parsed, SpecError):
+            logger.warning(f"Invalid spec, children left as they are: {parsed.message}")
+            _event(body, WARNING, parsed.reason, parsed.message)
+            self._refresh(namespace, name, parsed=parsed, generation=generation, failure=None)
+            return
+        self._pin_runtime_image(body, namespace, name, logger)
+        try:
+            pool = self._apply_children(body, name, namespace, uid, parsed, logger)
+        except ChildConflict as e:
+            self._fail(body, namespace, name, parsed, generation, status.CHILD_CONFLICT, str(e), logger)
+            raise kopf.TemporaryError(str(e), delay=60) from e
+        except ApiException as e:
+            message = (
+                str(e.reason)
+                if isinstance(e, ApiUnreachable)
+                else f"the API server refused a child: {e.status} {e.reason}: {_body_message(e)}"
+            )
+            if e.status == 403:
+                self._fail(body, namespace, name, parsed, generation, status.FORBIDDEN, message, logger)
+                raise kopf.TemporaryError(message, delay=300) from e
+            if e.status in (400, 422):
+                self._fail(body, namespace, name, parsed, generation, status.CHILD_REJECTED, message, logger)
+                raise kopf.PermanentError(message) from e
+            self._fail(body, namespace, name, parsed, generation, status.API_ERROR, message, logger)
+            raise kopf.TemporaryError(message, delay=15) from e
+        self._refresh(namespace, name, parsed=parsed, generation=generation, failure=None, pool=pool)
 
     def _pin_runtime_image(self, body: Mapping[str, Any], namespace: str, name: str, logger: Any) -> None:
         """Record the default runtime image the children are about to get, before they get it.
@@ -235,29 +290,44 @@ class Reconciler:
         owner_name = controller_owner(child)
         if owner_name is None or not namespace:
             return
-        with self._lock(namespace, owner_name):
-            owner = self.kube.get_inference_service(namespace, owner_name)
-            if owner is None or (owner.get("metadata") or {}).get("deletionTimestamp"):
-                return
-            uid = owner["metadata"]["uid"]
-            if not owned_by(child, uid):
-                return  # the child of an earlier object with the same name, awaiting garbage collection
-            parsed = parse_service(owner_name, owner)
-            if isinstance(parsed, ServiceSpec):
-                self._pin_runtime_image(owner, namespace, owner_name, logger)
-                wanted = {
-                    (c["kind"], c["metadata"]["name"]): c
-                    for c in manifests.children(owner_name, namespace, parsed)
-                }
-                desired = wanted.get((kind, child_name))
-                if desired is not None:
-                    try:
-                        self._apply_one(owner, desired, uid, logger, drift=True)
-                    except (ApiException, ChildConflict) as e:
-                        logger.warning(f"Could not restore {kind} {child_name}: {e}")
-            if kind != "Deployment":
-                return  # the status reads only Deployments and pods
-            self._refresh(namespace, owner_name, parsed=parsed, generation=status.KEEP, failure=status.KEEP)
+        try:
+            with self._lock(namespace, owner_name):
+                self._child_changed(kind, namespace, owner_name, child, child_name, logger)
+        except ObjectBusy as e:
+            # An event handler is not retried; the worker that held the lock was reconciling this object.
+            logger.warning(f"{kind} {child_name} changed while {e}; not checked for drift this time")
+
+    def _child_changed(
+        self,
+        kind: str,
+        namespace: str,
+        owner_name: str,
+        child: Mapping[str, Any],
+        child_name: Any,
+        logger: Any,
+    ) -> None:
+        owner = self.kube.get_inference_service(namespace, owner_name)
+        if owner is None or (owner.get("metadata") or {}).get("deletionTimestamp"):
+            return
+        uid = owner["metadata"]["uid"]
+        if not owned_by(child, uid):
+            return  # the child of an earlier object with the same name, awaiting garbage collection
+        parsed = parse_service(owner_name, owner)
+        if isinstance(parsed, ServiceSpec):
+            self._pin_runtime_image(owner, namespace, owner_name, logger)
+            wanted = {
+                (c["kind"], c["metadata"]["name"]): c
+                for c in manifests.children(owner_name, namespace, parsed)
+            }
+            desired = wanted.get((kind, child_name))
+            if desired is not None:
+                try:
+                    self._apply_one(owner, desired, uid, logger, drift=True)
+                except (ApiException, ChildConflict) as e:
+                    logger.warning(f"Could not restore {kind} {child_name}: {e}")
+        if kind != "Deployment":
+            return  # the status reads only Deployments and pods
+        self._refresh(namespace, owner_name, parsed=parsed, generation=status.KEEP, failure=status.KEEP)
 
     def refresh_status(self, namespace: str, name: str, logger: Any) -> None:
         """Status from fresh reads alone: pods that fail to start change no Deployment, so a timer calls this.
@@ -347,6 +417,7 @@ class Reconciler:
         """
         body = await asyncio.to_thread(self.kube.get_inference_service, namespace, name)
         if body is None or _deleting(body):
+            self._blocks.pop((namespace, name), None)
             raise ServiceGone(f"{namespace}/{name}")
         parsed = parse_service(name, body)
         if isinstance(parsed, SpecError) or not parsed.autoscaling.enabled:
@@ -378,7 +449,8 @@ class Reconciler:
             observed = scrape.signals(found, samples, parsed.replicas, held)
             samples.clear()
             samples.update({s.key: s for s in found})
-        previous = (body.get("status") or {}).get("autoscaler")
+        stored = (body.get("status") or {}).get("autoscaler")
+        previous = self._last_block(namespace, name, stored)
         history, events = status.autoscaler_history(previous)
         a = parsed.autoscaling
         grace_s = float(parsed.engine.startup_timeout_seconds)
@@ -410,7 +482,7 @@ class Reconciler:
         if decision.reason == autoscale.NO_METRICS and failed:
             decision = dataclasses.replace(decision, message=scrape.unreachable(failed))
         await asyncio.to_thread(
-            self._apply_autoscale, body, parsed, decision, observed, now, last_active, logger
+            self._apply_autoscale, body, parsed, decision, observed, now, last_active, previous, logger
         )
         return decision
 
@@ -422,11 +494,12 @@ class Reconciler:
         observed: autoscale.Observed,
         now: float,
         last_active: float,
+        previous: Any,
         logger: Any,
     ) -> None:
         meta = body["metadata"]
         namespace, name = meta["namespace"], meta["name"]
-        previous = (body.get("status") or {}).get("autoscaler")
+        stored = (body.get("status") or {}).get("autoscaler")
         if parsed.autoscaling.delegated and not observed.ready_replicas:
             return  # nothing to report: the reconcile's own block (Delegated) stands
         with self._lock(namespace, name):
@@ -444,12 +517,28 @@ class Reconciler:
                 now=now,
                 last_active=last_active,
             )
-            patch = status.status_patch({"autoscaler": previous or {}}, {"autoscaler": block})
-            if patch is not None:
+            patch = status.status_patch({"autoscaler": stored or {}}, {"autoscaler": block})
+            written = stored.get("lastEvaluationTime") if isinstance(stored, Mapping) else None
+            if patch is not None and not _only_times_moved(stored, block, now):
                 self.kube.patch_inference_service_status(namespace, name, patch)
+                written = block["lastEvaluationTime"]
+            self._blocks[namespace, name] = (block, written)
             if status.autoscaler_conditions(block) != status.autoscaler_conditions(previous):
                 # The autoscaler's conditions follow its block, and conditions are the refresh's to write.
                 self._refresh(namespace, name, parsed=parsed, generation=status.KEEP, failure=status.KEEP)
+
+    def _last_block(self, namespace: str, name: str, stored: Any) -> Any:
+        """The block of this process's last evaluation, if status still holds what it last wrote; else status.
+
+        An evaluation whose only news is the time (its own, the last request's, a repeated recommendation's)
+        writes nothing, so the next one starts from what it computed: a later write by someone else (another
+        operator replica after a failover) wins, since its lastEvaluationTime differs.
+        """
+        remembered = self._blocks.get((namespace, name))
+        if remembered is None or not isinstance(stored, Mapping):
+            return stored
+        block, written = remembered
+        return block if stored.get("lastEvaluationTime") == written else stored
 
     def _write_replicas(self, body: Mapping[str, Any], desired: int, logger: Any) -> bool:
         """spec.replicas := desired, over the version the decision read; False if the count moved meanwhile.
@@ -487,6 +576,32 @@ class Reconciler:
             version = fresh["metadata"].get("resourceVersion")
         logger.warning(f"Autoscaler: spec.replicas kept changing; {desired} not written this evaluation")
         return False
+
+
+def _only_times_moved(stored: Any, block: Mapping[str, Any], now: float) -> bool:
+    """`block` says what `stored` says but for times, and `stored` was written less than a heartbeat ago.
+
+    Every evaluation (every 15 s, per InferenceService) would otherwise write the CR's status, and so wake
+    every watcher of InferenceServices (Kopf included) for nothing. What is not written is kept in memory
+    (`_last_block`); an operator restart loses at most a heartbeat of it: its lastActiveTime and the times of
+    repeated recommendations read up to EVALUATION_HEARTBEAT_S older, which can bring a scale down or to zero
+    forward by as much, once, after a restart.
+    """
+    if not isinstance(stored, Mapping):
+        return False
+    written = status.parse_time(stored.get("lastEvaluationTime"))
+    if written is None or now - written >= EVALUATION_HEARTBEAT_S:
+        return False
+    return _without_times(stored) == _without_times(block)
+
+
+def _without_times(block: Mapping[str, Any]) -> dict[str, Any]:
+    result = {k: v for k, v in block.items() if k not in ("lastEvaluationTime", "lastActiveTime")}
+    # A run of equal recommendations acts as its latest one on every stabilization window (the windows
+    # end now), so only the values, runs collapsed, are news.
+    values = [r.get("replicas") for r in block.get("recommendations") or [] if isinstance(r, Mapping)]
+    result["recommendations"] = [v for i, v in enumerate(values) if i == 0 or values[i - 1] != v]
+    return result
 
 
 def _awaits_crd(body: Mapping[str, Any]) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import decimal
 import json
 import logging
 import threading
@@ -27,6 +28,7 @@ import kubernetes
 import pytest
 import yaml
 from e2e.local.kube import INFERENCE_POOLS, Emulator
+from kubernetes.utils.quantity import parse_quantity
 
 from chunkwise_operator.spec import GROUP, PLURAL, VERSION
 
@@ -39,9 +41,204 @@ NAMESPACE = "default"
 TEST_USER_AGENT = "chunkwise-tests/kubectl"
 
 
-# One emulator for every kmock-based suite (this one, the local fleet, the image tests): it adds what kmock
-# leaves out and the operator depends on (uid, generation, generateName, resourceVersion).
-ApiServer = Emulator
+APPLY = "application/apply-patch+yaml"
+# The kinds whose quantities the API server canonicalises (typed fields of core kinds; a CR's are strings).
+TYPED_WITH_QUANTITIES = ("deployments", "pods")
+# Fields whose values are quantities, or maps of them.
+QUANTITY_FIELDS = ("requests", "limits", "sizeLimit")
+
+
+class ApiServer(Emulator):
+    """The kmock emulator shared with the local fleet (uid, generation, resourceVersion), plus three things a
+    real API server does that the operator's tests depend on; the harness enforces the real server's
+    behaviour here, since no kube-apiserver can run in this environment:
+
+    - Server-side apply. kmock treats every PATCH as a JSON merge patch, so a field the operator stops
+      sending would stay forever. Here an apply patch (application/apply-patch+yaml) from a field manager
+      replaces the set of fields that manager owns: fields it applied before and omits now are removed, and
+      the set is recorded in metadata.managedFields (FieldsV1, operation Apply). Simplified: lists are
+      atomic (the applied list replaces the live one), and a field another manager also owns is removed
+      anyway. kmock answers 404 to an apply of an absent object, where a real server creates it; the
+      operator then creates it, and that create (which names the field manager) counts as its first apply.
+    - Canonical quantities: a Deployment's or Pod's requests, limits and sizeLimit are stored in canonical
+      form ("0.5" as "500m", "1.5Gi" as "1536Mi"), as the API server stores resource.Quantity.
+    - A connection that never answers: requests `hang` matches are accepted and left unanswered (a
+      half-open connection, an API server wedged behind a load balancer).
+    """
+
+    hang: Callable[[Any], bool] | None = None
+
+    async def _handle(self, request: Any) -> Any:
+        if self.hang is not None and self.hang(request):
+            await asyncio.Event().wait()  # until the server stops
+        data = request.data
+        if request.resource is not None and isinstance(data, dict):
+            manager = request.params.get("fieldManager")
+            content_type = request.headers.get("Content-Type", "")
+            key = (request.resource, request.namespace, request.name)
+            if request.action == km.action.UPDATE and content_type.startswith(APPLY) and manager:
+                if key in self.objects and not self.objects[key].deleted:
+                    live = copy.deepcopy(dict(self.objects[key].raw))
+                    applied = _apply(live, data, manager)
+                    _canonicalise(request.resource, applied)
+                    patch = _diff(live, applied)
+                    data.clear()
+                    data.update(patch)
+            elif request.action == km.action.CREATE:
+                if manager:
+                    _record_apply(data, manager)
+                _canonicalise(request.resource, data)
+            elif request.action == km.action.UPDATE:
+                _canonicalise(request.resource, data)
+        return await super()._handle(request)
+
+
+FieldPath = tuple[str, ...]
+
+
+def _field_paths(obj: Any, prefix: FieldPath = ()) -> set[FieldPath]:
+    """Every map field of `obj` as a path; a list or a scalar is a leaf (the harness's lists are atomic)."""
+    paths: set[FieldPath] = set()
+    if isinstance(obj, Mapping):
+        for key, value in obj.items():
+            if (prefix == () and key == "status") or (prefix == ("metadata",) and key in _SERVER_SET):
+                continue
+            here = (*prefix, key)
+            paths.add(here)
+            paths |= _field_paths(value, here)
+    return paths
+
+
+_SERVER_SET = ("managedFields", "resourceVersion", "uid", "generation", "creationTimestamp")
+
+
+def _fields_v1(paths: set[FieldPath]) -> dict[str, Any]:
+    root: dict[str, Any] = {}
+    for path in sorted(paths):
+        node = root
+        for key in path:
+            node = node.setdefault(f"f:{key}", {})
+    return root
+
+
+def _paths_of(fields: Any, prefix: FieldPath = ()) -> set[FieldPath]:
+    paths: set[FieldPath] = set()
+    if isinstance(fields, Mapping):
+        for key, sub in fields.items():
+            if key.startswith("f:"):
+                here = (*prefix, key[2:])
+                paths.add(here)
+                paths |= _paths_of(sub, here)
+    return paths
+
+
+def _record_apply(obj: dict[str, Any], manager: str, previous: Any = None) -> None:
+    entries = [
+        e
+        for e in (previous if isinstance(previous, list) else [])
+        if not (e.get("manager") == manager and e.get("operation") == "Apply")
+    ]
+    entries.append(
+        {
+            "manager": manager,
+            "operation": "Apply",
+            "apiVersion": obj.get("apiVersion"),
+            "fieldsType": "FieldsV1",
+            "fieldsV1": _fields_v1(_field_paths(obj)),
+        }
+    )
+    obj.setdefault("metadata", {})["managedFields"] = entries
+
+
+def _apply(live: dict[str, Any], applied: Mapping[str, Any], manager: str) -> dict[str, Any]:
+    """What the API server stores after `manager` applies `applied` over `live`."""
+    meta = live.get("metadata") or {}
+    before: set[FieldPath] = set()
+    for entry in meta.get("managedFields") or []:
+        if entry.get("manager") == manager and entry.get("operation") == "Apply":
+            before = _paths_of(entry.get("fieldsV1"))
+    result = copy.deepcopy(live)
+    # Deepest first, so that a removed map goes after its removed fields.
+    for path in sorted(before - _field_paths(applied), key=len, reverse=True):
+        node: Any = result
+        for key in path[:-1]:
+            node = node.get(key) if isinstance(node, Mapping) else None
+        if isinstance(node, dict):
+            node.pop(path[-1], None)
+    result = _overlay(result, applied)
+    _record_apply(result, manager, meta.get("managedFields"))
+    return result
+
+
+def _overlay(live: Any, applied: Any) -> Any:
+    if isinstance(live, Mapping) and isinstance(applied, Mapping):
+        result = dict(live)
+        for key, value in applied.items():
+            result[key] = _overlay(live.get(key), value)
+        return result
+    return copy.deepcopy(applied)
+
+
+def _diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """A JSON merge patch turning `old` into `new` (kmock applies PATCH bodies as merge patches)."""
+    patch: dict[str, Any] = {key: None for key in old if key not in new}
+    for key, value in new.items():
+        if isinstance(value, Mapping) and isinstance(old.get(key), Mapping):
+            sub = _diff(old[key], value)
+            if sub:
+                patch[key] = sub
+        elif key not in old or old[key] != value:
+            patch[key] = copy.deepcopy(value)
+    return patch
+
+
+def canonical_quantity(value: Any) -> str:
+    """A quantity as the API server writes it back: the input's format (binary or decimal SI), with the
+    largest suffix that keeps the number whole ("1.5Gi" as "1536Mi", "0.5" as "500m", "2000" as "2k")."""
+    number = decimal.Decimal(parse_quantity(value))
+    text = str(value)
+    if text.endswith(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei")) and number == number.to_integral_value():
+        whole = int(number)
+        for suffix, shift in (("Ei", 60), ("Pi", 50), ("Ti", 40), ("Gi", 30), ("Mi", 20), ("Ki", 10)):
+            if whole >= 1 << shift and whole % (1 << shift) == 0:
+                return f"{whole >> shift}{suffix}"
+        return str(whole)
+    for suffix, exponent in (
+        ("E", 18),
+        ("P", 15),
+        ("T", 12),
+        ("G", 9),
+        ("M", 6),
+        ("k", 3),
+        ("", 0),
+        ("m", -3),
+    ):
+        mantissa = number.scaleb(-exponent)
+        if mantissa == mantissa.to_integral_value() and (mantissa != 0 or exponent == 0):
+            return f"{int(mantissa)}{suffix}"
+    return f"{int(number.scaleb(3).to_integral_value(rounding=decimal.ROUND_CEILING))}m"
+
+
+def _canonicalise(resource: Any, obj: Any) -> None:
+    if getattr(resource, "plural", None) not in TYPED_WITH_QUANTITIES:
+        return
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "sizeLimit" and isinstance(value, (str, int, float)):
+                    node[key] = canonical_quantity(value)
+                elif key in QUANTITY_FIELDS and isinstance(value, dict):
+                    for name, q in value.items():
+                        if isinstance(q, (str, int, float)) and not isinstance(q, bool):
+                            value[name] = canonical_quantity(q)
+                else:
+                    walk(value)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item)
+
+    walk(obj)
 
 
 class Cluster:
@@ -192,6 +389,16 @@ class Cluster:
     async def delete(self, resource: km.resource, name: str) -> None:
         await self._send("DELETE", resource, name)
 
+    async def create(self, resource: km.resource, body: Mapping[str, Any]) -> None:
+        """A POST as kubectl sends it, to any kind the emulator serves."""
+
+        def call() -> None:
+            url = f"{self.url}{_path(resource)}/namespaces/{NAMESPACE}/{resource.plural}"
+            headers = {"User-Agent": TEST_USER_AGENT, "Content-Type": "application/json"}
+            httpx.post(url, headers=headers, content=json.dumps(body), timeout=10).raise_for_status()
+
+        await asyncio.to_thread(call)
+
     async def patch(self, resource: km.resource, name: str, patch: Mapping[str, Any]) -> None:
         await self._send("PATCH", resource, name, patch)
 
@@ -228,6 +435,12 @@ async def eventually(predicate: Callable[[], Any], timeout: float = 10.0, what: 
         await asyncio.sleep(0.02)
 
 
+class _Server(ThreadingHTTPServer):
+    # socketserver's backlog of 5 drops the SYNs of a 50-pod scrape, and each dropped one costs the client a
+    # 1 s retransmission: a cost of the stub that 50 real pods, each with its own socket, do not have.
+    request_queue_size = 128
+
+
 class HttpStub:
     """A stand-in for a system at the network's edge (a pod's /metrics, Prometheus) on 127.0.0.1:<random>.
 
@@ -247,7 +460,7 @@ class HttpStub:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = _Server(("127.0.0.1", 0), Handler)
         self.port = self.httpd.server_address[1]
         self.url = f"http://127.0.0.1:{self.port}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()

@@ -21,8 +21,10 @@ from chunkwise_operator.kube import (
     Kube,
     Outcome,
     controller_owner,
+    differs,
     drifted,
     owned_by,
+    unsent,
 )
 from chunkwise_operator.spec import parse
 
@@ -50,6 +52,81 @@ OWNER = kopf.Body(
 )
 def test_drifted(desired: Any, live: Any, expected: bool) -> None:
     assert drifted(desired, live) is expected
+
+
+@pytest.mark.parametrize(
+    ("desired", "live", "expected"),
+    [
+        (
+            {"requests": {"cpu": "0.5", "memory": "1.5Gi"}},
+            {"requests": {"cpu": "500m", "memory": "1536Mi"}},
+            False,
+        ),
+        ({"limits": {"cpu": 2}}, {"limits": {"cpu": "2"}}, False),
+        ({"emptyDir": {"sizeLimit": "1Gi"}}, {"emptyDir": {"sizeLimit": "1024Mi"}}, False),
+        ({"requests": {"cpu": "0.5"}}, {"requests": {"cpu": "501m"}}, True),
+        # Only quantity fields compare by value: an env var "0.5" is not the string "500m".
+        ({"env": [{"name": "X", "value": "0.5"}]}, {"env": [{"name": "X", "value": "500m"}]}, True),
+    ],
+)
+def test_quantities_compare_by_value(desired: Any, live: Any, expected: bool) -> None:
+    assert differs(desired, live) is expected
+
+
+# A Deployment's managedFields entry as a real API server writes it (keyed list elements, "." nodes).
+OWNED = {
+    "f:metadata": {"f:annotations": {"f:team": {}}},
+    "f:spec": {
+        "f:template": {
+            "f:spec": {
+                "f:nodeSelector": {"f:zone": {}},
+                "f:containers": {
+                    'k:{"name":"engine"}': {
+                        ".": {},
+                        "f:env": {'k:{"name":"A"}': {".": {}, "f:value": {}}},
+                        "f:ports": {'k:{"containerPort":8000,"protocol":"TCP"}': {".": {}, "f:name": {}}},
+                        "f:args": {},
+                    }
+                },
+                "f:finalizers": {'v:"x"': {}},
+            }
+        }
+    },
+}
+
+
+def test_unsent_names_the_owned_fields_no_longer_sent() -> None:
+    engine = {
+        "name": "engine",
+        "env": [{"name": "A", "value": "1"}],
+        "ports": [{"containerPort": 8000, "name": "http"}],
+        "args": [],
+    }
+    desired = {
+        "metadata": {"annotations": {"team": "t"}},
+        "spec": {
+            "template": {"spec": {"nodeSelector": {"zone": "a"}, "containers": [engine], "finalizers": ["x"]}}
+        },
+    }
+    assert list(unsent(OWNED, desired)) == []
+    desired["metadata"]["annotations"] = {}
+    desired["spec"]["template"]["spec"]["nodeSelector"] = {}
+    engine["env"] = []
+    desired["spec"]["template"]["spec"]["finalizers"] = []
+    assert list(unsent(OWNED, desired)) == [
+        "f:metadata.f:annotations.f:team",
+        "f:spec.f:template.f:spec.f:nodeSelector.f:zone",
+        'f:spec.f:template.f:spec.f:containers.k:{"name":"engine"}.f:env.k:{"name":"A"}',
+        'f:spec.f:template.f:spec.f:finalizers.v:"x"',
+    ]
+    live = {
+        **desired,
+        "metadata": {
+            "annotations": {"team": "t"},
+            "managedFields": [{"manager": "chunkwise-operator", "operation": "Apply", "fieldsV1": OWNED}],
+        },
+    }
+    assert drifted(desired, live)
 
 
 def test_ownership_helpers() -> None:
