@@ -78,6 +78,17 @@ def test_a_gpu_service_pins_the_cuda_build_of_the_recorded_release() -> None:
     assert spec_module.parse({**gpu, "image": "mine:1"}, OLD).image == "mine:1"
 
 
+def rendered_images(live: dict[str, Any]) -> set[str]:
+    """The images of every Deployment container `chunkwise operator render` prints for a live object."""
+    objects, _ = render.render_documents([live], "<stdin>")
+    return {
+        c["image"]
+        for o in objects
+        if o["kind"] == "Deployment"
+        for c in o["spec"]["template"]["spec"]["containers"]
+    }
+
+
 def test_render_of_a_live_object_shows_its_pinned_image(monkeypatch: pytest.MonkeyPatch) -> None:
     """`kubectl get infsvc -o yaml | chunkwise operator render -f -` shows what the operator applies."""
     monkeypatch.setattr(spec_module, "DEFAULT_IMAGE", NEW)
@@ -88,18 +99,6 @@ def test_render_of_a_live_object_shows_its_pinned_image(monkeypatch: pytest.Monk
         "spec": SERVICE,
         "status": {RUNTIME_IMAGE_STATUS: OLD},
     }
-    objects, _ = render.render_documents([live], "<stdin>")
-    assert {
-        c["image"]
-        for o in objects
-        if o["kind"] == "Deployment"
-        for c in o["spec"]["template"]["spec"]["containers"]
-    } == {OLD}
+    assert rendered_images(live) == {OLD}
     live["metadata"]["annotations"] = {UPGRADE_RUNTIME_ANNOTATION: "true"}
-    objects, _ = render.render_documents([live], "<stdin>")
-    assert {
-        c["image"]
-        for o in objects
-        if o["kind"] == "Deployment"
-        for c in o["spec"]["template"]["spec"]["containers"]
-    } == {NEW}
+    assert rendered_images(live) == {NEW}
