@@ -158,3 +158,24 @@ def test_profiles_round_trip_and_builtins_are_labelled_derived(tmp_path: Path) -
     (tmp_path / "bad.json").write_text(json.dumps({"name": "x"}))
     with pytest.raises(ValueError, match="not a chunkwise profile"):
         load_profile(str(tmp_path / "bad.json"))
+
+
+def test_queue_delay_counts_each_of_a_queued_parents_n_outputs() -> None:
+    """The simulator's predicted queueing delay is the engine's (Scheduler.load): a queued n > 1 request has n
+    outputs to come, so its estimated output counts n times (the simulator's own copy of the estimate had
+    dropped the x n)."""
+    from chunkwise.request import Request
+    from chunkwise.sampling_params import SamplingParams
+    from chunkwise.sim.replica import SimReplica
+
+    p = profile()
+    rep = SimReplica(0, p, scheduler_config(p))
+    assert rep.queue_delay_s() == 0.0
+    req = Request("p", list(range(3, 13)), SamplingParams(n=3, max_tokens=5), 0.0, max_tokens=5)
+    rep.add(req, None)
+    assert req.output_length_estimate == 5
+    # 10 prompt tokens and 3 x 5 outputs queued, at the prior's 1000 tokens per second.
+    assert rep.rate.tokens_per_s == 1000.0
+    assert rep.queue_delay_s() == pytest.approx((10 + 3 * 5) / 1000.0)
+    snap = rep.scheduler.snapshot()
+    assert (snap.num_queued, snap.queued_prefill_tokens, snap.queued_decode_tokens) == (1, 10, 15)

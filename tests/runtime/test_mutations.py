@@ -37,9 +37,9 @@ def per_request_state(s: Scheduler, core: EngineCore | None = None) -> dict[str,
         "kv.pool.num_free": kv.pool.num_free,
         "kv.swap_space.num_free": kv.swap_space.num_free,
         "scheduler.requests": len(s.requests),
-        "scheduler._families": len(s._families),
-        "scheduler._parents": len(s._parents),
-        "scheduler._finished_ids": len(s._finished_ids),
+        "scheduler._families": len(s.forks.families),
+        "scheduler._parents": len(s.forks.parents),
+        "scheduler._finished_ids": len(s.composer.finished_ids),
         "scheduler.running": len(s.running),
         "scheduler.swapped": len(s.swapped),
         "scheduler.waiting": len(s.waiting),
@@ -91,7 +91,7 @@ def test_aborting_a_swapped_request_returns_its_host_slots() -> None:
 
 # -- b. a parent's seats are held while its prompt is chunked ----------------------------------------------
 def test_a_parent_chunking_its_prompt_holds_its_childrens_seats() -> None:
-    """Mutant: ForkRequests._parent_seats returns 0 (admission forgets a running parent's n - 1 seats after
+    """Mutant: Forks.seats returns 0 (admission forgets a running parent's n - 1 seats after
     the step that admitted it): o1, o2 join while p chunks and the fork runs 6 sequences with max_num_seqs 4."""
     # A 40-token prompt is long (>= 16): its chunk keeps to half of the 16-token budget while others wait, so
     # there is budget left to admit them during the 5 steps it prefills.
@@ -117,7 +117,7 @@ def test_a_parent_chunking_its_prompt_holds_its_childrens_seats() -> None:
 
 # -- c. the decode fast path keeps to the token budget -----------------------------------------------------
 def test_decode_steps_keep_to_the_token_budget_with_more_rows_than_it() -> None:
-    """Mutant: Scheduler._schedule_decodes without its `len(running) > max_num_batched_tokens` check: the
+    """Mutant: StepComposer.decode_step without its `len(running) > max_num_batched_tokens` check: the
     fast path schedules all 8 children, 8 tokens in a step with a budget of 4."""
     # A fork puts 8 decoding rows in the batch at once, with a budget of 4 tokens.
     s = make_sched(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=4)
@@ -129,7 +129,7 @@ def test_decode_steps_keep_to_the_token_budget_with_more_rows_than_it() -> None:
         assert sum(plan(out).values()) == out.num_batched_tokens
         steps += 1
         assert steps < 50
-    assert not s._families  # the family ended with its last child
+    assert not s.forks.families  # the family ended with its last child
     # 2 prompt tokens, then each child's last prompt token and 4 more: 8 x 5 tokens, at most 4 a step.
     assert s.stats.num_rows == 1 + 8 * 5 and steps == 1 + 8 * 5 // 4
     assert s.kv.num_free_blocks == 64
@@ -245,7 +245,7 @@ def test_the_scheduler_keeps_nothing_per_request_after_serving_many(mode: str) -
         for step in range(200):
             if step == 3:
                 s.abort([f"w{wave}-abort", f"w{wave}-fam-early"])  # the family before it forked
-            if f"w{wave}-fam-late" in s._families:
+            if f"w{wave}-fam-late" in s.forks.families:
                 s.abort([f"w{wave}-fam-late"])  # every child
             if s.swapped and not swapped_aborts[wave]:
                 swapped_aborts[wave] = len(s.abort([s.swapped[-1].request_id]))

@@ -103,7 +103,7 @@ def test_fork_shares_the_full_blocks_and_copies_the_partial_one_for_all_children
     assert aborted == children and all(c.status == RequestStatus.FINISHED_ABORTED for c in children)
     assert not s.has_unfinished() and s.kv.num_free_blocks == 16
     s.kv.pool.check_invariants()
-    assert not s._families and not s._parents
+    assert not s.forks.families and not s.forks.parents
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -386,7 +386,7 @@ def test_abort_before_and_after_the_fork_frees_everything() -> None:
     core.add_request("late", prompt, greedy(40, n=3))
     for _ in range(12):
         core.step()
-    assert core.scheduler._families.get("late")
+    assert core.scheduler.forks.families.get("late")
     [out] = core.abort(["late"])
     assert out.request_id == "late" and out.finished
     assert [(c.index, c.finish_reason) for c in out.outputs] == [(i, "abort") for i in range(3)]

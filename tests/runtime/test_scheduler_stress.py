@@ -166,7 +166,7 @@ def check_step(s: Scheduler, out: SchedulerOutput, budget: int, max_seqs: int) -
     assert out.num_batched_tokens <= budget
     assert out.num_batched_tokens == sum(len(sr.token_ids) + sr.num_spec_tokens for sr in out.scheduled)
     assert not (out.swap_out and out.swap_in), "a step that preempts admits no one"
-    assert len(s.running) + s._parent_seats() <= max_seqs
+    assert len(s.running) + s.forks.seats() <= max_seqs
     s.kv.pool.check_invariants()
     holders = [0] * s.kv.pool.num_blocks
     for table in s.kv.block_tables.values():
@@ -266,9 +266,9 @@ def run(seed: int, steps_of_arrivals: int = 120) -> dict[str, int]:
     s.schedule()  # hands the last finished ids to the runner
     maps = {
         "requests": s.requests,
-        "families": s._families,
-        "parents": s._parents,
-        "finished_ids": s._finished_ids,
+        "families": s.forks.families,
+        "parents": s.forks.parents,
+        "finished_ids": s.composer.finished_ids,
         "block_tables": kv.block_tables,
         "hashes": kv._hashes,
         "registered": kv._num_registered,

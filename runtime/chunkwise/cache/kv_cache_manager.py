@@ -178,7 +178,7 @@ class KVCacheManager:
         self._hashes.pop(req.request_id, None)
 
     # -- n > 1 ------------------------------------------------------------------------------------------
-    def fork(self, parent: Request, children: Sequence[Request]) -> list[tuple[int, int]]:
+    def fork(self, parent: Request, children: Sequence[Request]) -> tuple[list[tuple[int, int]], list[int]]:
         """Hand the parent's blocks to its children (sched/fork.py) and drop the parent.
 
         The parent's full blocks are shared: each child holds a reference to each (the pool's ref counts, as
@@ -186,7 +186,9 @@ class KVCacheManager:
         on write: the first child takes the parent's own, each other child a fresh block, returned as
         (source block, new block) copies for the model runner to make before the step's forward. A child the
         pool has no block for gets the full blocks only and computes the partial block's tokens itself (at
-        most block_size - 1 tokens): its num_computed_tokens is set back to the full blocks'.
+        most block_size - 1 tokens). Returns the copies and, for each child, how many tokens its table holds
+        computed KV for (the parent's, or the full blocks' only): the scheduler, which owns request state,
+        sets each child's num_computed_tokens from it.
         """
         rid = parent.request_id
         table = self.block_tables.pop(rid, [])
@@ -201,9 +203,10 @@ class KVCacheManager:
             del table[used:]
         partial = table[full] if len(table) > full else None
         copies: list[tuple[int, int]] = []
+        held: list[int] = []
         for i, child in enumerate(children):
             cid = child.request_id
-            child.num_computed_tokens = computed
+            holds = computed
             if i == 0:
                 own = table  # the parent's references, its partial block included
             else:
@@ -215,11 +218,12 @@ class KVCacheManager:
                         own.append(block)
                         copies.append((partial, block))
                     else:
-                        child.num_computed_tokens = full * bs
+                        holds = full * bs
+            held.append(holds)
             self.block_tables[cid] = own
             self._hashes[cid] = list(hashes)
             self._num_registered[cid] = min(registered, full)
-        return copies
+        return copies, held
 
     # -- swap -------------------------------------------------------------------------------------------
     def swap_out(self, req: Request) -> list[tuple[int, int]] | None:

@@ -1,45 +1,53 @@
 """Admission, the last part of composing a step: swapped requests resumed first, then waiting ones in the
-queue's order, each only with blocks for its prompt and estimated output. A part of Scheduler, in a file of
-its own."""
+queue's order, each only with blocks for its prompt and estimated output. Admitter, a collaborator the
+Scheduler owns."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from typing import TYPE_CHECKING
 
 from chunkwise.cache.kv_cache_manager import KVCacheManager
 from chunkwise.config import SchedulerConfig
 from chunkwise.request import Request, RequestStatus
-from chunkwise.sched.admission import ReservationAdmission
-from chunkwise.sched.budget import TokenBudget
+from chunkwise.sched.fork import Forks
 from chunkwise.sched.output import SchedulerStats
-from chunkwise.sched.policies import Batching
-from chunkwise.sched.queue import PrefixPreference, WaitingQueue
+from chunkwise.sched.policies import SchedulerPolicies
 
 
-class AdmitFromQueues:
-    # The Scheduler's, read and written here.
-    config: SchedulerConfig
-    kv: KVCacheManager
-    block_size: int
-    stats: SchedulerStats
-    running: list[Request]
-    swapped: deque[Request]
-    waiting: WaitingQueue
-    budget: TokenBudget
-    batching: Batching
-    admission: ReservationAdmission
-    reuse: PrefixPreference
-    _parents: list[Request]
+class Admitter:
+    """Moves requests from the Scheduler's swapped and waiting queues into its running list (the queues are
+    the Scheduler's, given here to move requests between), with their first chunk's blocks, as the policies
+    allow. Each method takes the step's budget left and returns what it leaves, recording the tokens it
+    scheduled in num_new. It keeps no state of its own; the parents' seats it reads from `forks`."""
 
-    if TYPE_CHECKING:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        policies: SchedulerPolicies,
+        forks: Forks,
+        stats: SchedulerStats,
+        running: list[Request],
+        swapped: deque[Request],
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.waiting = policies.waiting
+        self.budget = policies.budget
+        self.batching = policies.batching
+        self.admission = policies.admission
+        self.reuse = policies.reuse
+        self.forks = forks
+        self.stats = stats
+        self.running = running
+        self.swapped = swapped
 
-        def _parent_seats(self) -> int: ...  # ForkRequests._parent_seats
-
-    def _resume_swapped(self, budget: int, num_new: dict[str, int], swap_in: list[tuple[int, int]]) -> int:
+    def resume_swapped(self, budget: int, num_new: dict[str, int], swap_in: list[tuple[int, int]]) -> int:
+        """Swapped requests back in, oldest first, recording their blocks' copies in swap_in."""
         # A parent not yet forked (n > 1) takes a seat for each of the children it will fork into.
-        seats = self._parent_seats()
+        seats = self.forks.seats()
         while self.swapped and len(self.running) + seats < self.config.max_num_seqs:
             req = self.swapped[0]
             if not self.kv.can_swap_in(req):
@@ -63,7 +71,8 @@ class AdmitFromQueues:
                 budget -= n
         return budget
 
-    def _admit_waiting(self, budget: int, num_new: dict[str, int], cached_hits: dict[str, int]) -> int:
+    def admit_waiting(self, budget: int, num_new: dict[str, int]) -> int:
+        """Waiting requests in, in the queue's order, each with its prefix-cache hits."""
         # Blocks promised to running requests but not yet allocated stay off-limits to newcomers.
         outstanding = sum(
             max(0, r.reserved_blocks - len(self.kv.block_tables.get(r.request_id, ()))) for r in self.running
@@ -73,7 +82,7 @@ class AdmitFromQueues:
         blocked: Request | None = None  # the head that did not fit, while reuse-heavy requests pass it
         scanned = 0
         # Seats the running parents' children will take when they fork (n > 1): counted as taken.
-        seats = self._parent_seats() if self._parents else 0
+        seats = self.forks.seats() if self.forks.parents else 0
         for req in self.waiting.candidates(num_long):
             if len(self.running) + seats >= self.config.max_num_seqs:
                 break

@@ -1,28 +1,41 @@
 """The second half of a step: the runner's result applied to the scheduler's requests (Scheduler's
-update_from_output), and the learning policies fed from it. A part of Scheduler, in a file of its own."""
+update_from_output delegates here), and the learning policies fed from it. StepApplier, a collaborator the
+Scheduler owns."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from chunkwise.request import Request, RequestStatus
 from chunkwise.sched.output import SchedulerOutput, SchedulerStats
 from chunkwise.sched.preemption import PreemptionCostModel
 from chunkwise.speculative.adaptive import AdaptiveDraftLength
 
+# Scheduler.finish: releases a request that the step's tokens ended.
+Finish = Callable[[Request, RequestStatus, "int | str | None"], None]
 
-class ApplyStepResult:
-    # The Scheduler's, read and written here.
-    requests: dict[str, Request]
-    stats: SchedulerStats
-    draft_length: AdaptiveDraftLength | None
-    cost_model: PreemptionCostModel
-    max_model_len: int
 
-    def finish(self, req: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
-        raise NotImplementedError  # Scheduler.finish
+class StepApplier:
+    """Advances each scheduled request by what its row computed and sampled, ends those that stop (through
+    `finish`, the scheduler's), counts the step into `stats` and feeds the learning policies. It keeps no
+    state of its own."""
 
-    def update_from_output(
+    def __init__(
+        self,
+        stats: SchedulerStats,
+        cost_model: PreemptionCostModel,
+        draft_length: AdaptiveDraftLength | None,
+        max_model_len: int,
+        finish: Finish,
+    ) -> None:
+        self.stats = stats
+        self.cost_model = cost_model
+        self.draft_length = draft_length
+        self.max_model_len = max_model_len
+        self.finish = finish
+
+    def apply(
         self,
         out: SchedulerOutput,
         sampled: dict[str, list[int]],

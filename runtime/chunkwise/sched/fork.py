@@ -1,4 +1,4 @@
-"""n > 1: one request, n completions, the prompt's KV computed once. A part of Scheduler, in a file of its own.
+"""n > 1: one request, n completions, the prompt's KV computed once. Forks, a collaborator the Scheduler owns.
 
 A request with n > 1 enters the scheduler as a parent. It is an ordinary request in every policy's eyes
 (queued, admitted, chunked, preempted by recompute or swap) except that it computes its prompt but the last
@@ -18,7 +18,7 @@ rows are then ordinary prefill rows, so the runner, the sampler, the seeded gene
 and the output side need no per-row notion of "one row, n samples"; the price is n - 1 extra tokens of compute
 per request, once.
 
-After the fork the parent is gone from the scheduler; its id names the family (`_families`), so that an
+After the fork the parent is gone from the scheduler; its id names the family (`Forks.families`), so that an
 abort by that id aborts every child. Children are the only requests the step loop sees; nothing in the steady
 decode path knows about families.
 """
@@ -31,7 +31,6 @@ from chunkwise.cache.kv_cache_manager import KVCacheManager
 from chunkwise.request import Request, RequestStatus
 from chunkwise.sampling_params import SamplingParams, child_seed
 from chunkwise.sched.admission import ReservationAdmission
-from chunkwise.sched.output import ScheduledRequest
 
 # Between a parent's id and its child's index in the child's (internal) request id.
 CHILD_ID_SEP = "\x1f"
@@ -41,34 +40,32 @@ def child_request_id(parent_id: str, index: int) -> str:
     return f"{parent_id}{CHILD_ID_SEP}{index}"
 
 
-class ForkRequests:
-    # The Scheduler's, read and written here.
-    kv: KVCacheManager
-    admission: ReservationAdmission
-    running: list[Request]
-    requests: dict[str, Request]
-    _finished_ids: set[str]
-    # Parents not yet forked, whatever their status; and each forked parent's children, by the parent's id.
-    _parents: list[Request]
-    _families: dict[str, list[Request]]
-    _decode_rows: dict[str, ScheduledRequest]
+class Forks:
+    """The n > 1 requests' state, owned here: parents not yet forked (whatever their status) and each forked
+    parent's children, by the parent's id. Builds the children and hands them the parent's blocks; the
+    Scheduler puts them in its queues (fork returns them)."""
 
-    def _fork_ready(self) -> list[tuple[int, int]] | None:
-        """Fork every running parent whose prompt but the last token is computed. Returns the block copies
-        the runner must make before this step's forward, or None when no parent forked."""
-        ready = [
+    def __init__(self, kv: KVCacheManager, admission: ReservationAdmission) -> None:
+        self.kv = kv
+        self.admission = admission
+        self.parents: list[Request] = []
+        self.families: dict[str, list[Request]] = {}
+
+    def hold(self, parent: Request) -> None:
+        """A parent arrives (fork_hold set): it forks once its prompt but the last token is computed."""
+        self.parents.append(parent)
+
+    def ready(self) -> list[Request]:
+        """The running parents whose prompt but the last token is computed: this step forks them."""
+        return [
             p
-            for p in self._parents
+            for p in self.parents
             if p.status is RequestStatus.RUNNING and p.num_computed_tokens >= p.num_prompt_tokens - 1
         ]
-        if not ready:
-            return None
-        copies: list[tuple[int, int]] = []
-        for parent in ready:
-            copies.extend(self._fork(parent))
-        return copies
 
-    def _fork(self, parent: Request) -> list[tuple[int, int]]:
+    def fork(self, parent: Request) -> tuple[list[Request], list[tuple[int, int]]]:
+        """Fork one parent: its n children (running, with the parent's blocks and as many computed tokens as
+        their tables hold) and the block copies the runner must make before this step's forward."""
         params = parent.sampling_params
         child_params = [
             # The parent scored the prompt (prompt_logprobs): a child has nothing of it to report.
@@ -81,19 +78,12 @@ class ForkRequests:
             for i in range(params.n)
         ]
         children = [self._child(parent, i, p) for i, p in enumerate(child_params)]
-        copies = self.kv.fork(parent, children)
-        pos = self.running.index(parent)
-        self.running[pos : pos + 1] = children
-        self._parents.remove(parent)
-        pid = parent.request_id
-        del self.requests[pid]
-        for child in children:
-            self.requests[child.request_id] = child
-        self._families[pid] = children
-        self._decode_rows.pop(pid, None)
-        # The runner drops whatever it kept for the parent (its table row).
-        self._finished_ids.add(pid)
-        return copies
+        copies, held = self.kv.fork(parent, children)
+        for child, computed in zip(children, held):
+            child.num_computed_tokens = computed
+        self.parents.remove(parent)
+        self.families[parent.request_id] = children
+        return children, copies
 
     def _child(self, parent: Request, index: int, params: SamplingParams) -> Request:
         assert parent.parent_id is None
@@ -120,15 +110,20 @@ class ForkRequests:
         child.first_scheduled_time = parent.first_scheduled_time
         return child
 
-    def _parent_seats(self) -> int:
+    def seats(self) -> int:
         """Rows the running parents will add when they fork (n - 1 each): admission counts them as taken, so
         a fork never takes the batch past max_num_seqs."""
-        return sum(p.sampling_params.n - 1 for p in self._parents if p.status is RequestStatus.RUNNING)
+        return sum(p.sampling_params.n - 1 for p in self.parents if p.status is RequestStatus.RUNNING)
 
-    def _forget_family_member(self, req: Request) -> None:
-        """A child finished: the family ends with its last child."""
+    def forget(self, req: Request) -> None:
+        """A request finished: a parent that never forked (aborted) leaves the parents; a child's family ends
+        with its last child."""
+        if req.fork_hold:
+            self.parents.remove(req)
+            return
         pid = req.parent_id
-        assert pid is not None
-        family = self._families.get(pid)
+        if pid is None:
+            return
+        family = self.families.get(pid)
         if family is not None and all(c.is_finished for c in family):
-            del self._families[pid]
+            del self.families[pid]

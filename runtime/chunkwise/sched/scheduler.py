@@ -5,8 +5,11 @@ chunk, a prefix-cache hit, a recompute after preemption and a decode are all the
 is just "give each running request as many of its missing tokens as the budget allows, then admit".
 
 The scheduler owns request state; the KV cache manager owns block tables; policies decide (policies.py
-builds them from the config) and the scheduler never branches on which policy it holds. Two parts of the
-class live in files of their own: admission (admit.py) and applying a step's result (apply.py).
+builds them from the config) and the scheduler never branches on which policy it holds. It owns four
+collaborators, each with its own state and file: Forks (fork.py: n > 1 parents and families), Admitter
+(admit.py: admission from the swapped and waiting queues), StepComposer (compose.py: the step's rows, the
+steady-state decode step, the ids the runner drops) and StepApplier (apply.py: a step's result applied).
+Only the scheduler and these write request state.
 """
 
 from __future__ import annotations
@@ -22,24 +25,20 @@ from chunkwise.cache.kv_cache_manager import KVCacheManager
 from chunkwise.config import SchedulerConfig
 from chunkwise.request import Request, RequestStatus
 from chunkwise.sched.admission import OutputLengthEstimator
-from chunkwise.sched.admit import AdmitFromQueues
-from chunkwise.sched.apply import ApplyStepResult
-from chunkwise.sched.fork import ForkRequests
-from chunkwise.sched.output import (
-    DecodeStep,
-    ScheduledRequest,
-    SchedulerOutput,
-    SchedulerSnapshot,
-    SchedulerStats,
-)
+from chunkwise.sched.admit import Admitter
+from chunkwise.sched.apply import StepApplier
+from chunkwise.sched.compose import StepComposer
+from chunkwise.sched.fork import Forks
+from chunkwise.sched.output import SchedulerOutput, SchedulerSnapshot, SchedulerStats
 from chunkwise.sched.policies import SchedulerPolicies, build_policies
 from chunkwise.sched.preemption import PreemptionCostModel
+from chunkwise.sched.shedding import LoadSnapshot
 from chunkwise.speculative.adaptive import AdaptiveDraftLength
 
 log = logging.getLogger(__name__)
 
 
-class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
+class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policies: SchedulerPolicies) -> None:
         if config.max_model_len is None:
             raise ValueError("SchedulerConfig.max_model_len must be resolved before building a Scheduler")
@@ -62,13 +61,14 @@ class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
-        self._finished_ids: set[str] = set()
-        # n > 1 (fork.py): parents not yet forked; forked parents' children by the parent's id.
-        self._parents: list[Request] = []
-        self._families: dict[str, list[Request]] = {}
-        # Each request's steady-state decode row, reused step after step while its block table is the same
-        # list (_schedule_decodes); kept here, not on the Request, which the scheduler's types sit above.
-        self._decode_rows: dict[str, ScheduledRequest] = {}
+        self.forks = Forks(kv, policies.admission)
+        self.admitter = Admitter(config, kv, policies, self.forks, self.stats, self.running, self.swapped)
+        self.composer = StepComposer(
+            kv, policies.batching, self.stats, config.max_num_batched_tokens, self.draft_length is not None
+        )
+        self.applier = StepApplier(
+            self.stats, self.cost_model, self.draft_length, self.max_model_len, self.finish
+        )
 
     @classmethod
     def from_config(
@@ -100,12 +100,12 @@ class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
         self.admission.check_fits(req, self.kv.pool.num_blocks)
 
     def add_request(self, req: Request) -> None:
-        if req.request_id in self.requests or req.request_id in self._families:
+        if req.request_id in self.requests or req.request_id in self.forks.families:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.prepare(req)
         self.stats.last_output_length_estimate = req.output_length_estimate
         if req.fork_hold:
-            self._parents.append(req)
+            self.forks.hold(req)
         self.requests[req.request_id] = req
         self.waiting.push(req)
 
@@ -116,9 +116,9 @@ class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
             if req is not None and not req.is_finished:
                 self.finish(req, RequestStatus.FINISHED_ABORTED)
                 aborted.append(req)
-            elif req is None and rid in self._families:
+            elif req is None and rid in self.forks.families:
                 # A forked request: every child still going.
-                for child in list(self._families[rid]):
+                for child in list(self.forks.families[rid]):
                     if not child.is_finished:
                         self.finish(child, RequestStatus.FINISHED_ABORTED)
                         aborted.append(child)
@@ -141,19 +141,18 @@ class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
             self.waiting.remove(req)
         self.kv.forget(req)
         self.requests.pop(req.request_id, None)
-        self._decode_rows.pop(req.request_id, None)
-        self._finished_ids.add(req.request_id)
-        if req.fork_hold:
-            self._parents.remove(req)  # finished before it forked (aborted)
-        elif req.parent_id is not None:
-            self._forget_family_member(req)
+        self.composer.forget(req.request_id)
+        if req.fork_hold or req.parent_id is not None:
+            self.forks.forget(req)  # a parent finished before it forked (aborted), or a child
         if status != RequestStatus.FINISHED_ABORTED:
             self.estimator.observe(req.route, req.num_output_tokens)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def snapshot(self, routes: Iterable[str] = ()) -> SchedulerSnapshot:
+    def queued_work(self) -> tuple[int, int, int]:
+        """The requests queued (waiting or swapped), their uncomputed tokens and their estimated outputs still
+        to come: the work ahead of a newcomer, as the engine's load shedding and the simulator count it."""
         num = prefill = decode = 0
         for r in itertools.chain(self.waiting, self.swapped):
             num += 1
@@ -161,6 +160,15 @@ class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
             # A parent not yet forked has n outputs to come.
             sequences = r.sampling_params.n if r.fork_hold else 1
             decode += sequences * max(0, r.output_length_estimate - r.num_output_tokens)
+        return num, prefill, decode
+
+    def load(self, service_tokens_per_s: float) -> LoadSnapshot:
+        """The queue as load shedding sees it at a measured service rate (its predicted_delay_s is the
+        queueing delay a newcomer would see)."""
+        return LoadSnapshot(*self.queued_work(), service_tokens_per_s)
+
+    def snapshot(self, routes: Iterable[str] = ()) -> SchedulerSnapshot:
+        num, prefill, decode = self.queued_work()
         self._update_gauges()
         return SchedulerSnapshot(
             copy.copy(self.stats),
@@ -174,32 +182,84 @@ class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self.swapped)
 
+    @property
+    def num_requests(self) -> int:
+        """Requests held: running, waiting or swapped."""
+        return len(self.running) + len(self.waiting) + len(self.swapped)
+
     # -- one step ---------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Compose one step: fork the parents that are ready, give the running requests their tokens
+        (preempting when memory is short), admit from the queues with what is left, add drafts last."""
         # A fork (rare) adds rows whose COW copies this step carries: that step takes the general path.
-        copies = self._fork_ready() if self._parents else None
-        out = self._schedule_decodes() if copies is None else None
-        if out is not None:
-            return out
-        budget = self.config.max_num_batched_tokens
+        copies = self._fork_ready() if self.forks.parents else None
+        if copies is None and not (self.swapped or len(self.waiting)):
+            out = self.composer.decode_step(self.running)
+            if out is not None:
+                self._update_gauges()
+                return out
         num_new: dict[str, int] = {}
-        cached_hits: dict[str, int] = {}
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
-        num_preempted = 0
 
-        # 1. Running requests first. Decode rows before prefill chunks, so a long prompt's chunk takes only
-        #    what the decodes leave (B = decode rows + chunk) and never stalls a stream.
+        # 1. Running requests first (preempting victims when the cache is short).
+        budget, num_preempted, drafters = self._schedule_running(num_new, swap_out)
+
+        # 2. Admission, only in a step that preempted nothing: a step short of memory must not take more.
+        if (
+            num_preempted == 0
+            and (self.swapped or len(self.waiting))
+            and self.batching.admission_open(len(self.running))
+        ):
+            budget = self.admitter.resume_swapped(budget, num_new, swap_in)
+            if not self.swapped:
+                budget = self.admitter.admit_waiting(budget, num_new)
+
+        # 3. Drafts last, from what prefill and admission left: speculation never starves a waiting prompt.
+        if self.draft_length is not None:
+            budget = self._add_drafts(drafters, num_new, budget)
+
+        out = self.composer.compose(self.running, num_new, swap_out, swap_in, num_preempted)
+        if copies:
+            out.block_copies = copies
+        if out.is_empty and not num_preempted and not self.running and (self.swapped or len(self.waiting)):
+            out.failed = self._fail_stalled()
+        self._update_gauges()
+        return out
+
+    def update_from_output(
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, list[int]],
+        drafted: dict[str, int] | None = None,
+        row_tokens: list[int] | None = None,
+        forward_seconds: float | None = None,
+        step_seconds: float | None = None,
+    ) -> list[Request]:
+        """Apply the step's result (StepApplier.apply, whose docstring says how). Returns requests with new
+        tokens (finished ones included, already released)."""
+        return self.applier.apply(out, sampled, drafted, row_tokens, forward_seconds, step_seconds)
+
+    def _schedule_running(
+        self, num_new: dict[str, int], swap_out: list[tuple[int, int]]
+    ) -> tuple[int, int, list[Request]]:
+        """Each running request as many of its missing tokens as the budget allows, decode rows before
+        prefill chunks, so a long prompt's chunk takes only what the decodes leave (B = decode rows + chunk)
+        and never stalls a stream. Returns the budget left, the number of victims preempted, and the decode
+        rows that may draft once admission has taken its share (_add_drafts)."""
+        budget = self.config.max_num_batched_tokens
+        num_preempted = 0
         decodes: list[Request] = []
         prefills: list[Request] = []
         for r in self.running:
             (decodes if r.num_tokens - r.num_computed_tokens == 1 else prefills).append(r)
         # Whether a prompt other than the one being chunked could take what it leaves of the step.
         queued = bool(self.swapped or len(self.waiting)) and self.batching.admission_open(len(self.running))
-        # Decode rows that may draft once admission has taken its share (_add_drafts).
         drafters: list[Request] = []
         speculate = self.draft_length is not None
-        parents = bool(self._parents)  # n > 1 requests not yet forked (rare): only then is fork_hold read
+        parents = bool(
+            self.forks.parents
+        )  # n > 1 requests not yet forked (rare): only then is fork_hold read
         for req in decodes + prefills:
             if budget <= 0:
                 break
@@ -229,101 +289,31 @@ class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
             # More rows than the budget (max_num_seqs above max_num_batched_tokens): the ones left out go
             # first next step, or the same rows at the front would take every step.
             self.running.sort(key=lambda r: r.request_id in num_new)
+        return budget, num_preempted, drafters
 
-        # 2. Admission, only in a step that preempted nothing: a step short of memory must not take more.
-        if (
-            num_preempted == 0
-            and (self.swapped or len(self.waiting))
-            and self.batching.admission_open(len(self.running))
-        ):
-            budget = self._resume_swapped(budget, num_new, swap_in)
-            if not self.swapped:
-                budget = self._admit_waiting(budget, num_new, cached_hits)
-
-        # 3. Drafts last, from what prefill and admission left: speculation never starves a waiting prompt.
-        if speculate:
-            budget = self._add_drafts(drafters, num_new, budget)
-
-        out = self._compose(num_new, swap_out, swap_in, num_preempted)
-        if copies:
-            out.block_copies = copies
-        if out.is_empty and not num_preempted and not self.running and (self.swapped or len(self.waiting)):
-            out.failed = self._fail_stalled()
-        self._update_gauges()
-        return out
-
-    def _schedule_decodes(self) -> SchedulerOutput | None:
-        """The steady state in one pass: nothing waits, no speculation, and every running request decodes
-        one token into room it already has (or gets without pressure). The same outcome as the general
-        path; None sends anything else there (what was allocated here stays valid for it)."""
-        running = self.running
-        if (
-            self.draft_length is not None
-            or self.swapped
-            or len(self.waiting)
-            or not running
-            or len(running) > self.config.max_num_batched_tokens
-        ):
+    def _fork_ready(self) -> list[tuple[int, int]] | None:
+        """Fork every running parent whose prompt but the last token is computed. Returns the block copies
+        the runner must make before this step's forward, or None when no parent forked."""
+        ready = self.forks.ready()
+        if not ready:
             return None
-        kv = self.kv
-        capacity = kv.block_size
-        tables = kv.block_tables
-        rows = self._decode_rows
-        scheduled: list[ScheduledRequest] = []
-        append = scheduled.append
-        # Gathered here, where each request is already in hand, so that the runner need not visit every
-        # row again (at hundreds of rows, each visit is a cache miss after the forward).
-        ids: list[int] = []
-        positions: list[int] = []
-        grown: list[int] = []
-        num_prefill = 0
-        for req in running:
-            tokens = req.token_ids
-            start = req.num_computed_tokens
-            if len(tokens) - start != 1:
-                return None
-            if start < req.num_prompt_tokens:
-                num_prefill += (
-                    1  # a prompt's last token (after a prefix-cache hit): prefill, as _compose counts
-                )
-            table = tables.get(req.request_id)
-            if table is None or start >= len(table) * capacity or (start + 1) % capacity == 0:
-                # A new block, or one that fills up now (its hash goes to the prefix cache).
-                had = len(table) if table is not None else 0
-                if not kv.allocate(req, 1):
-                    return None
-                table = tables[req.request_id]
-                if len(table) != had:
-                    grown.append(len(scheduled))
-            token = tokens[start]
-            row = rows.get(req.request_id)
-            if row is None or row.block_table is not table:
-                params = req.sampling_params
-                row = rows[req.request_id] = ScheduledRequest(
-                    req.request_id, [token], start, table, True, params, req=req
-                )
-                if params.has_penalty:
-                    row.output_token_ids = req.output_token_ids
-            else:
-                # The row's own one-token list (no step keeps it past its own): refilled, not reallocated.
-                row.token_ids[0] = token
-                row.start_pos = start
-                if row.output_token_ids is not None:  # penalties read the outputs so far
-                    row.output_token_ids = req.output_token_ids
-            append(row)
-            ids.append(token)
-            positions.append(start)
-        finished, self._finished_ids = self._finished_ids, set()
-        self._update_gauges()
-        return SchedulerOutput(
-            scheduled,
-            len(scheduled),
-            finished_req_ids=finished,
-            num_prefill_tokens=num_prefill,
-            decode_only=True,
-            decode=DecodeStep(ids, positions, grown),
-            padding_positions=self._padding(len(scheduled)),
-        )
+        copies: list[tuple[int, int]] = []
+        for parent in ready:
+            copies.extend(self._fork(parent))
+        return copies
+
+    def _fork(self, parent: Request) -> list[tuple[int, int]]:
+        """One parent's n children take its place in the running list and in requests (fork.py)."""
+        children, copies = self.forks.fork(parent)
+        pos = self.running.index(parent)
+        self.running[pos : pos + 1] = children
+        pid = parent.request_id
+        del self.requests[pid]
+        for child in children:
+            self.requests[child.request_id] = child
+        # The runner drops whatever it kept for the parent (its table row).
+        self.composer.forget(pid)
+        return copies
 
     def _add_drafts(self, drafters: list[Request], num_new: dict[str, int], budget: int) -> int:
         """Speculative draft positions for this step's decode rows, from the budget the step has left: the
@@ -391,67 +381,6 @@ class Scheduler(AdmitFromQueues, ApplyStepResult, ForkRequests):
             req.status = RequestStatus.PREEMPTED
             self.waiting.push_front(req)
             self.stats.num_preemptions_recompute += 1
-
-    def _compose(
-        self,
-        num_new: dict[str, int],
-        swap_out: list[tuple[int, int]],
-        swap_in: list[tuple[int, int]],
-        num_preempted: int,
-    ) -> SchedulerOutput:
-        scheduled = []
-        num_tokens = num_prefill = 0
-        score_prompts = False
-        for req in self.running:
-            n = num_new.get(req.request_id)
-            if not n:
-                continue
-            start = req.num_computed_tokens
-            # Past the known tokens means draft positions: the runner fills them in and verifies them.
-            num_spec = max(0, start + n - req.num_tokens)
-            samples = start + n - num_spec == req.num_tokens
-            params = req.sampling_params
-            scores = params.prompt_logprobs is not None and start < req.num_prompt_tokens
-            score_prompts |= scores
-            scheduled.append(
-                ScheduledRequest(
-                    req_id=req.request_id,
-                    token_ids=req.token_ids[start : start + n - num_spec],
-                    start_pos=start,
-                    block_table=self.kv.block_tables[req.request_id],
-                    samples=samples,
-                    sampling_params=params,
-                    output_token_ids=req.output_token_ids if params.has_penalty and samples else None,
-                    num_spec_tokens=num_spec,
-                    all_token_ids=req.token_ids if num_spec else None,
-                    req=req,
-                    prompt_token_ids=req.prompt_token_ids if scores else None,
-                )
-            )
-            num_tokens += n
-            if start < req.num_prompt_tokens or n > 1:
-                num_prefill += n
-        finished, self._finished_ids = self._finished_ids, set()
-        return SchedulerOutput(
-            scheduled=scheduled,
-            num_batched_tokens=num_tokens,
-            swap_out=swap_out,
-            swap_in=swap_in,
-            finished_req_ids=finished,
-            num_prefill_tokens=num_prefill,
-            num_preempted=num_preempted,
-            padding_positions=self._padding(len(scheduled)),
-            score_prompts=score_prompts,
-        )
-
-    def _padding(self, num_rows: int) -> tuple[int, ...]:
-        """The step's padding rows (static batching's held slots; none under continuous batching), counted
-        with its real rows. A step with no real rows computes no padding either."""
-        padding = self.batching.padding_positions() if num_rows else ()
-        stats = self.stats
-        stats.num_rows += num_rows
-        stats.num_padding_rows += len(padding)
-        return padding
 
     @staticmethod
     def _may_speculate(req: Request) -> bool:

@@ -115,19 +115,13 @@ class SimReplica:
     # -- what a router reads --------------------------------------------------------------------------------
     @property
     def num_requests(self) -> int:
-        s = self.scheduler
-        return len(s.running) + len(s.waiting) + len(s.swapped)
+        return self.scheduler.num_requests
 
     def queue_delay_s(self) -> float:
-        """The engine's own predicted queueing delay (chunkwise.sched.shedding): queued prefill and decode
-        tokens over the measured service rate."""
-        s = self.scheduler
-        tokens = 0
-        for r in (*s.waiting, *s.swapped):
-            tokens += r.num_tokens - r.num_computed_tokens
-            tokens += max(0, r.output_length_estimate - r.num_output_tokens)
-        rate = self.rate.tokens_per_s
-        return tokens / rate if tokens and rate > 0 else 0.0
+        """The engine's own predicted queueing delay (chunkwise.sched.shedding), from the scheduler's count
+        of the queued work (Scheduler.load, as the engine's load shedding reads it) over the measured
+        service rate."""
+        return self.scheduler.load(self.rate.tokens_per_s).predicted_delay_s
 
     def cached_prompt_tokens(self, block_hashes: list[int], num_prompt_tokens: int) -> int:
         """Leading prompt tokens this replica's prefix cache holds (read only; as lookup_prefix counts)."""
