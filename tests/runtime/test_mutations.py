@@ -50,8 +50,8 @@ def per_request_state(s: Scheduler, core: EngineCore | None = None) -> dict[str,
         assert outputs is not None
         sizes |= {
             "runner._generators": len(runner._generators),  # a seeded request's torch.Generator
-            "runner._prompt_scores": len(runner._prompt_scores),
-            "runner._prompt_scored": len(runner._prompt_scored),
+            "runner.prompt_scorer._scores": len(runner.prompt_scorer._scores),
+            "runner.prompt_scorer._scored": len(runner.prompt_scorer._scored),
             "runner.inputs._table_state": len(runner.inputs._table_state),
             # Table rows taken (the table may grow: preempted requests keep theirs).
             "runner.inputs rows taken": len(runner.inputs._tables) - len(runner.inputs._free_table_rows),

@@ -191,13 +191,13 @@ def test_swap_copies_each_run_of_host_slots_straight_between_the_pinned_host_cac
         layer.copy_(torch.randn(layer.shape, generator=gen))
     before = [layer.clone() for layer in runner.kv_caches]
     calls: list[tuple[torch.Tensor, torch.Tensor]] = []
-    swap_copy = runner._swap_copy
+    swap_copy = runner.kv_tensors._swap_copy
 
     def recording(dst: torch.Tensor, src: torch.Tensor) -> None:
         calls.append((dst, src))
         swap_copy(dst, src)
 
-    monkeypatch.setattr(runner, "_swap_copy", recording)
+    monkeypatch.setattr(runner.kv_tensors, "_swap_copy", recording)
     layers = len(runner.kv_caches)
     # Scattered device blocks; host slots 2, 3, 4 and 7, given out of order: two runs.
     out = [(9, 3), (5, 2), (1, 4), (12, 7)]

@@ -1,7 +1,8 @@
 """The engine: EngineCore (the step loop), the output processor, AsyncEngine (streaming, for the server)
 and LLM (the offline API).
 
-core.py            EngineCore, ModelInfo: config -> model, KV cache, runner, scheduler; one step
+core.py            EngineCore: the step loop over the parts builder.py makes; one step
+builder.py         build_engine, ModelInfo: config -> model, KV cache, runner, probes, scheduler
 calibration.py     start-up measurements the cost models begin from
 step.py            StepStats, StepUpdate: a step's timings and its snapshot for the output side
 output_processor   detokenization and stop strings -> RequestOutputs

@@ -77,11 +77,11 @@ class AsyncEngine:
         # Loop-thread state: the routes seen, the service rate.
         self._routes: set[str] = {""}
         self._drained: list[str] = []
-        self._rate = ServiceRate(self.core.cost_model.prefill_tokens_per_s)
-        self._cold_start_output_tokens = self.core.config.scheduler.cold_start_output_tokens
+        self._rate = ServiceRate(self.core.prefill_tokens_per_s)
+        self._cold_start_output_tokens = self.core.cold_start_output_tokens
         # Published by the loop thread, read by HTTP handlers; all under _lock.
         self._load = LoadSnapshot(service_tokens_per_s=self._rate.tokens_per_s)
-        self._stats = self.core.scheduler.snapshot().stats
+        self._stats = self.core.snapshot().stats
         self._estimates: dict[str, int] = {}
         # Accepted by add_request, not yet drained by the loop: request id -> (prompt tokens, output estimate).
         self._pending: dict[str, tuple[int, int]] = {}
@@ -267,7 +267,7 @@ class AsyncEngine:
         return any_item
 
     def _publish(self) -> None:
-        snap = self.core.scheduler.snapshot(self._routes)
+        snap = self.core.snapshot(self._routes)
         stats, estimates = snap.stats, snap.estimates
         load = LoadSnapshot(
             snap.num_queued, snap.queued_prefill_tokens, snap.queued_decode_tokens, self._rate.tokens_per_s
