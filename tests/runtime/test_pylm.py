@@ -15,7 +15,7 @@ from chunkwise.config import engine_config_from_kwargs
 from chunkwise.engine import EngineCore
 from chunkwise.model.loader import read_checkpoint
 from chunkwise.models import bundled_path, resolve_model_path
-from chunkwise.models.train import CHAT_TEMPLATE, SPECIAL_TOKENS, chat_exchanges, corpus_files
+from chunkwise.models.pylm_corpus import CHAT_TEMPLATE, SPECIAL_TOKENS, chat_exchanges, corpus_files
 from chunkwise.server.chat import ChatMessage, render_chat
 from chunkwise.tokenizer import HFTokenizer, IncrementalDetokenizer
 from tests.runtime.hf_models import hf_greedy

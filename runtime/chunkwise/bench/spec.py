@@ -119,8 +119,8 @@ def _dtype(dtype: str | None) -> dict[str, object]:
 
 def stdlib_excerpts(n: int, chars: int = 900) -> list[str]:
     """`n` excerpts of about `chars` characters, whole lines, from the files pylm's training held out (the
-    same selection rule as chunkwise.models.train), taken in turn from each file at growing offsets."""
-    from chunkwise.models.train import split_corpus, stdlib_dir
+    same selection rule as chunkwise.models.pylm_corpus), taken in turn from each file at growing offsets."""
+    from chunkwise.models.pylm_corpus import split_corpus, stdlib_dir
 
     _, held = split_corpus(stdlib_dir())
     files = [held[k].splitlines(keepends=True) for k in sorted(held)]

@@ -1,7 +1,7 @@
 """Checkpoints that ship inside the package: real Hugging Face directories, served by name with no download.
 
 `pylm` is a small Llama trained here on the Python standard library's own sources (see docs/models.md and
-`python -m chunkwise.models.train`). A name here is resolved to its directory, which then loads through the
+`tools/train_pylm.py`). A name here is resolved to its directory, which then loads through the
 same HF-directory path as any checkpoint; the random presets (`tiny`, `small`) live in chunkwise.model.presets.
 """
 

@@ -1,6 +1,6 @@
 """Train the bundled `pylm` checkpoint: a small Llama on the Python standard library's own sources, on CPU.
 
-    python -m chunkwise.models.train --minutes 16 --out runtime/chunkwise/models/pylm
+    python tools/train_pylm.py --minutes 16 --out runtime/chunkwise/models/pylm
 
 Everything is made here, offline, from the local interpreter's standard library (PSF License):
 
@@ -22,42 +22,30 @@ records the corpus, the shape, the time and the losses.
 from __future__ import annotations
 
 import argparse
-import ast
 import hashlib
 import json
 import math
 import multiprocessing as mp
 import random
 import sys
-import sysconfig
 import tempfile
-import textwrap
 import time
-import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-BOS = "<|begin_of_text|>"
-EOS = "<|end_of_text|>"
-END_OF_TURN = "<|end|>"
-SPECIAL_TOKENS = [BOS, EOS, "<|system|>", "<|user|>", "<|assistant|>", END_OF_TURN]
-# One "<|role|>\ncontent<|end|>\n" block per message, then "<|assistant|>\n" to prompt the reply. Rendered as
-# transformers does (Jinja, trim_blocks and lstrip_blocks), and by chunkwise's server the same way.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+from chunkwise.models.pylm_corpus import (
+    BOS,
+    CHAT_TEMPLATE,
+    END_OF_TURN,
+    EOS,
+    SPECIAL_TOKENS,
+    chat_exchanges,
+    chat_text,
+    split_corpus,
+    stdlib_dir,
 )
-# Path parts that leave a file out of the corpus: tests, third-party packages, and generated data tables
-# (codec maps, pydoc's topic strings, the build's sysconfig) that would teach the model nothing about code.
-EXCLUDED_PARTS = frozenset(
-    {"test", "tests", "idle_test", "site-packages", "encodings", "pydoc_data", "__pycache__", "turtledemo"}
-)
-EXCLUDED_PREFIXES = ("_sysconfigdata", "config-")
-HELD_OUT_EVERY = 50
-# A chat exchange's longest function (characters); longer ones stay only in their file.
-MAX_CHAT_FUNCTION_CHARS = 1500
+
 MAX_WEIGHT_BYTES = 16 * 1024 * 1024
 
 
@@ -71,72 +59,6 @@ class Shape:
     num_key_value_heads: int = 2
     max_position_embeddings: int = 2048
     rope_theta: float = 10000.0
-
-
-def stdlib_dir() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def corpus_files(root: Path) -> list[Path]:
-    """The corpus, sorted by relative path: UTF-8 .py files outside the excluded directories."""
-    files = []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root)
-        if EXCLUDED_PARTS.intersection(rel.parts[:-1]) or rel.parts[0].startswith(EXCLUDED_PREFIXES):
-            continue
-        if rel.name.startswith(EXCLUDED_PREFIXES):
-            continue
-        try:
-            path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        files.append(path)
-    return files
-
-
-def is_held_out(rel: str) -> bool:
-    return zlib.crc32(rel.encode()) % HELD_OUT_EVERY == 0
-
-
-def split_corpus(root: Path) -> tuple[dict[str, str], dict[str, str]]:
-    """(training, held-out) texts by relative path."""
-    train: dict[str, str] = {}
-    held: dict[str, str] = {}
-    for path in corpus_files(root):
-        rel = path.relative_to(root).as_posix()
-        (held if is_held_out(rel) else train)[rel] = path.read_text(encoding="utf-8")
-    return train, held
-
-
-def chat_exchanges(source: str) -> list[tuple[str, str]]:
-    """(request, function source) for each documented function: the docstring's first paragraph asks, the
-    function (dedented, decorators left out) answers."""
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return []
-    lines = source.splitlines(keepends=True)
-    out = []
-    for node in ast.walk(tree):
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            continue
-        doc = ast.get_docstring(node)
-        if not doc:
-            continue
-        ask = " ".join(doc.strip().split("\n\n")[0].split())
-        if node.end_lineno is None:
-            continue
-        # Whole lines from the `def` to the end: the dedent removes the indentation of a method.
-        segment = "".join(lines[node.lineno - 1 : node.end_lineno])
-        if not ask or len(segment) > MAX_CHAT_FUNCTION_CHARS or len(ask) > 300:
-            continue
-        out.append((ask, textwrap.dedent(segment).rstrip() + "\n"))
-    return out
-
-
-def chat_text(ask: str, answer: str) -> str:
-    """What CHAT_TEMPLATE renders for one user turn, then the reply and its end of turn."""
-    return f"<|user|>\n{ask}{END_OF_TURN}\n<|assistant|>\n{answer}{END_OF_TURN}\n"
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
@@ -263,7 +185,7 @@ def prepare_data(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m chunkwise.models.train", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="tools/train_pylm.py", description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "pylm")
     p.add_argument("--stdlib", type=Path, default=None, help="corpus root (default: this interpreter's)")
     p.add_argument("--minutes", type=float, default=16.0, help="training wall-clock budget (default 16)")
