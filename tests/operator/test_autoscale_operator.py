@@ -66,6 +66,16 @@ def pods(cluster: Cluster) -> Iterator[list[MetricsServer]]:
         s.close()
 
 
+async def create_pod(cluster: Cluster, body: dict[str, Any]) -> None:
+    """A pod as the kubelet would report it (kmock has no kubelet: the test writes its status)."""
+
+    def create() -> None:
+        with kubernetes.client.ApiClient(kubernetes.client.Configuration(host=cluster.url)) as c:
+            kubernetes.client.CoreV1Api(c).create_namespaced_pod(NAMESPACE, body)
+
+    await asyncio.to_thread(create)
+
+
 async def add_pod(
     cluster: Cluster, servers: list[MetricsServer], owner: str, waiting: float
 ) -> MetricsServer:
@@ -89,11 +99,7 @@ async def add_pod(
         },
     }
 
-    def create() -> None:
-        with kubernetes.client.ApiClient(kubernetes.client.Configuration(host=cluster.url)) as c:
-            kubernetes.client.CoreV1Api(c).create_namespaced_pod(NAMESPACE, body)
-
-    await asyncio.to_thread(create)
+    await create_pod(cluster, body)
     return server
 
 
@@ -355,11 +361,7 @@ async def add_unready_pod(cluster: Cluster, owner: str, name: str, since: float)
         },
     }
 
-    def create() -> None:
-        with kubernetes.client.ApiClient(kubernetes.client.Configuration(host=cluster.url)) as c:
-            kubernetes.client.CoreV1Api(c).create_namespaced_pod(NAMESPACE, body)
-
-    await asyncio.to_thread(create)
+    await create_pod(cluster, body)
 
 
 async def test_replicas_unready_past_the_startup_budget_do_not_hold_a_scale_down(
@@ -459,11 +461,7 @@ async def test_from_zero_the_requests_the_router_holds_decide_how_many_replicas(
             },
         }
 
-        def create() -> None:
-            with kubernetes.client.ApiClient(kubernetes.client.Configuration(host=cluster.url)) as c:
-                kubernetes.client.CoreV1Api(c).create_namespaced_pod(NAMESPACE, body)
-
-        await asyncio.to_thread(create)
+        await create_pod(cluster, body)
         await eventually(lambda: replicas(cluster, "chat") == 3, what="0 -> 3", timeout=15)
         events = await eventually(
             lambda: [e["message"] for e in cluster.events() if e["reason"] == "ScaledUp"],
