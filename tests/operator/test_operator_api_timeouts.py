@@ -85,7 +85,11 @@ async def test_an_object_whose_calls_hang_fails_its_handler_and_the_others_proce
             lambda: (cluster.get(Cluster.DEPLOYMENTS, "stuck") or {}).get("spec", {}).get("template"),
             what="the hung object's Deployment restored",
         )
-        assert operator.count("Restored Deployment stuck: it had been edited") == 1
+        # The log line follows the write the condition above saw.
+        await eventually(
+            lambda: operator.count("Restored Deployment stuck: it had been edited") == 1,
+            what="the restore logged",
+        )
         assert operator.count("not checked for drift") == 0
 
 
