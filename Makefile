@@ -9,7 +9,7 @@ export PATH := $(CURDIR)/$(BIN):$(PATH)
 # The CPU wheel of torch 2.13.0 lies on disk here; an unpinned torch would pull a multi-GB CUDA build.
 TORCH := torch==2.13.0
 
-# The bundled trained checkpoint (runtime/chunkwise/models/pylm, docs/models.md); `MODEL=tiny` for the random preset.
+# The bundled trained checkpoint (runtime/chunkwise/engine/model/bundled/pylm, docs/models.md); `MODEL=tiny` for the random preset.
 MODEL ?= pylm
 HOST ?= 127.0.0.1
 PORT ?= 8000
@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python charts/get_helm.py
 	# chunkwise's CPU kernels, built once here rather than at the first engine start (about 30 s); without a
 	# C++ compiler the engine runs the torch reference instead and says so.
-	-$(BIN)/python -m chunkwise.kernels
+	-$(BIN)/python -m chunkwise.engine.kernels
 	touch $(STAMP)
 
 serve: $(STAMP)
@@ -58,10 +58,10 @@ unit: $(STAMP)
 # The unit run above already covered this CPU's own choices, so its level is skipped here.
 ISAS ?= avx2 amx
 isa: $(STAMP)
-	here=$$($(BIN)/python -c "from chunkwise.hardware import detect_isa; print(detect_isa())"); \
+	here=$$($(BIN)/python -c "from chunkwise.engine.hardware import detect_isa; print(detect_isa())"); \
 	for isa in $(ISAS); do \
 		if [ "$$isa" = "$$here" ]; then echo "isa: $$isa is this CPU's own, covered by the unit run"; continue; fi; \
-		CHUNKWISE_CPU_ISA=$$isa $(BIN)/python -m chunkwise.kernels >/dev/null; \
+		CHUNKWISE_CPU_ISA=$$isa $(BIN)/python -m chunkwise.engine.kernels >/dev/null; \
 		CHUNKWISE_CPU_ISA=$$isa $(BIN)/pytest -q -m "isa and not slow" --timeout=600 $(XDIST) tests/runtime \
 			|| exit 1; \
 	done

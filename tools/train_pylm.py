@@ -1,6 +1,6 @@
 """Train the bundled `pylm` checkpoint: a small Llama on the Python standard library's own sources, on CPU.
 
-    python tools/train_pylm.py --minutes 16 --out runtime/chunkwise/models/pylm
+    python tools/train_pylm.py --minutes 16 --out runtime/chunkwise/engine/model/bundled/pylm
 
 Everything is made here, offline, from the local interpreter's standard library (PSF License):
 
@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from chunkwise.models.pylm_corpus import (
+from chunkwise.engine.model.bundled.pylm_corpus import (
     BOS,
     CHAT_TEMPLATE,
     END_OF_TURN,

@@ -4,7 +4,7 @@ heads (8 over 2 KV heads of 64), bf16. Prints the best of 20 calls per context a
 
     PYTHONPATH=runtime taskset -c 1 .venv/bin/python bench/cpu/decode_attention.py [--library PATH]
 
---library loads another build of the kernels instead of this checkout's (`python -m chunkwise.kernels` at
+--library loads another build of the kernels instead of this checkout's (`python -m chunkwise.engine.kernels` at
 another commit prints its path): how the bf16 dot-product path (csrc/paged_attention_bf16.cpp) was compared
 with the generic kernel it replaced on AVX512-BF16.
 """
@@ -29,7 +29,7 @@ def main() -> None:
     if args.library:
         torch.ops.load_library(args.library)
     else:
-        from chunkwise import kernels
+        from chunkwise.engine import kernels
 
         print(f"kernels: {kernels.load()}")
     d = args.head_dim

@@ -14,7 +14,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from chunkwise import kernels
+from chunkwise.engine import kernels
 
 print(f"kernels: {kernels.load().name}")
 torch.set_num_threads(1)

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from chunkwise import kernels
+from chunkwise.engine import kernels
 
 kernels.load()
 torch.set_num_threads(1)

@@ -17,7 +17,7 @@ import time
 import torch
 
 if sys.argv[1:] == ["chunkwise"]:
-    from chunkwise.hardware import configure_onednn
+    from chunkwise.engine.hardware import configure_onednn
 
     configure_onednn()
 elif sys.argv[1:] != ["default"]:

@@ -12,9 +12,9 @@ import time
 
 import torch
 
-from chunkwise.attention.backend import AttentionMetadata, kv_cache_shape
-from chunkwise.attention.cpu_backend import CpuAttentionBackend
-from chunkwise.worker.inputs import InputBatch, Row
+from chunkwise.engine.attention.backend import AttentionMetadata, kv_cache_shape
+from chunkwise.engine.attention.cpu_backend import CpuAttentionBackend
+from chunkwise.engine.worker.inputs import InputBatch, Row
 
 torch.set_num_threads(1)
 BLOCK, HEADS, KV_HEADS, HEAD_DIM = 16, 8, 2, 64

@@ -18,8 +18,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from chunkwise import kernels
-from chunkwise.attention.cpu_backend import attend_after_prefix
+from chunkwise.engine import kernels
+from chunkwise.engine.attention.cpu_backend import attend_after_prefix
 
 # (heads, KV heads, head_dim, context before the chunk, chunk): the benchmark model's heads (8 over 2 of 64)
 # at the convoy's chunks of a 3,000-token prompt under a 1,024-token budget, a Llama-3-8B layer's heads,

@@ -17,9 +17,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from chunkwise.bench import workloads
 from chunkwise.bench.checkpoint import CheckpointSpec, ensure_checkpoint
-from chunkwise.config import engine_config_from_kwargs
-from chunkwise.engine.core import EngineCore
-from chunkwise.sampling_params import SamplingParams
+from chunkwise.engine.datatypes.config import engine_config_from_kwargs
+from chunkwise.engine.datatypes.sampling_params import SamplingParams
+from chunkwise.engine.loop.core import EngineCore
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--seed", type=int, default=0)

@@ -81,7 +81,7 @@ def make_case(
     device: torch.device,
     seed: int = 0,
 ) -> Case:
-    from chunkwise.attention.backend import AttentionMetadata, kv_cache_shape
+    from chunkwise.engine.attention.backend import AttentionMetadata, kv_cache_shape
 
     gen = torch.Generator(device="cpu").manual_seed(seed)
     blocks_per_req = [math.ceil((c + n) / block_size) for c, n in requests]
@@ -217,8 +217,8 @@ def max_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 class Bench:
     def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
-        from chunkwise.attention.torch_ref import TorchAttentionBackend
-        from chunkwise.attention.triton_backend import TritonAttentionBackend, TritonAttentionConfig
+        from chunkwise.engine.attention.torch_ref import TorchAttentionBackend
+        from chunkwise.engine.attention.triton_backend import TritonAttentionBackend, TritonAttentionConfig
 
         self.args = args
         self.device = device
@@ -556,9 +556,9 @@ class Bench:
 
     def e2e_decode(self) -> None:
         """Decode steps of a ~1B Llama (random weights) at batch B and context C, vs the bandwidth roofline."""
-        from chunkwise.attention.backend import AttentionMetadata, kv_cache_shape
-        from chunkwise.config import ModelConfig
-        from chunkwise.model.llama import Attention, LlamaForCausalLM
+        from chunkwise.engine.attention.backend import AttentionMetadata, kv_cache_shape
+        from chunkwise.engine.datatypes.config import ModelConfig
+        from chunkwise.engine.model.llama import Attention, LlamaForCausalLM
 
         if self.smoke:
             cfg = ModelConfig(

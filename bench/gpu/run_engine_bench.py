@@ -173,9 +173,9 @@ class Bench:
         return False
 
     def engine(self, cfg: Config) -> Any:
-        from chunkwise.config import engine_config_from_kwargs
         from chunkwise.engine import EngineCore
-        from chunkwise.worker.cuda_graphs import bucket_sizes
+        from chunkwise.engine.datatypes.config import engine_config_from_kwargs
+        from chunkwise.engine.worker.cuda_graphs import bucket_sizes
 
         s = self.shape
         engine = EngineCore(
@@ -207,7 +207,7 @@ class Bench:
 
     def tokens(self, engine: Any) -> list[list[token_gate.Step]]:
         """Greedy output of six prompts of different lengths, each token with its top-5 log-probs."""
-        from chunkwise.sampling_params import SamplingParams
+        from chunkwise.engine.datatypes.sampling_params import SamplingParams
 
         prompts = [[3 + (i * 37 + j * 11) % 250 for j in range(5 + 7 * i)] for i in range(6)]
         sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
@@ -237,7 +237,7 @@ class Bench:
         its steps are prompt-only and nothing synchronises between them, run as usual and then with the host
         waiting for the device after every step. The two must give the same tokens and log-probs exactly
         (same batches, same kernels); with the race, the first run's chunks read the next step's inputs."""
-        from chunkwise.sampling_params import SamplingParams
+        from chunkwise.engine.datatypes.sampling_params import SamplingParams
 
         s = self.shape
         prompt = [3 + (j * 29) % 250 for j in range(3 * s.budget + s.budget // 2)]
@@ -268,7 +268,7 @@ class Bench:
     def decode(self, engine: Any, batch: int) -> dict[str, float]:
         """Decode-only steps of `batch` requests at `context` tokens: tok/s, p50/p99 step time, the HBM
         bandwidth reached, and the host's share of the step (StepStats: everything outside the forward)."""
-        from chunkwise.sampling_params import SamplingParams
+        from chunkwise.engine.datatypes.sampling_params import SamplingParams
 
         s = self.shape
         # Long enough that the first requests are still decoding when the last prompt is prefilled: the
@@ -318,7 +318,7 @@ class Bench:
 
     def prefill(self, engine: Any) -> dict[str, float]:
         """Prompt-only steps of a full token budget: prefill tok/s and p50/p99 step time."""
-        from chunkwise.sampling_params import SamplingParams
+        from chunkwise.engine.datatypes.sampling_params import SamplingParams
 
         s = self.shape
         sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

@@ -153,7 +153,7 @@ class Speculation:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    # The engine's own defaults (runtime/chunkwise/config.py), so an empty spec runs the engine as shipped.
+    # The engine's own defaults (runtime/chunkwise/engine/datatypes/config.py), so an empty spec runs the engine as shipped.
     dtype: str = "auto"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 1024

@@ -12,17 +12,17 @@ __all__ = ["LLM", "AsyncEngine", "CompletionOutput", "RequestOutput", "SamplingP
 
 if TYPE_CHECKING:
     from chunkwise.engine import LLM, AsyncEngine
-    from chunkwise.outputs import CompletionOutput, RequestOutput
-    from chunkwise.sampling_params import SamplingParams
-    from chunkwise.structured.spec import StructuredOutput
+    from chunkwise.engine.datatypes.outputs import CompletionOutput, RequestOutput
+    from chunkwise.engine.datatypes.sampling_params import SamplingParams
+    from chunkwise.engine.datatypes.structured_output import StructuredOutput
 
 _LAZY = {
     "LLM": "chunkwise.engine",
     "AsyncEngine": "chunkwise.engine",
-    "RequestOutput": "chunkwise.outputs",
-    "CompletionOutput": "chunkwise.outputs",
-    "SamplingParams": "chunkwise.sampling_params",
-    "StructuredOutput": "chunkwise.structured.spec",
+    "RequestOutput": "chunkwise.engine.datatypes.outputs",
+    "CompletionOutput": "chunkwise.engine.datatypes.outputs",
+    "SamplingParams": "chunkwise.engine.datatypes.sampling_params",
+    "StructuredOutput": "chunkwise.engine.datatypes.structured_output",
 }
 
 

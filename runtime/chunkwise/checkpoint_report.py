@@ -75,20 +75,20 @@ def inspect_model(
     """Raises ValueError with the loader's reason for a checkpoint it refuses."""
     import torch
 
-    from chunkwise.attention.torch_ref import TorchAttentionBackend
-    from chunkwise.hardware import cpu_has_bf16_matmul, resolve_dtype
-    from chunkwise.model.layers import Linear
-    from chunkwise.model.llama import LlamaForCausalLM
-    from chunkwise.model.loader import (
+    from chunkwise.engine.attention.torch_ref import TorchAttentionBackend
+    from chunkwise.engine.hardware import cpu_has_bf16_matmul, resolve_dtype
+    from chunkwise.engine.model.bundled import resolve_model_path
+    from chunkwise.engine.model.layers import Linear
+    from chunkwise.engine.model.llama import LlamaForCausalLM
+    from chunkwise.engine.model.loader import (
         SUPPORTED_ARCHITECTURES,
         checkpoint_dtype,
         hf_weight_names,
         read_checkpoint,
     )
-    from chunkwise.model.presets import PRESETS
-    from chunkwise.models import resolve_model_path
-    from chunkwise.tokenizer import NoTokenizer
-    from chunkwise.worker.model_runner import kv_bytes_per_token
+    from chunkwise.engine.model.presets import PRESETS
+    from chunkwise.engine.tokenizer import NoTokenizer
+    from chunkwise.engine.worker.model_runner import kv_bytes_per_token
 
     if name_or_path in PRESETS:
         config = PRESETS[name_or_path]

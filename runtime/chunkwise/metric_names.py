@@ -1,6 +1,6 @@
 """The name of every metric the engine exports and of those the router exports that others read: one owner.
 
-metrics.py registers them; the router (router/estimates.py), the benchmark client (bench/serve.py) and the
+engine/loop/metrics.py registers them; the router (router/estimates.py), the benchmark client (bench/serve.py) and the
 operator (chunkwise_operator/scrape.py, held to these by a contract test: the operator image may not need
 this package) read them. The vLLM names are kept where vLLM has the metric, so that dashboards, KEDA
 triggers and the GAIE endpoint picker written for vLLM work unchanged. Importing this module imports nothing.

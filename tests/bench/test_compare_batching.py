@@ -21,7 +21,7 @@ def test_compare_batching_reports_the_static_runs_padding_share_as_the_seeds_one
     u = useful_work_fraction([it.output_len for it in items], 4)
     assert u < 0.9  # the workload does leave slots idle
     # Every prompt fits its batch's first step, so each batch computes n * max l rows, sum l of them real:
-    # padding is exactly the seed's 1 - U of the static run's rows. Continuous batching computes none.
+    # padding is exactly 1 - U (docs/scheduling.md) of the static run's rows. Continuous batching computes none.
     assert cmp.info["static_padding_share"] == pytest.approx(1 - u)
     assert cmp.info["continuous_padding_share"] == 0.0
     (static,) = cmp.results["static"]

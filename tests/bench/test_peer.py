@@ -136,7 +136,7 @@ def test_tokenizer_round_trips_in_tokenizers_chunkwise_and_transformers(tiny_dir
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
-    from chunkwise.tokenizer import HFTokenizer, IncrementalDetokenizer
+    from chunkwise.engine.tokenizer import HFTokenizer, IncrementalDetokenizer
 
     raw = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
     assert raw.get_vocab_size() == TINY.vocab_size

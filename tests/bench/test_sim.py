@@ -115,8 +115,8 @@ def test_predicted_completion_follows_the_cached_prefix_until_the_queue_costs_mo
 
 
 def test_features_of_a_step() -> None:
-    from chunkwise.sampling_params import SamplingParams
-    from chunkwise.sched.output import ScheduledRequest, SchedulerOutput
+    from chunkwise.engine.datatypes.sampling_params import SamplingParams
+    from chunkwise.engine.sched.output import ScheduledRequest, SchedulerOutput
 
     sp = SamplingParams()
     so = SchedulerOutput(
@@ -164,8 +164,8 @@ def test_queue_delay_counts_each_of_a_queued_parents_n_outputs() -> None:
     """The simulator's predicted queueing delay is the engine's (Scheduler.load): a queued n > 1 request has n
     outputs to come, so its estimated output counts n times (the simulator's own copy of the estimate had
     dropped the x n)."""
-    from chunkwise.request import Request
-    from chunkwise.sampling_params import SamplingParams
+    from chunkwise.engine.datatypes.request import Request
+    from chunkwise.engine.datatypes.sampling_params import SamplingParams
     from chunkwise.sim.replica import SimReplica
 
     p = profile()

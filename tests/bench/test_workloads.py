@@ -1,4 +1,4 @@
-"""Workload generators: the seed's useful-work regime, arrival processes, traces."""
+"""Workload generators: the useful-work regime of docs/scheduling.md, arrival processes, traces."""
 
 from __future__ import annotations
 

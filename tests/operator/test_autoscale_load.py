@@ -1,5 +1,5 @@
 """Issue 31, "load at scale": one autoscaler evaluation over 50 replicas, against kmock and 50 /metrics
-endpoints on loopback serving the engine's own exposition (chunkwise.metrics), through the operator's
+endpoints on loopback serving the engine's own exposition (chunkwise.engine.loop.metrics), through the operator's
 Reconciler (what the Kopf daemon awaits each interval).
 """
 
@@ -19,7 +19,7 @@ import kubernetes
 import pytest
 from operator_harness import NAMESPACE, VERBS, Cluster, HttpStub
 
-from chunkwise.metrics import EngineMetrics
+from chunkwise.engine.loop.metrics import EngineMetrics
 from chunkwise_operator import autoscale, manifests, scrape
 from chunkwise_operator.kube import Kube
 from chunkwise_operator.reconcile import Reconciler

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from chunkwise.metrics import EngineMetrics
-from chunkwise.sched.output import SchedulerStats
+from chunkwise.engine.loop.metrics import EngineMetrics
+from chunkwise.engine.sched.output import SchedulerStats
 from chunkwise_operator import autoscale as a
 from chunkwise_operator.scrape import PodSample, parse, quantile, signals, targets
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from chunkwise.config import engine_args
-from chunkwise.engine_args import engine_config_from_args
+from chunkwise.engine.args import engine_config_from_args
+from chunkwise.engine.datatypes.config import engine_args
 from chunkwise.fetch.args import add_fetch_args
 from chunkwise.router import wake
 from chunkwise.router.args import add_router_args

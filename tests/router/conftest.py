@@ -10,7 +10,7 @@ import kmock as km
 import pytest
 import yaml
 
-from chunkwise.cache.hashing import hash_prefix_blocks
+from chunkwise.engine.cache.hashing import hash_prefix_blocks
 from chunkwise.router import wake
 from chunkwise.router.core import Router
 from chunkwise.router.cost import CostModel, Defaults

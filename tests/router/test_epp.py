@@ -20,6 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from chunkwise.engine.tokenizer import ByteTokenizer
 from chunkwise.router.core import Router
 from chunkwise.router.epp import (
     BODY_CHUNK,
@@ -31,7 +32,6 @@ from chunkwise.router.epp import (
     start_epp,
 )
 from chunkwise.router.prompt import PromptReader
-from chunkwise.tokenizer import ByteTokenizer
 
 from .conftest import URLS
 from .fake_replicas import FakeFleet, body, make_router

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from chunkwise.metrics import EngineMetrics
+from chunkwise.engine.loop.metrics import EngineMetrics
+from chunkwise.engine.sched.output import SchedulerStats
 from chunkwise.router.estimates import (
     WARMUP_INTERVALS,
     MetricsSample,
@@ -13,7 +14,6 @@ from chunkwise.router.estimates import (
     fleet_mean,
     parse_metrics,
 )
-from chunkwise.sched.output import SchedulerStats
 
 
 def exposition(metrics: EngineMetrics) -> str:

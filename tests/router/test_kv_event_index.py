@@ -7,7 +7,7 @@ import asyncio
 
 import httpx
 
-from chunkwise.cache.events import hash_hex
+from chunkwise.engine.cache.events import hash_hex
 from chunkwise.router.replica import InFlight, Replica
 
 URL = "http://127.0.0.9:8000"

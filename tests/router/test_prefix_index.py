@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from chunkwise.cache.hashing import hash_prefix_blocks
+from chunkwise.engine.cache.hashing import hash_prefix_blocks
 from chunkwise.router.prefix_index import PrefixIndex
 
 BLOCK = 4

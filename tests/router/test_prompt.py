@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from chunkwise.cache.hashing import hash_prefix_blocks
+from chunkwise.engine.cache.hashing import hash_prefix_blocks
+from chunkwise.engine.tokenizer import ByteTokenizer
 from chunkwise.router.prompt import PromptReader, RoutedRequest, load_tokenizer
 from chunkwise.server.protocol import ChatCompletionRequest
 from chunkwise.server.serving import chat_prompt_ids
-from chunkwise.tokenizer import ByteTokenizer
 
 BLOCK = 16
 

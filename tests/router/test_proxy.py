@@ -7,10 +7,10 @@ import json
 import httpx
 import pytest
 
+from chunkwise.engine.tokenizer import ByteTokenizer
 from chunkwise.router.core import Router
 from chunkwise.router.prompt import PromptReader
 from chunkwise.router.proxy import REPLICA_HEADER, build_app
-from chunkwise.tokenizer import ByteTokenizer
 
 from .conftest import URLS
 from .fake_replicas import FakeFleet, body, make_router, sse

@@ -5,11 +5,11 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from chunkwise.engine.tokenizer import ByteTokenizer
 from chunkwise.router.prompt import PromptReader
 from chunkwise.router.proxy import build_app
 from chunkwise.router.replica import InFlight
 from chunkwise.router.slo import MAX_RETRY_AFTER_S, Shed, Slo, SloHeaderError, parse_slo, retry_after
-from chunkwise.tokenizer import ByteTokenizer
 
 from .conftest import URLS, MakeRouter, request
 from .fake_replicas import FakeFleet, body, make_router

@@ -9,12 +9,12 @@ import json
 import httpx
 import kubernetes
 
+from chunkwise.engine.tokenizer import ByteTokenizer
 from chunkwise.router.core import Router
 from chunkwise.router.discovery import kube_api_client
 from chunkwise.router.prompt import PromptReader
 from chunkwise.router.proxy import build_app
 from chunkwise.router.wake import GROUP, PLURAL, VERSION, KubeScaler, WakeConfig, Waker
-from chunkwise.tokenizer import ByteTokenizer
 
 from .conftest import URLS
 from .fake_replicas import FakeFleet, body, make_router, sse

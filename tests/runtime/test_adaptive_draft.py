@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from chunkwise.speculative.adaptive import AdaptiveDraftLength, StepCostModel
+from chunkwise.engine.sched.draft_length import AdaptiveDraftLength, StepCostModel
 
 # The scripted machine. The forward: a fixed cost and a small per-token one (what the start-up probe sees).
 FWD_FIXED, FWD_TOKEN = 0.002, 0.00002

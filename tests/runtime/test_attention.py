@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from chunkwise.attention import get_attention_backend
-from chunkwise.attention.backend import AttentionMetadata, kv_cache_shape
-from chunkwise.attention.cpu_backend import PAGED_PREFILL_MAX_CONTEXT, CpuAttentionBackend
-from chunkwise.attention.torch_ref import TorchAttentionBackend
+from chunkwise.engine.attention import get_attention_backend
+from chunkwise.engine.attention.backend import AttentionMetadata, kv_cache_shape
+from chunkwise.engine.attention.cpu_backend import PAGED_PREFILL_MAX_CONTEXT, CpuAttentionBackend
+from chunkwise.engine.attention.torch_ref import TorchAttentionBackend
 
 # Its expectations depend on the CPU's choices: `make test` runs it again under each CHUNKWISE_CPU_ISA.
 pytestmark = pytest.mark.isa
@@ -303,7 +303,7 @@ def test_get_attention_backend():
 )
 def test_a_chunk_after_its_prefix_is_the_masked_attention(dtype, heads, kv_heads, prefix, n):
     """The prefix and the chunk's own triangle, merged by log-sum-exp, against one masked SDPA call."""
-    from chunkwise.attention.cpu_backend import attend_after_prefix
+    from chunkwise.engine.attention.cpu_backend import attend_after_prefix
 
     gen = torch.Generator().manual_seed(prefix + n)
     q = torch.randn(1, n, heads, 64, generator=gen).to(dtype).transpose(1, 2)  # strided, as the backend's
@@ -325,8 +325,8 @@ def test_cpu_backend_runs_bf16_prefill_on_its_own_kernel_only_at_the_avx512_leve
     """bf16 prefill chunks go to chunkwise's kernel where the level is avx512 (bf16 dot products, no AMX)
     and the kernels have it; torch's flash attention on AMX (its tiles) and below AVX-512. `make isa`
     runs this under every level."""
-    from chunkwise import kernels
-    from chunkwise.hardware import cpu_isa
+    from chunkwise.engine import kernels
+    from chunkwise.engine.hardware import cpu_isa
 
     calls = []
     real = kernels.prefill_attention

@@ -4,11 +4,11 @@ import struct
 
 import pytest
 
-from chunkwise.cache.block_pool import BlockPool
-from chunkwise.cache.hashing import HASH_BYTES, hash_block, hash_prefix_blocks
-from chunkwise.cache.kv_cache_manager import KVCacheManager
-from chunkwise.request import Request
-from chunkwise.sampling_params import SamplingParams
+from chunkwise.engine.cache.block_pool import BlockPool
+from chunkwise.engine.cache.hashing import HASH_BYTES, hash_block, hash_prefix_blocks
+from chunkwise.engine.cache.kv_cache_manager import KVCacheManager
+from chunkwise.engine.datatypes.request import Request
+from chunkwise.engine.datatypes.sampling_params import SamplingParams
 
 
 def make_req(rid: str, tokens: list[int], salt: str | None = None) -> Request:

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from chunkwise.engine.calibration import (
+from chunkwise.engine.loop.calibration import (
     MemoryReading,
     ProfileStep,
     StartupProbe,
@@ -167,9 +167,9 @@ def test_profile_counts_the_steps_peak_less_its_own_kv_cache_and_what_torch_does
 
 
 def tiny_runner_factory(max_model_len: int = 256):
-    from chunkwise.attention import get_attention_backend
-    from chunkwise.model.loader import load_model
-    from chunkwise.worker.model_runner import ModelRunner
+    from chunkwise.engine.attention import get_attention_backend
+    from chunkwise.engine.model.loader import load_model
+    from chunkwise.engine.worker.model_runner import ModelRunner
 
     backend = get_attention_backend("torch", "cpu")
     loaded = load_model("tiny", dtype=torch.float32, device="cpu", backend=backend)
@@ -239,7 +239,7 @@ def test_kv_blocks_on_device_profiles_through_the_runner_and_logs_the_breakdown(
         dev.free(ACTIVATIONS)
         return r
 
-    with caplog.at_level("INFO", logger="chunkwise.engine.calibration"):
+    with caplog.at_level("INFO", logger="chunkwise.engine.loop.calibration"):
         blocks = kv_blocks_on_device(
             runner,
             dev,

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from chunkwise import LLM, SamplingParams
-from chunkwise.config import engine_config_from_kwargs
 from chunkwise.engine import EngineCore
-from chunkwise.worker.cuda_graphs import bucket_sizes
+from chunkwise.engine.datatypes.config import engine_config_from_kwargs
+from chunkwise.engine.worker.cuda_graphs import bucket_sizes
 
 
 def test_bucket_sizes():

@@ -10,10 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from chunkwise import LLM, SamplingParams
-from chunkwise.config import engine_config_from_kwargs
 from chunkwise.engine import AsyncEngine, EngineCore
-from chunkwise.engine.stream import RequestStream
-from chunkwise.worker.cuda_graphs import bucket_sizes
+from chunkwise.engine.datatypes.config import engine_config_from_kwargs
+from chunkwise.engine.loop.stream import RequestStream
+from chunkwise.engine.worker.cuda_graphs import bucket_sizes
 
 
 # float32 wherever outputs are compared token for token: "auto" is bf16 on a CPU with bf16 matrix units, whose
@@ -486,7 +486,7 @@ def test_static_batch_computes_a_padding_row_per_finished_request_and_changes_no
         # Every forward of the batch computes all of its rows, real + padding, until the longest completes.
         assert static["forward_rows"] == [n] * longest
         assert cont["forward_rows"] == [sum(1 for ln in STATIC_LENGTHS if ln > s) for s in range(longest)]
-    # One padding row per finished request per later step: n * max - sum, the seed's (1 - U) of the batch.
+    # One padding row per finished request per later step: n * max - sum, the (1 - U) of the batch.
     assert static["padding_rows"] == [sum(1 for ln in STATIC_LENGTHS if ln <= s) for s in range(longest)]
     stats = static["stats"]
     assert stats.num_padding_rows == n * longest - sum(STATIC_LENGTHS)  # type: ignore[attr-defined]

@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 
 from chunkwise.cli import main
-from chunkwise.config import (
+from chunkwise.engine.args import add_engine_args, engine_config_from_args
+from chunkwise.engine.datatypes.config import (
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
@@ -16,7 +17,6 @@ from chunkwise.config import (
     engine_args,
     engine_config_from_kwargs,
 )
-from chunkwise.engine_args import add_engine_args, engine_config_from_args
 from chunkwise.server.args import add_serve_args
 
 CONFIGS = (EngineConfig, CacheConfig, SchedulerConfig, SpecConfig)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from chunkwise import LLM, SamplingParams
-from chunkwise.config import engine_config_from_kwargs
 from chunkwise.engine import EngineCore
+from chunkwise.engine.datatypes.config import engine_config_from_kwargs
 from tests.runtime.hf_models import FAMILIES, hf_greedy, save_random_family
 from tests.runtime.test_engine_exact import run_staggered
 

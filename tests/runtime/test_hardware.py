@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from chunkwise import hardware
-from chunkwise.hardware import ONEDNN_PRIMITIVE_CACHE_CAPACITY
+from chunkwise.engine import hardware
+from chunkwise.engine.hardware import ONEDNN_PRIMITIVE_CACHE_CAPACITY
 
 # Its expectations depend on the CPU's choices: `make test` runs it again under each CHUNKWISE_CPU_ISA.
 pytestmark = pytest.mark.isa
@@ -53,8 +53,8 @@ def test_auto_on_cuda_is_half_precision():
 
 
 def test_the_engine_logs_its_choice_and_records_the_resolved_dtype(caplog):
-    from chunkwise.config import engine_config_from_kwargs
     from chunkwise.engine import EngineCore
+    from chunkwise.engine.datatypes.config import engine_config_from_kwargs
 
     with caplog.at_level("INFO", logger="chunkwise.engine"):
         engine = EngineCore(engine_config_from_kwargs("tiny", max_model_len=64))
@@ -68,8 +68,8 @@ def _onednn_capacity_after_load(env: dict[str, str]) -> str:
     """ONEDNN_PRIMITIVE_CACHE_CAPACITY as a fresh process has it once a model's weights are laid out."""
     code = (
         "import os, torch\n"
-        "from chunkwise.model.loader import load_model\n"
-        "from chunkwise.attention import get_attention_backend\n"
+        "from chunkwise.engine.model.loader import load_model\n"
+        "from chunkwise.engine.attention import get_attention_backend\n"
         "backend = get_attention_backend('auto', 'cpu')\n"
         "load_model('tiny', dtype=torch.float32, device='cpu', backend=backend)\n"
         "print(os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY'))\n"

@@ -1,4 +1,5 @@
-"""No import cycle between the modules of either package, TYPE_CHECKING imports included (issue 32).
+"""No import cycle between the modules of either package, and no upward edge between the engine's layers,
+TYPE_CHECKING imports included (issue 32).
 
 A cycle makes a layer impossible to read, test or replace without the one above it; the three the engine
 had (request <-> sched.output, router.llmd <-> router.policies, server.formatters <-> server.tools) were
@@ -14,6 +15,38 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = [ROOT / "runtime" / "chunkwise", ROOT / "operator" / "chunkwise_operator"]
+
+# runtime/chunkwise, top to bottom (chunkwise/engine/__init__.py says what each layer is). A module belongs to
+# the layer of its longest listed prefix; a module may import its own layer's and the layers below.
+LAYERS: list[tuple[str, list[str]]] = [
+    (
+        "applications",
+        [
+            "chunkwise",
+            "chunkwise.cli",
+            "chunkwise.argtypes",
+            "chunkwise.checkpoint_report",
+            "chunkwise.server",
+            "chunkwise.router",
+            "chunkwise.sim",
+            "chunkwise.fetch",
+            "chunkwise.bench",
+        ],
+    ),
+    ("engine", ["chunkwise.engine", "chunkwise.engine.args"]),
+    ("loop", ["chunkwise.engine.loop"]),
+    ("worker", ["chunkwise.engine.worker"]),
+    ("sched", ["chunkwise.engine.sched"]),
+    ("cache", ["chunkwise.engine.cache"]),
+    ("sampling", ["chunkwise.engine.sampling"]),
+    ("model", ["chunkwise.engine.model"]),
+    ("attention", ["chunkwise.engine.attention"]),
+    ("kernels", ["chunkwise.engine.kernels"]),
+    ("tokenizer", ["chunkwise.engine.tokenizer"]),
+    ("datatypes", ["chunkwise.engine.datatypes"]),
+    ("hardware", ["chunkwise.engine.hardware"]),
+    ("shared names", ["chunkwise.metric_names"]),
+]
 
 
 def module_graph(package: Path) -> dict[str, set[str]]:
@@ -110,3 +143,53 @@ def test_a_cycle_behind_type_checking_is_found(tmp_path: Path) -> None:
     assert cycles(edges) == [["pkg.a", "pkg.sub.b"]]
     (pkg / "sub" / "b.py").write_text("import pkg.c\n")
     assert cycles(module_graph(pkg)) == []
+
+
+def layer_of(module: str, layers: list[tuple[str, list[str]]]) -> int | None:
+    """The index of the layer whose longest prefix matches `module`, or None when no layer claims it."""
+    best: tuple[int, int] | None = None
+    for i, (_, prefixes) in enumerate(layers):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and (
+                best is None or len(prefix) > best[1]
+            ):
+                best = (i, len(prefix))
+    return None if best is None else best[0]
+
+
+def upward_edges(edges: dict[str, set[str]], layers: list[tuple[str, list[str]]]) -> list[str]:
+    """Each import of a module from a layer above the importer's, and each module no layer claims."""
+    found = [f"{m}: in no layer" for m in sorted(edges) if layer_of(m, layers) is None]
+    for module in sorted(edges):
+        here = layer_of(module, layers)
+        for dep in sorted(edges[module]):
+            there = layer_of(dep, layers)
+            if here is not None and there is not None and there < here:
+                found.append(f"{module} ({layers[here][0]}) -> {dep} ({layers[there][0]})")
+    return found
+
+
+def test_no_upward_edge_between_the_engine_s_layers() -> None:
+    found = upward_edges(module_graph(PACKAGES[0]), LAYERS)
+    assert found == [], "upward imports or unplaced modules:\n" + "\n".join(found)
+
+
+def test_an_upward_edge_behind_type_checking_is_found(tmp_path: Path) -> None:
+    """The check itself: a lower layer importing a higher one only for typing, and a module in no layer."""
+    pkg = tmp_path / "pkg"
+    (pkg / "low").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low" / "__init__.py").write_text("")
+    (pkg / "high.py").write_text("from pkg.low.base import Base\n")
+    (pkg / "low" / "base.py").write_text("import os\n")
+    layers = [("high", ["pkg", "pkg.high"]), ("low", ["pkg.low"])]
+    assert upward_edges(module_graph(pkg), layers) == []
+    (pkg / "low" / "base.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.high import Thing\n"
+    )
+    assert upward_edges(module_graph(pkg), layers) == ["pkg.low.base (low) -> pkg.high (high)"]
+    (pkg / "stray.py").write_text("")
+    assert upward_edges(module_graph(pkg), [("low", ["pkg.low"])])[:2] == [
+        "pkg: in no layer",
+        "pkg.high: in no layer",
+    ]

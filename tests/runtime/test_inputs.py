@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from chunkwise.sched.output import DecodeStep
-from chunkwise.worker.inputs import PADDING_TOKEN, InputBatch, Row, RowLike, build_batch
+from chunkwise.engine.sched.output import DecodeStep
+from chunkwise.engine.worker.inputs import PADDING_TOKEN, InputBatch, Row, RowLike, build_batch
 
 
 def decode_step(rows: Sequence[RowLike], grown: list[int]) -> DecodeStep:

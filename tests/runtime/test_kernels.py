@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from chunkwise import kernels
-from chunkwise.model.layers import SMALL_M_ROWS, Linear, Rope, RotaryEmbedding, onednn_bf16_available
+from chunkwise.engine import kernels
+from chunkwise.engine.model.layers import SMALL_M_ROWS, Linear, Rope, RotaryEmbedding, onednn_bf16_available
 
 # Its expectations depend on the CPU's choices: `make test` runs it again under each CHUNKWISE_CPU_ISA.
 pytestmark = pytest.mark.isa
@@ -106,7 +106,7 @@ def test_linear_runs_the_small_row_kernel_up_to_its_rows_and_onednn_past_them(mo
     pinned so it runs on any x86 build (with AVX-512 the weight is packed for oneDNN instead)."""
     if kernels.isa() not in ("avx2", "avx512"):
         pytest.skip(f"the small-row kernel runs on x86 builds only (this build: {kernels.isa()})")
-    monkeypatch.setattr("chunkwise.model.layers.cpu_has_avx512", lambda: False)
+    monkeypatch.setattr("chunkwise.engine.model.layers.cpu_has_avx512", lambda: False)
     torch.manual_seed(0)
     layer = Linear(96, 200, bias=True)
     with torch.no_grad():
@@ -166,7 +166,7 @@ def test_auto_falls_back_to_the_torch_reference_and_says_so(tmp_path):
     code = (
         "import logging, sys\n"
         "logging.basicConfig(level=logging.WARNING, stream=sys.stdout)\n"
-        "from chunkwise.attention import get_attention_backend\n"
+        "from chunkwise.engine.attention import get_attention_backend\n"
         "print('backend', get_attention_backend('auto', 'cpu').name)\n"
         "try:\n"
         "    get_attention_backend('cpu', 'cpu')\n"
@@ -185,7 +185,7 @@ def test_auto_falls_back_to_the_torch_reference_and_says_so(tmp_path):
 
 def test_the_build_command_prints_the_library():
     result = subprocess.run(
-        [sys.executable, "-m", "chunkwise.kernels"], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "chunkwise.engine.kernels"], capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr
     path = result.stdout.strip().splitlines()[-1]
@@ -216,7 +216,7 @@ def test_argmax_is_torchs_first_largest_index(cols):
 
 
 def test_avx512_builds_target_avx512_with_bf16_and_the_isa_override_never_builds_above_the_cpu(monkeypatch):
-    from chunkwise import hardware
+    from chunkwise.engine import hardware
 
     def kernels_for(asked: str, detected: str) -> tuple[str, list[str]]:
         monkeypatch.setattr(hardware, "cpu_isa", lambda: hardware.CpuIsa(asked, detected, "test"))
@@ -262,7 +262,7 @@ def test_exponential_race_draws_from_the_softmax_of_the_scaled_row(vocab):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_packed_linear_computes_f_linear_at_every_row_count(monkeypatch, dtype):
     """With AVX-512 (pinned here, so this runs on any CPU) fp32 and bf16 weights go to oneDNN's layout."""
-    monkeypatch.setattr("chunkwise.model.layers.cpu_has_avx512", lambda: True)
+    monkeypatch.setattr("chunkwise.engine.model.layers.cpu_has_avx512", lambda: True)
     torch.manual_seed(0)
     layer = Linear(96, 200, bias=True)
     with torch.no_grad():

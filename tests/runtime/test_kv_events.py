@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import random
 
-from chunkwise.cache.events import KVEventLog
-from chunkwise.config import engine_config_from_kwargs
 from chunkwise.engine import EngineCore
-from chunkwise.sampling_params import SamplingParams
+from chunkwise.engine.cache.events import KVEventLog
+from chunkwise.engine.datatypes.config import engine_config_from_kwargs
+from chunkwise.engine.datatypes.sampling_params import SamplingParams
 
 
 def test_a_step_that_stores_and_drops_a_hash_reports_its_last_state() -> None:

@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from chunkwise.attention.torch_ref import TorchAttentionBackend
-from chunkwise.model import PRESETS, load_model, model_config_from_hf
-from chunkwise.model.loader import hf_state_dict
-from chunkwise.tokenizer import NoTokenizer
+from chunkwise.engine.attention.torch_ref import TorchAttentionBackend
+from chunkwise.engine.model import PRESETS, load_model, model_config_from_hf
+from chunkwise.engine.model.loader import hf_state_dict
+from chunkwise.engine.tokenizer import NoTokenizer
 
 BASE = {
     "architectures": ["LlamaForCausalLM"],

@@ -17,16 +17,16 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from chunkwise import kernels as chunkwise_kernels
-from chunkwise.attention.backend import AttentionMetadata, kv_cache_shape
-from chunkwise.attention.torch_ref import TorchAttentionBackend
-from chunkwise.config import ModelConfig
-from chunkwise.hardware import cpu_has_avx512
-from chunkwise.model import PRESETS, LoadedModel, load_model
-from chunkwise.model.layers import Linear, onednn_bf16_available
-from chunkwise.model.llama import LlamaForCausalLM as ChunkwiseLlama
-from chunkwise.model.loader import hf_state_dict
-from chunkwise.tokenizer import ByteTokenizer
+from chunkwise.engine import kernels as chunkwise_kernels
+from chunkwise.engine.attention.backend import AttentionMetadata, kv_cache_shape
+from chunkwise.engine.attention.torch_ref import TorchAttentionBackend
+from chunkwise.engine.datatypes.config import ModelConfig
+from chunkwise.engine.hardware import cpu_has_avx512
+from chunkwise.engine.model import PRESETS, LoadedModel, load_model
+from chunkwise.engine.model.layers import Linear, onednn_bf16_available
+from chunkwise.engine.model.llama import LlamaForCausalLM as ChunkwiseLlama
+from chunkwise.engine.model.loader import hf_state_dict
+from chunkwise.engine.tokenizer import ByteTokenizer
 
 # Its expectations depend on the CPU's choices: `make test` runs it again under each CHUNKWISE_CPU_ISA.
 pytestmark = pytest.mark.isa

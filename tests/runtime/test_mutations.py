@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-from chunkwise.config import engine_config_from_kwargs
 from chunkwise.engine import EngineCore
-from chunkwise.outputs import RequestOutput
-from chunkwise.request import Request, RequestStatus
-from chunkwise.sampling_params import SamplingParams
-from chunkwise.sched.preemption import VictimPolicy
-from chunkwise.sched.scheduler import Scheduler
-from chunkwise.speculative.draft import DraftModelProposer
-from chunkwise.structured.spec import StructuredOutput
+from chunkwise.engine.datatypes.config import engine_config_from_kwargs
+from chunkwise.engine.datatypes.outputs import RequestOutput
+from chunkwise.engine.datatypes.request import Request, RequestStatus
+from chunkwise.engine.datatypes.sampling_params import SamplingParams
+from chunkwise.engine.datatypes.structured_output import StructuredOutput
+from chunkwise.engine.sched.preemption import VictimPolicy
+from chunkwise.engine.sched.scheduler import Scheduler
+from chunkwise.engine.worker.draft_model import DraftModelProposer
 from tests.runtime.test_scheduler import make_req, make_sched, plan, run_step
 
 

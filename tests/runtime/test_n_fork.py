@@ -10,15 +10,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from chunkwise import LLM, SamplingParams
-from chunkwise.cache.kv_cache_manager import KVCacheManager
-from chunkwise.config import SchedulerConfig, engine_config_from_kwargs
 from chunkwise.engine import AsyncEngine, EngineCore
-from chunkwise.metrics import EngineMetrics
-from chunkwise.outputs import RequestOutput
-from chunkwise.request import Request, RequestStatus
-from chunkwise.sched.fork import child_request_id
-from chunkwise.sched.preemption import PreemptionCostModel
-from chunkwise.sched.scheduler import Scheduler
+from chunkwise.engine.cache.kv_cache_manager import KVCacheManager
+from chunkwise.engine.datatypes.config import SchedulerConfig, engine_config_from_kwargs
+from chunkwise.engine.datatypes.outputs import RequestOutput
+from chunkwise.engine.datatypes.request import Request, RequestStatus
+from chunkwise.engine.loop.metrics import EngineMetrics
+from chunkwise.engine.sched.fork import child_request_id
+from chunkwise.engine.sched.preemption import PreemptionCostModel
+from chunkwise.engine.sched.scheduler import Scheduler
 
 # Its expectations depend on the CPU's choices: `make test` runs it again under each CHUNKWISE_CPU_ISA.
 pytestmark = pytest.mark.isa

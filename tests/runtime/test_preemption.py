@@ -11,15 +11,15 @@ from typing import Literal
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from chunkwise.cache.kv_cache_manager import KVCacheManager
-from chunkwise.config import SchedulerConfig, engine_config_from_kwargs
 from chunkwise.engine import EngineCore
-from chunkwise.metrics import EngineMetrics
-from chunkwise.request import Request, RequestStatus
-from chunkwise.sampling_params import SamplingParams
-from chunkwise.sched.policies import Preemption, preemption_policy
-from chunkwise.sched.preemption import PreemptionCostModel
-from chunkwise.sched.scheduler import Scheduler
+from chunkwise.engine.cache.kv_cache_manager import KVCacheManager
+from chunkwise.engine.datatypes.config import SchedulerConfig, engine_config_from_kwargs
+from chunkwise.engine.datatypes.request import Request, RequestStatus
+from chunkwise.engine.datatypes.sampling_params import SamplingParams
+from chunkwise.engine.loop.metrics import EngineMetrics
+from chunkwise.engine.sched.policies import Preemption, preemption_policy
+from chunkwise.engine.sched.preemption import PreemptionCostModel
+from chunkwise.engine.sched.scheduler import Scheduler
 
 # A hand-made profile: a transfer costs 1 ms fixed plus 10 us per token (10 kB at 1 GB/s), a prefill 100 us
 # per token. Swap (two transfers) = 2 ms + 20 us/token, recompute = 100 us/token: equal at 25 tokens.

@@ -15,13 +15,13 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chunkwise.cache.hashing import hash_prefix_blocks
-from chunkwise.cache.kv_cache_manager import KVCacheManager
-from chunkwise.config import SchedulerConfig
-from chunkwise.request import Request
-from chunkwise.sampling_params import SamplingParams
-from chunkwise.sched.preemption import PreemptionCostModel
-from chunkwise.sched.scheduler import Scheduler
+from chunkwise.engine.cache.hashing import hash_prefix_blocks
+from chunkwise.engine.cache.kv_cache_manager import KVCacheManager
+from chunkwise.engine.datatypes.config import SchedulerConfig
+from chunkwise.engine.datatypes.request import Request
+from chunkwise.engine.datatypes.sampling_params import SamplingParams
+from chunkwise.engine.sched.preemption import PreemptionCostModel
+from chunkwise.engine.sched.scheduler import Scheduler
 
 BLOCK = 4
 

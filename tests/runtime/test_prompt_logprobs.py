@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from chunkwise import SamplingParams
-from chunkwise.config import engine_config_from_kwargs
 from chunkwise.engine import EngineCore
-from chunkwise.outputs import RequestOutput
+from chunkwise.engine.datatypes.config import engine_config_from_kwargs
+from chunkwise.engine.datatypes.outputs import RequestOutput
 from tests.runtime.hf_models import save_random_llama
 
 

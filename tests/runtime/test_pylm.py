@@ -11,13 +11,18 @@ import pytest
 
 from chunkwise import LLM, SamplingParams
 from chunkwise.checkpoint_report import inspect_model
-from chunkwise.config import engine_config_from_kwargs
 from chunkwise.engine import EngineCore
-from chunkwise.model.loader import read_checkpoint
-from chunkwise.models import bundled_path, resolve_model_path
-from chunkwise.models.pylm_corpus import CHAT_TEMPLATE, SPECIAL_TOKENS, chat_exchanges, corpus_files
+from chunkwise.engine.datatypes.config import engine_config_from_kwargs
+from chunkwise.engine.model.bundled import bundled_path, resolve_model_path
+from chunkwise.engine.model.bundled.pylm_corpus import (
+    CHAT_TEMPLATE,
+    SPECIAL_TOKENS,
+    chat_exchanges,
+    corpus_files,
+)
+from chunkwise.engine.model.loader import read_checkpoint
+from chunkwise.engine.tokenizer import HFTokenizer, IncrementalDetokenizer
 from chunkwise.server.chat import ChatMessage, render_chat
-from chunkwise.tokenizer import HFTokenizer, IncrementalDetokenizer
 from tests.runtime.hf_models import hf_greedy
 from tests.runtime.test_engine_exact import run_staggered
 

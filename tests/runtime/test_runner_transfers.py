@@ -14,13 +14,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from chunkwise.attention import get_attention_backend
-from chunkwise.model.loader import load_model
-from chunkwise.sampling_params import SamplingParams
-from chunkwise.sched.output import ScheduledRequest, SchedulerOutput
-from chunkwise.speculative.verify import verify_greedy
-from chunkwise.worker.inputs import Row, build_batch
-from chunkwise.worker.model_runner import DraftRequest, ModelRunner
+from chunkwise.engine.attention import get_attention_backend
+from chunkwise.engine.datatypes.sampling_params import SamplingParams
+from chunkwise.engine.model.loader import load_model
+from chunkwise.engine.sched.output import ScheduledRequest, SchedulerOutput
+from chunkwise.engine.worker.inputs import Row, build_batch
+from chunkwise.engine.worker.model_runner import DraftRequest, ModelRunner
+from chunkwise.engine.worker.rejection import verify_greedy
 
 BLOCK = 4
 # What reading one value back dispatches (aten.item under inference mode); on CUDA each is a sync.

@@ -9,14 +9,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from chunkwise.sampler import (
+from chunkwise.engine.datatypes.sampling_params import SamplingParams
+from chunkwise.engine.sampling.sampler import (
     Sampler,
     SamplerOutput,
     SamplingBatch,
     apply_penalties,
     make_generator,
 )
-from chunkwise.sampling_params import SamplingParams
 
 # Its expectations depend on the CPU's choices: `make test` runs it again under each CHUNKWISE_CPU_ISA.
 pytestmark = pytest.mark.isa
@@ -30,7 +30,7 @@ CHI2_CRITICAL_0_001 = {3: 16.266, 5: 20.515}
 def race(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test runs both samplers of random rows: the CPU kernel's race and torch's (what CUDA runs)."""
     if request.param == "torch":
-        monkeypatch.setattr("chunkwise.sampler.exponential_race_available", lambda x: False)
+        monkeypatch.setattr("chunkwise.engine.sampling.sampler.exponential_race_available", lambda x: False)
     return str(request.param)
 
 

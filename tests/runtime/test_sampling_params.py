@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from chunkwise import sampling_params as sp_module
-from chunkwise.sampling_params import SamplingParams
+from chunkwise.engine.datatypes.sampling_params import SamplingParams
 
 
 def test_defaults_match_vllm() -> None:
@@ -166,5 +166,5 @@ def test_typed_init_matches_the_fields() -> None:
 
 
 def test_does_not_import_torch() -> None:
-    code = "import sys, chunkwise.sampling_params; sys.exit('torch' in sys.modules)"
+    code = "import sys, chunkwise.engine.datatypes.sampling_params; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

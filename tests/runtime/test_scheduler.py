@@ -5,13 +5,13 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chunkwise.cache.kv_cache_manager import KVCacheManager
-from chunkwise.config import SchedulerConfig
-from chunkwise.request import Request, RequestStatus
-from chunkwise.sampling_params import SamplingParams
-from chunkwise.sched.output import SchedulerOutput
-from chunkwise.sched.preemption import PreemptionCostModel, VictimPolicy
-from chunkwise.sched.scheduler import Scheduler
+from chunkwise.engine.cache.kv_cache_manager import KVCacheManager
+from chunkwise.engine.datatypes.config import SchedulerConfig
+from chunkwise.engine.datatypes.request import Request, RequestStatus
+from chunkwise.engine.datatypes.sampling_params import SamplingParams
+from chunkwise.engine.sched.output import SchedulerOutput
+from chunkwise.engine.sched.preemption import PreemptionCostModel, VictimPolicy
+from chunkwise.engine.sched.scheduler import Scheduler
 
 
 def make_sched(
@@ -132,7 +132,7 @@ def test_static_batch_holds_finished_slots_as_padding_rows_until_the_longest_com
     assert plan(nxt) == {"next": 4} and nxt.padding_positions == ()
     assert run_step(s).padding_positions == ()
     assert not s.has_unfinished() and s.kv.num_free_blocks == free
-    # Padding rows = n * max l - sum(l): the batch's padding share is the seed's 1 - U, U = sum(l) / (n * max l).
+    # Padding rows = n * max l - sum(l): the batch's padding share is 1 - U, U = sum(l) / (n * max l).
     assert s.stats.num_padding_rows == 4 * 5 - sum(lengths.values()) == 9
     assert s.stats.num_rows == sum(lengths.values()) + 2
 
@@ -366,7 +366,7 @@ def test_property_no_leak_no_double_free_exact_lengths(reqs, mode, num_blocks, b
 
 
 def test_waiting_queue_scans_a_bounded_window():
-    from chunkwise.sched.queue import WaitingQueue
+    from chunkwise.engine.sched.queue import WaitingQueue
 
     q = WaitingQueue(long_prompt_threshold=100, max_long_prefills=1, scan_limit=3)
     reqs = [make_req(f"w{i}", 4, 1) for i in range(10)]

@@ -24,14 +24,14 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from chunkwise.cache.kv_cache_manager import KVCacheManager
-from chunkwise.config import SchedulerConfig
-from chunkwise.request import Request, RequestStatus
-from chunkwise.sampling_params import SamplingParams
-from chunkwise.sched.output import SchedulerOutput
-from chunkwise.sched.preemption import PreemptionCostModel
-from chunkwise.sched.scheduler import Scheduler
-from chunkwise.speculative.adaptive import AdaptiveDraftLength, StepCostModel
+from chunkwise.engine.cache.kv_cache_manager import KVCacheManager
+from chunkwise.engine.datatypes.config import SchedulerConfig
+from chunkwise.engine.datatypes.request import Request, RequestStatus
+from chunkwise.engine.datatypes.sampling_params import SamplingParams
+from chunkwise.engine.sched.draft_length import AdaptiveDraftLength, StepCostModel
+from chunkwise.engine.sched.output import SchedulerOutput
+from chunkwise.engine.sched.preemption import PreemptionCostModel
+from chunkwise.engine.sched.scheduler import Scheduler
 
 BLOCK = 4
 VOCAB = 61

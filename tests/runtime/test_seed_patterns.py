@@ -10,13 +10,13 @@ import math
 
 import numpy as np
 
-from chunkwise.cache.kv_cache_manager import KVCacheManager
-from chunkwise.config import SchedulerConfig
-from chunkwise.request import Request
-from chunkwise.sampling_params import SamplingParams
-from chunkwise.sched.output import SchedulerOutput
-from chunkwise.sched.preemption import PreemptionCostModel
-from chunkwise.sched.scheduler import Scheduler
+from chunkwise.engine.cache.kv_cache_manager import KVCacheManager
+from chunkwise.engine.datatypes.config import SchedulerConfig
+from chunkwise.engine.datatypes.request import Request
+from chunkwise.engine.datatypes.sampling_params import SamplingParams
+from chunkwise.engine.sched.output import SchedulerOutput
+from chunkwise.engine.sched.preemption import PreemptionCostModel
+from chunkwise.engine.sched.scheduler import Scheduler
 
 EOS = 0
 

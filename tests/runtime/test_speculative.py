@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from chunkwise import LLM, SamplingParams
-from chunkwise.cache.kv_cache_manager import KVCacheManager
-from chunkwise.config import SchedulerConfig
-from chunkwise.request import Request
-from chunkwise.sched.preemption import PreemptionCostModel
-from chunkwise.sched.scheduler import Scheduler
-from chunkwise.speculative.adaptive import AdaptiveDraftLength, StepCostModel
-from chunkwise.speculative.ngram import NgramProposer
-from chunkwise.speculative.verify import verify_greedy, verify_sampled
+from chunkwise.engine.cache.kv_cache_manager import KVCacheManager
+from chunkwise.engine.datatypes.config import SchedulerConfig
+from chunkwise.engine.datatypes.request import Request
+from chunkwise.engine.sched.draft_length import AdaptiveDraftLength, StepCostModel
+from chunkwise.engine.sched.preemption import PreemptionCostModel
+from chunkwise.engine.sched.scheduler import Scheduler
+from chunkwise.engine.worker.ngram import NgramProposer
+from chunkwise.engine.worker.rejection import verify_greedy, verify_sampled
 from tests.runtime.hf_models import hf_greedy, save_random_llama
 
 
@@ -122,7 +122,7 @@ def test_scheduler_budgets_and_reserves_drafts_and_rolls_back_rejections():
     s.add_request(req)
     out = s.schedule()
     assert out.scheduled[0].num_spec_tokens == 0  # prefill first
-    # Reservation: the seed's formula says 5 prompt tokens (2 blocks) + 10 output + 3 draft tokens (4 blocks),
+    # Reservation: the formula (docs/scheduling.md) says 5 prompt tokens (2 blocks) + 10 output + 3 draft tokens (4 blocks),
     # but drafts stop at max_tokens, so the request never holds more than its 15 tokens: 4 blocks.
     assert s.admission.reservation(req, 10) == 4 and req.reserved_blocks == 4
     req.length_limit = 200  # as if it could run on: the formula's own answer

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 
 from chunkwise import LLM, SamplingParams
-from chunkwise.cache.kv_cache_manager import KVCacheManager
-from chunkwise.config import SchedulerConfig
-from chunkwise.request import Request, RequestStatus
-from chunkwise.sched.preemption import PreemptionCostModel
-from chunkwise.sched.scheduler import Scheduler
-from chunkwise.speculative.adaptive import AdaptiveDraftLength, StepCostModel
+from chunkwise.engine.cache.kv_cache_manager import KVCacheManager
+from chunkwise.engine.datatypes.config import SchedulerConfig
+from chunkwise.engine.datatypes.request import Request, RequestStatus
+from chunkwise.engine.sched.draft_length import AdaptiveDraftLength, StepCostModel
+from chunkwise.engine.sched.preemption import PreemptionCostModel
+from chunkwise.engine.sched.scheduler import Scheduler
 
 
 def make_sched(
@@ -67,7 +67,7 @@ def test_a_family_past_the_cache_is_refused_naming_n_and_what_would_fit() -> Non
 
 
 def test_a_request_within_its_limit_is_never_refused_for_rounding_or_drafts() -> None:
-    """The seed's formula rounds prompt and output apart and widens the output by the drafts, which can ask for
+    """The reservation formula rounds prompt and output apart and widens the output by the drafts, which can ask for
     more than max_model_len's blocks; a request never holds more than its own limit, so it is reserved that."""
     spec = AdaptiveDraftLength(3, StepCostModel(1.0, 1e-6), adaptive=False)
     s = make_sched(num_blocks=16, spec=spec)  # exactly max_model_len = 64 tokens

@@ -11,11 +11,11 @@ from collections.abc import Callable
 import pytest
 
 from chunkwise import LLM, SamplingParams
-from chunkwise.config import engine_config_from_kwargs
 from chunkwise.engine import AsyncEngine, EngineCore, OutputProcessor, StepUpdate
-from chunkwise.outputs import CompletionOutput, RequestOutput
-from chunkwise.request import Request
-from chunkwise.tokenizer import Tokenizer
+from chunkwise.engine.datatypes.config import engine_config_from_kwargs
+from chunkwise.engine.datatypes.outputs import CompletionOutput, RequestOutput
+from chunkwise.engine.datatypes.request import Request
+from chunkwise.engine.tokenizer import Tokenizer
 
 PROMPT = "stop here"
 MAX_TOKENS = 30

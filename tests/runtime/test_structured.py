@@ -11,11 +11,17 @@ import pytest
 import torch
 
 from chunkwise import LLM, SamplingParams
-from chunkwise.sampler import GrammarMask, Sampler, SamplingBatch, make_generator, unpack_bitmask
-from chunkwise.structured.compiler import GrammarCompiler, StructuredOutputError
-from chunkwise.structured.spec import StructuredOutput
-from chunkwise.structured.state import GrammarRow, GrammarState
-from chunkwise.tokenizer import ByteTokenizer
+from chunkwise.engine.datatypes.structured_output import StructuredOutput
+from chunkwise.engine.sampling.sampler import (
+    GrammarMask,
+    Sampler,
+    SamplingBatch,
+    make_generator,
+    unpack_bitmask,
+)
+from chunkwise.engine.sampling.structured.compiler import GrammarCompiler, StructuredOutputError
+from chunkwise.engine.sampling.structured.state import GrammarRow, GrammarState
+from chunkwise.engine.tokenizer import ByteTokenizer
 
 VOCAB = ByteTokenizer.VOCAB_SIZE
 EOS = ByteTokenizer.EOS
@@ -276,7 +282,7 @@ def test_the_spec_is_free_of_torch_and_llguidance() -> None:
     import sys
 
     code = (
-        "import sys; import chunkwise.sampling_params, chunkwise.structured; "
+        "import sys; import chunkwise.engine.datatypes.sampling_params, chunkwise.engine.sampling.structured; "
         "from chunkwise import StructuredOutput; StructuredOutput.json_object(); "
         "bad = {'torch', 'llguidance'} & set(sys.modules); assert not bad, bad"
     )
@@ -284,8 +290,8 @@ def test_the_spec_is_free_of_torch_and_llguidance() -> None:
 
 
 def test_pylm_tokenizer_builds() -> None:
-    from chunkwise.model.loader import read_checkpoint
-    from chunkwise.models import bundled_path
+    from chunkwise.engine.model.bundled import bundled_path
+    from chunkwise.engine.model.loader import read_checkpoint
 
     path = bundled_path("pylm")
     assert path is not None
@@ -321,10 +327,10 @@ def test_an_engine_without_llguidance_serves_plain_requests_and_refuses_structur
     code = (
         "import sys\n"
         "sys.modules['llguidance'] = None  # import llguidance raises ImportError from here on\n"
-        "from chunkwise.config import engine_config_from_kwargs\n"
+        "from chunkwise.engine.datatypes.config import engine_config_from_kwargs\n"
         "from chunkwise.engine import EngineCore\n"
-        "from chunkwise.sampling_params import SamplingParams\n"
-        "from chunkwise.structured.spec import StructuredOutput\n"
+        "from chunkwise.engine.datatypes.sampling_params import SamplingParams\n"
+        "from chunkwise.engine.datatypes.structured_output import StructuredOutput\n"
         "core = EngineCore(engine_config_from_kwargs('tiny', max_model_len=64))\n"
         "core.add_request('a', [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))\n"
         "while core.has_unfinished():\n"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from chunkwise.tokenizer import (
+from chunkwise.engine.tokenizer import (
     ByteDetokenizer,
     ByteTokenizer,
     HFTokenizer,

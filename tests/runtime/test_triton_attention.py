@@ -20,10 +20,14 @@ import pytest
 import torch
 import triton  # noqa: F401  (fails the module loudly where triton is missing)
 
-from chunkwise.attention import get_attention_backend
-from chunkwise.attention.backend import AttentionMetadata, kv_cache_shape
-from chunkwise.attention.torch_ref import TorchAttentionBackend
-from chunkwise.attention.triton_backend import TritonAttentionBackend, TritonAttentionConfig, row_splits
+from chunkwise.engine.attention import get_attention_backend
+from chunkwise.engine.attention.backend import AttentionMetadata, kv_cache_shape
+from chunkwise.engine.attention.torch_ref import TorchAttentionBackend
+from chunkwise.engine.attention.triton_backend import (
+    TritonAttentionBackend,
+    TritonAttentionConfig,
+    row_splits,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -231,7 +235,7 @@ def test_split_heuristic_fills_the_gpu_only_when_rows_are_few():
     few = Batch([(2047, 1)], num_heads=4, num_kv_heads=2, block_size=64).meta
     many = Batch([(15, 1)] * 40, num_heads=4, num_kv_heads=2).meta
     # The interpreter counts as one SM, so split on a pretend 66-SM GPU via a fake CUDA device index.
-    from chunkwise.attention import triton_backend
+    from chunkwise.engine.attention import triton_backend
 
     triton_backend._SM_COUNT[7] = 66
     try:
@@ -251,7 +255,7 @@ def test_graph_plan_splits_each_row_by_its_own_length():
     plan's splits (issue 30: at 131072 a 4k context ran on 8 CTAs). Short and long rows in one batch, run
     with the splits a 66-SM GPU gets for 4 rows at 4096 tokens: every row matches the reference, and the
     partials written (NaN-filled before) are exactly the splits row_splits gives each row's seq_len."""
-    from chunkwise.attention import triton_backend
+    from chunkwise.engine.attention import triton_backend
 
     config = TritonAttentionConfig(short_tile_n=16)
     backend = TritonAttentionBackend(config)
@@ -290,7 +294,7 @@ def test_a_step_allocates_nothing_once_buffers_have_grown(monkeypatch):
     and the output is the same buffer step after step."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from chunkwise.attention import triton_kernels
+    from chunkwise.engine.attention import triton_kernels
 
     class Launch:
         def __getitem__(self, grid):
@@ -394,8 +398,8 @@ def test_write_kv_places_each_token_in_its_slot(src_dtype, cache_dtype):
 
 def test_triton_write_then_attend_in_a_tiny_model():
     """The tiny preset's forward pass over a mixed batch, Triton vs torch backend (writes and attention)."""
-    from chunkwise.model.loader import load_model
-    from chunkwise.model.presets import PRESETS
+    from chunkwise.engine.model.loader import load_model
+    from chunkwise.engine.model.presets import PRESETS
 
     config = PRESETS["tiny"]
     requests = [(0, 12), (9, 1), (30, 1), (0, 5)]
@@ -476,7 +480,7 @@ def test_selection_without_triton_installed_and_lazy_import():
     code = """
 import sys
 sys.modules["triton"] = None  # as if triton were not installed
-import chunkwise.attention as A
+import chunkwise.engine.attention as A
 print(A.get_attention_backend("auto", "cuda").name)
 try:
     A.get_attention_backend("triton", "cuda")
@@ -490,7 +494,7 @@ except ValueError as e:
         "the Triton attention backend needs the triton package (pip install triton)",
     ]
     lazy = _python(
-        "import sys, chunkwise.attention as A\nA.get_attention_backend('auto', 'cpu')\n"
+        "import sys, chunkwise.engine.attention as A\nA.get_attention_backend('auto', 'cpu')\n"
         "print('triton' in sys.modules)",
         {},
     )
@@ -501,7 +505,7 @@ except ValueError as e:
 def test_compiled_kernels_refuse_cpu_tensors():
     code = """
 import torch
-from chunkwise.attention.triton_backend import TritonAttentionBackend
+from chunkwise.engine.attention.triton_backend import TritonAttentionBackend
 b = TritonAttentionBackend()
 try:
     b.write_kv(torch.zeros(1, 1, 16), torch.zeros(1, 1, 16), torch.zeros(2, 1, 4, 1, 16), torch.zeros(1, dtype=torch.long))

@@ -20,13 +20,13 @@ import torch
 import triton  # noqa: F401  (fails the module loudly where triton is missing)
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from chunkwise.attention import get_attention_backend
-from chunkwise.attention.backend import AttentionMetadata, kv_cache_shape
-from chunkwise.config import RopeScaling
-from chunkwise.model import triton_ops
-from chunkwise.model.layers import RMSNorm, RotaryEmbedding
-from chunkwise.model.llama import LlamaForCausalLM
-from chunkwise.model.presets import PRESETS
+from chunkwise.engine.attention import get_attention_backend
+from chunkwise.engine.attention.backend import AttentionMetadata, kv_cache_shape
+from chunkwise.engine.datatypes.config import RopeScaling
+from chunkwise.engine.model import triton_ops
+from chunkwise.engine.model.layers import RMSNorm, RotaryEmbedding
+from chunkwise.engine.model.llama import LlamaForCausalLM
+from chunkwise.engine.model.presets import PRESETS
 
 REPO = Path(__file__).resolve().parents[2]
 # What a one-ulp difference in rounding allows: fp32 sums in another order, bf16 roundings at one more
@@ -262,8 +262,8 @@ def test_only_the_torch_reference_keeps_torch_norms_on_a_gpu(monkeypatch: pytest
     rotation the same kernels, a bug in them could not show. (The CUDA check is faked: every tensor counts.)"""
     from types import SimpleNamespace
 
-    from chunkwise.model import layers
-    from chunkwise.model.loader import load_model
+    from chunkwise.engine.model import layers
+    from chunkwise.engine.model.loader import load_model
 
     monkeypatch.setattr(layers, "triton_kernels_for", lambda t: triton_ops)
 

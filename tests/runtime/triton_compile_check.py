@@ -16,7 +16,7 @@ Must run without TRITON_INTERPRET (triton.jit picks interpreted kernels at impor
     PYTHONPATH=runtime TRITON_INTERPRET=0 python tests/runtime/triton_compile_check.py [--variants [steps]]
     PYTHONPATH=runtime TRITON_INTERPRET=0 python tests/runtime/triton_compile_check.py --model-ops
 
---model-ops compiles the model's own kernels (RMSNorm, rotary: chunkwise/model/triton_ops.py) instead.
+--model-ops compiles the model's own kernels (RMSNorm, rotary: chunkwise/engine/model/triton_ops.py) instead.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import torch
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 
-from chunkwise.attention import triton_kernels as K
-from chunkwise.attention.triton_backend import TritonAttentionBackend, TritonAttentionConfig
+from chunkwise.engine.attention import triton_kernels as K
+from chunkwise.engine.attention.triton_backend import TritonAttentionBackend, TritonAttentionConfig
 
 
 class StandInDriver:
@@ -106,7 +106,7 @@ def metadata(requests: list[tuple[int, int]], block_size: int, table_width: int 
     """A step's metadata for requests given as (tokens cached, tokens in this step), on CPU. Block tables are
     [rows, table_width] views (the step's own width by default, as a GPU step copies them; a graph's static
     buffer is wider) of distinct blocks numbered from 1."""
-    from chunkwise.attention.backend import AttentionMetadata
+    from chunkwise.engine.attention.backend import AttentionMetadata
 
     tables, slots = [], []
     next_block = 1
@@ -138,7 +138,7 @@ def metadata(requests: list[tuple[int, int]], block_size: int, table_width: int 
 
 def batch(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> dict[str, Any]:
     """A mixed step (prefill chunks and decode rows) over a small paged cache, on CPU."""
-    from chunkwise.attention.backend import kv_cache_shape
+    from chunkwise.engine.attention.backend import kv_cache_shape
 
     meta = metadata([(0, 40), (31, 1), (100, 1), (7, 3)], block_size=16)
     t = meta.num_tokens
@@ -158,8 +158,8 @@ def serve(steps: int) -> dict[str, dict[str, int]]:
     Per kernel: variants seen in the first forward, in the steps after it, and new in those steps."""
     from triton import knobs
 
-    from chunkwise.attention import triton_backend
-    from chunkwise.attention.backend import kv_cache_shape
+    from chunkwise.engine.attention import triton_backend
+    from chunkwise.engine.attention.backend import kv_cache_shape
 
     phase = "first forward"
     keys: dict[str, dict[str, set[str]]] = {}
@@ -250,9 +250,9 @@ def main() -> int:
 
 def compile_model_ops() -> int:
     """The model's RMSNorm (plain, per head, with the residual add) and rotary kernels
-    (chunkwise/model/triton_ops.py) for sm_90, at a Llama-3-8B layer's shapes in bf16 (with the
+    (chunkwise/engine/model/triton_ops.py) for sm_90, at a Llama-3-8B layer's shapes in bf16 (with the
     per-head q/k norm Qwen3 adds) and a small model's rotary. Run with --model-ops; one line per kernel."""
-    from chunkwise.model import triton_ops as M
+    from chunkwise.engine.model import triton_ops as M
 
     if M.rms_norm_kernel.__class__.__name__ == "InterpretedFunction":
         print("unset TRITON_INTERPRET to compile for a GPU", file=sys.stderr)

@@ -13,8 +13,8 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from chunkwise.config import engine_config_from_kwargs
 from chunkwise.engine import AsyncEngine
+from chunkwise.engine.datatypes.config import engine_config_from_kwargs
 from chunkwise.server.app import build_app
 
 MODEL = "tiny"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from chunkwise.engine.tokenizer import BYTE_CHAT_TEMPLATE
 from chunkwise.server.chat import (
     ChatMessage,
     ChatTemplateError,
@@ -12,7 +13,6 @@ from chunkwise.server.chat import (
     message_text,
     render_chat,
 )
-from chunkwise.tokenizer import BYTE_CHAT_TEMPLATE
 
 MESSAGES = [ChatMessage("system", "Be brief."), ChatMessage("user", "Hi"), ChatMessage("assistant", "Hello!")]
 EXPECTED = "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\nHello!\n<|assistant|>\n"

@@ -12,7 +12,7 @@ import openai
 import pytest
 import torch
 
-from chunkwise.tokenizer import HFTokenizer
+from chunkwise.engine.tokenizer import HFTokenizer
 from tests.runtime.hf_models import save_byte_fallback_tokenizer
 from tests.server.harness import LiveServer, start_server
 
@@ -146,11 +146,11 @@ def test_a_checkpoint_without_tokenizer_serves_token_ids(ids_only_server) -> Non
 @pytest.fixture(scope="module")
 def pylm_server() -> Iterator[tuple[LiveServer, HFTokenizer]]:
     """`make serve`'s default: the bundled checkpoint, by name, through the HF-directory loader."""
-    from chunkwise.models import bundled_path
+    from chunkwise.engine.model.bundled import bundled_path
 
     path = bundled_path("pylm")
     assert path is not None, "the bundled pylm checkpoint is missing from the package"
-    from chunkwise.model.loader import read_checkpoint
+    from chunkwise.engine.model.loader import read_checkpoint
 
     _, tok = read_checkpoint(path)  # with config.json's EOS ids, as the engine reads it
     assert isinstance(tok, HFTokenizer)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from chunkwise.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from chunkwise.engine.datatypes.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from chunkwise.server.formatters import (
     MIN_LOGPROB,
     ChatFormatter,

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from chunkwise.cache.hashing import hash_prefix_blocks
+from chunkwise.engine.cache.hashing import hash_prefix_blocks
 from chunkwise.router.replica import InFlight, Replica
 from tests.server.harness import LiveServer, start_server, wait_for
 

@@ -7,12 +7,12 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from chunkwise.engine import StepStats
+from chunkwise.engine.datatypes.outputs import CompletionOutput, RequestOutput
+from chunkwise.engine.datatypes.request import Request
+from chunkwise.engine.datatypes.sampling_params import SamplingParams
+from chunkwise.engine.loop.metrics import EngineMetrics
+from chunkwise.engine.sched.output import SchedulerStats
 from chunkwise.metric_names import CONTRACT_NAMES
-from chunkwise.metrics import EngineMetrics
-from chunkwise.outputs import CompletionOutput, RequestOutput
-from chunkwise.request import Request
-from chunkwise.sampling_params import SamplingParams
-from chunkwise.sched.output import SchedulerStats
 from tests.server.harness import MODEL, LiveServer, wait_for
 
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")

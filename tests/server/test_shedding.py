@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from chunkwise.sched.shedding import (
+from chunkwise.engine.sched.shedding import (
     MAX_RETRY_AFTER_S,
     Decision,
     LoadSnapshot,

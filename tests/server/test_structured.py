@@ -425,9 +425,9 @@ def test_bad_structured_outputs_on_completions_is_a_400(live: LiveServer) -> Non
 
 
 def test_a_model_without_a_tokenizer_refuses_structured_outputs() -> None:
-    from chunkwise.structured.compiler import GrammarCompiler, StructuredOutputUnavailable
-    from chunkwise.structured.spec import StructuredOutput
-    from chunkwise.tokenizer import NoTokenizer
+    from chunkwise.engine.datatypes.structured_output import StructuredOutput
+    from chunkwise.engine.sampling.structured.compiler import GrammarCompiler, StructuredOutputUnavailable
+    from chunkwise.engine.tokenizer import NoTokenizer
 
     compiler = GrammarCompiler(NoTokenizer(100, None, [1]), 100, [1])
     with pytest.raises(StructuredOutputUnavailable, match="not available"):

@@ -129,7 +129,7 @@ def _formatter(mode: str = "auto", name: str | None = None, stream: bool = False
 
 
 def _delta(text: str, finish_reason: str | None = None, index: int = 0):  # type: ignore[no-untyped-def]
-    from chunkwise.outputs import CompletionOutput
+    from chunkwise.engine.datatypes.outputs import CompletionOutput
 
     return CompletionOutput(index=index, text=text, token_ids=[0], finish_reason=finish_reason)
 

@@ -7,7 +7,7 @@ max_tokens tokens, the useful work. A streamer timestamps every decoding step, s
 they mean for chunkwise; a request's latency ends when `generate` returns its batch.
 
 The weights are chunkwise's own: a preset's ModelConfig becomes a LlamaConfig and its state dict (under
-Hugging Face's names, chunkwise.model.presets.preset_state_dict) loads unchanged; an HF directory is loaded by both sides from disk.
+Hugging Face's names, chunkwise.engine.model.presets.preset_state_dict) loads unchanged; an HF directory is loaded by both sides from disk.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from chunkwise.bench.workloads import WorkItem
 if TYPE_CHECKING:
     import torch
 
-    from chunkwise.config import ModelConfig
+    from chunkwise.engine.datatypes.config import ModelConfig
 
 # Left padding uses this id; attention masks hide it, so any valid id does.
 _PAD_ID = 0
@@ -55,13 +55,13 @@ def load_hf_model(model: str, dtype: str = "float32") -> Any:
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
-    from chunkwise.models import resolve_model_path
+    from chunkwise.engine.model.bundled import resolve_model_path
 
     hf: Any
     if resolve_model_path(model).is_dir():
         hf = AutoModelForCausalLM.from_pretrained(str(resolve_model_path(model)), dtype=torch_dtype)
     else:
-        from chunkwise.model.presets import PRESETS, preset_state_dict
+        from chunkwise.engine.model.presets import PRESETS, preset_state_dict
 
         built: Any = LlamaForCausalLM(hf_config(PRESETS[model]))
         missing, unexpected = built.load_state_dict(preset_state_dict(model), strict=False)

@@ -18,16 +18,16 @@ from typing import TYPE_CHECKING, Any
 from chunkwise.bench.clock import ClockName, Recorder, RunClock
 from chunkwise.bench.results import COUNTERS, RunResult, StepRecord
 from chunkwise.bench.workloads import WorkItem
-from chunkwise.sampling_params import SamplingParams
+from chunkwise.engine.datatypes.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from chunkwise.engine import EngineCore
-    from chunkwise.request import Request
+    from chunkwise.engine.datatypes.request import Request
 
 
 def build_engine(model: str, engine_args: dict[str, Any]) -> EngineCore:
-    from chunkwise.config import engine_config_from_kwargs
     from chunkwise.engine import EngineCore
+    from chunkwise.engine.datatypes.config import engine_config_from_kwargs
 
     return EngineCore(engine_config_from_kwargs(model, **engine_args))
 

@@ -1,6 +1,6 @@
 """PNG plots of runs, one line per compared configuration (matplotlib, Agg backend: no display needed).
 
-- step_time_hist.png: the distribution of step times (the seed: "step time should be a histogram");
+- step_time_hist.png: the distribution of step times (a histogram, not a mean: docs/scheduling.md, "What is measured");
 - itl_cdf.png: the inter-token latency CDF, where a convoy shows as a long right tail;
 - queue_kv.png: waiting requests and KV-cache usage over the run.
 """

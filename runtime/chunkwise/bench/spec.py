@@ -31,10 +31,10 @@ import time
 
 import torch
 
-from chunkwise.config import engine_config_from_kwargs
 from chunkwise.engine import EngineCore
-from chunkwise.sampling_params import SamplingParams
-from chunkwise.worker.model_runner import DraftRequest
+from chunkwise.engine.datatypes.config import engine_config_from_kwargs
+from chunkwise.engine.datatypes.sampling_params import SamplingParams
+from chunkwise.engine.worker.model_runner import DraftRequest
 
 
 class OracleProposer:
@@ -119,8 +119,8 @@ def _dtype(dtype: str | None) -> dict[str, object]:
 
 def stdlib_excerpts(n: int, chars: int = 900) -> list[str]:
     """`n` excerpts of about `chars` characters, whole lines, from the files pylm's training held out (the
-    same selection rule as chunkwise.models.pylm_corpus), taken in turn from each file at growing offsets."""
-    from chunkwise.models.pylm_corpus import split_corpus, stdlib_dir
+    same selection rule as chunkwise.engine.model.bundled.pylm_corpus), taken in turn from each file at growing offsets."""
+    from chunkwise.engine.model.bundled.pylm_corpus import split_corpus, stdlib_dir
 
     _, held = split_corpus(stdlib_dir())
     files = [held[k].splitlines(keepends=True) for k in sorted(held)]

@@ -24,9 +24,9 @@ from dataclasses import replace
 
 import torch
 
-from chunkwise.engine.llm import LLM
-from chunkwise.sampling_params import SamplingParams
-from chunkwise.structured.spec import StructuredOutput
+from chunkwise.engine.datatypes.sampling_params import SamplingParams
+from chunkwise.engine.datatypes.structured_output import StructuredOutput
+from chunkwise.engine.loop.llm import LLM
 
 # A list too long to finish within any --max-tokens here: every constrained request runs to its cap.
 SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9999}, "minItems": 100000}

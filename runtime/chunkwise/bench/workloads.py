@@ -5,7 +5,7 @@ A workload is a list of `WorkItem`s: a prompt (token ids or text), the output le
 an arrival offset in seconds, and, when `max_tokens` is None, the hidden length at which the request ends
 (the simulator stops it there; an HTTP client cannot, so `bench serve` sends `max_tokens=target_len`).
 
-Shapes (what is asked): `long_tailed` (log-normal output lengths, the seed's useful-work fraction of 0.2-0.4
+Shapes (what is asked): `long_tailed` (log-normal output lengths, the useful-work fraction of docs/scheduling.md of 0.2-0.4
 under static batching), `shared_prefix` (agent traffic: a few long system prompts shared by many requests),
 `with_long_prompts` (the convoy case: prompts of thousands of tokens injected into running traffic).
 Arrivals (when): `arrival_times` (all at once, Poisson, or gamma-bursty with vLLM's `burstiness` meaning)
@@ -76,7 +76,7 @@ def _prompt(rng: np.random.Generator, n: int, vocab_size: int) -> tuple[int, ...
 
 
 def useful_work_fraction(lengths: Sequence[int], batch_size: int) -> float:
-    """The seed's U = sum(l) / (n * max l), over consecutive static batches of n, weighted by batch work.
+    """U = sum(l) / (n * max l), over consecutive static batches of n, weighted by batch work.
 
     Weighting by n * max l (the slots a static batch occupies) makes U the fraction of all static slot-steps
     that produce a token, which is what bounds continuous/static throughput.
@@ -105,7 +105,7 @@ def long_tailed(
     """Log-normal output lengths: a yes/no answer and a long summary at the same endpoint.
 
     With sigma 1.0, median 32, cap 512 and batches of 16-32, U under static batching lands at 0.2-0.3, the
-    seed's regime. `client_max_tokens=False` hides the lengths (target_len) from admission.
+    regime of docs/scheduling.md. `client_max_tokens=False` hides the lengths (target_len) from admission.
     """
     rng = np.random.default_rng(seed)
     draws = rng.lognormal(math.log(median_output), sigma, num_requests)

@@ -1,22 +1,41 @@
-"""The engine: EngineCore (the step loop), the output processor, AsyncEngine (streaming, for the server)
-and LLM (the offline API).
+"""The engine, as layers: each sub-package imports only the ones below it (tests/runtime/test_import_graph.py
+checks it, TYPE_CHECKING imports included). Top to bottom:
 
-core.py            EngineCore: the step loop over the parts builder.py makes; one step
-builder.py         build_engine, ModelInfo: config -> model, KV cache, runner, probes, scheduler
-calibration.py     start-up measurements the cost models begin from
-step.py            StepStats, StepUpdate: a step's timings and its snapshot for the output side
-output_processor   detokenization and stop strings -> RequestOutputs
-async_engine.py    AsyncEngine: the step loop on a thread, deltas to asyncio
-stream.py          RequestStream: one request's deltas as an async iterator
-llm.py             LLM: generate() over a whole batch
+args.py      EngineArgs: the engine's command-line flags over the config dataclasses
+loop/        EngineCore (the step loop), its builder, the output processor, AsyncEngine, LLM, metrics
+worker/      the model runner's stages: inputs, forward, sampling, verification, prompt scores; KV tensors;
+             draft proposers (n-gram, draft model) and rejection sampling
+sched/       the Scheduler and its collaborators (admission, composition, forks, applying a step) and
+             policies: queue, reservation, preemption, shedding, batching, draft length
+cache/       paged KV blocks: the pool, prefix hashing, per-request block tables, swap, KV events
+sampling/    the batched sampler and structured outputs' token masks
+model/       Llama-family models, presets, the checkpoint loader, the bundled checkpoints
+attention/   one backend interface over paged KV: torch reference, CPU kernels, Triton
+kernels/     the C++ CPU kernels, built once per machine
+tokenizer/   byte-level and Hugging Face tokenizers, incremental detokenization
+datatypes/   what crosses layers: Request, SamplingParams, outputs, config dataclasses
+hardware.py  the CPU's kernel and dtype level (CHUNKWISE_CPU_ISA), below everything that chooses by it
+
+Importing this package is cheap (no torch): the names below load from loop/ on first use.
 """
 
-from chunkwise.engine.async_engine import AsyncEngine
-from chunkwise.engine.core import EngineCore, ModelInfo
-from chunkwise.engine.llm import LLM
-from chunkwise.engine.output_processor import OutputProcessor, ProcessedOutputs
-from chunkwise.engine.step import StepStats, StepUpdate
-from chunkwise.engine.stream import RequestStream
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from chunkwise.engine.loop import (
+        LLM,
+        AsyncEngine,
+        EngineCore,
+        ModelInfo,
+        OutputProcessor,
+        ProcessedOutputs,
+        RequestStream,
+        StepStats,
+        StepUpdate,
+    )
 
 __all__ = [
     "LLM",
@@ -29,3 +48,9 @@ __all__ = [
     "StepStats",
     "StepUpdate",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in __all__:
+        raise AttributeError(f"module 'chunkwise.engine' has no attribute {name!r}")
+    return getattr(importlib.import_module("chunkwise.engine.loop"), name)

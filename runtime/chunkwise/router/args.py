@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from chunkwise.argtypes import LOG_LEVELS, port, positive_float, positive_int
-from chunkwise.config import DEFAULT_BLOCK_SIZE
+from chunkwise.engine.datatypes.config import DEFAULT_BLOCK_SIZE
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080

@@ -1,6 +1,6 @@
 """What serving a request at a replica is predicted to cost, the same for every routing policy.
 
-The cost model is the seed's formula (scheduler-design, "Prefix-aware composition"):
+The cost model is the predicted completion time of docs/scheduling.md ("Prefix-aware admission and routing"):
 
     T(r, replica) = T_queue + (|p| - |p ∩ cache|) / prefill_rate + l · TPOT
 

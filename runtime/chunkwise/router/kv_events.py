@@ -14,8 +14,8 @@ from typing import Any
 
 import httpx
 
-from chunkwise.cache.events import hex_hash
-from chunkwise.cache.hashing import BlockHash
+from chunkwise.engine.cache.events import hex_hash
+from chunkwise.engine.cache.hashing import BlockHash
 
 logger = logging.getLogger(__name__)
 

@@ -58,7 +58,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from chunkwise.cache.hashing import BlockHash
+from chunkwise.engine.cache.hashing import BlockHash
 from chunkwise.router.cost import CostModel
 from chunkwise.router.prompt import RoutedRequest
 from chunkwise.router.replica import Replica

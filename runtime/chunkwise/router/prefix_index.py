@@ -1,6 +1,6 @@
 """What the router believes each replica holds in its prefix cache.
 
-The engine caches full KV blocks under chained block hashes (chunkwise.cache.hashing): a block's hash
+The engine caches full KV blocks under chained block hashes (chunkwise.engine.cache.hashing): a block's hash
 covers every token before it, so the longest run of a prompt's leading hashes found in a replica's index is
 the prompt's cached prefix there. The router records, at pick time, the hashes of every prompt it sends to
 a replica; it cannot see the replica's evictions, so the index is an LRU bounded by the replica's cache
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from chunkwise.cache.hashing import BlockHash
+from chunkwise.engine.cache.hashing import BlockHash
 
 
 class PrefixIndex:

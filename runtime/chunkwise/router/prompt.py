@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from chunkwise.cache.hashing import BlockHash, hash_prefix_blocks
+from chunkwise.engine.cache.hashing import BlockHash, hash_prefix_blocks
+from chunkwise.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from chunkwise.server.chat import ChatMessage, ChatTemplateError, message_text, render_chat
-from chunkwise.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"

@@ -17,8 +17,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from chunkwise.metrics import EngineMetrics
-from chunkwise.sched.shedding import SheddingPolicy
+from chunkwise.engine.loop.metrics import EngineMetrics
+from chunkwise.engine.sched.shedding import SheddingPolicy
 from chunkwise.server.args import DEFAULT_MAX_REQUEST_BYTES
 from chunkwise.server.endpoints import CHAT, COMPLETIONS
 from chunkwise.server.errors import APIError, bad_request, install_error_handlers, validation_message
@@ -126,7 +126,7 @@ def build_app(
 
     `engine` may be None while it loads: /health answers 503 "loading" until `app.state.chunkwise.attach(e)`.
     served_model_name defaults to the engine's model; max_waiting to the engine's SchedulerConfig.max_waiting;
-    None disables a load-shedding rule (see chunkwise.sched.shedding).
+    None disables a load-shedding rule (see chunkwise.engine.sched.shedding).
     """
     if served_model_name is None:
         if engine is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from chunkwise.argtypes import LOG_LEVELS, non_negative_float, port, positive_int
-from chunkwise.engine_args import add_engine_args
+from chunkwise.engine.args import add_engine_args
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000

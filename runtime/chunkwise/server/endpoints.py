@@ -9,7 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from chunkwise.sampling_params import MAX_LOGPROBS, SamplingParams
+from chunkwise.engine.datatypes.sampling_params import MAX_LOGPROBS, SamplingParams
+from chunkwise.engine.datatypes.structured_output import StructuredOutput
 from chunkwise.server.chat import ChatMessage, ChatTemplateError, message_text, render_chat
 from chunkwise.server.errors import bad_request, from_value_error
 from chunkwise.server.formatters import (
@@ -21,7 +22,6 @@ from chunkwise.server.formatters import (
 )
 from chunkwise.server.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from chunkwise.server.tools import ToolParsing, required_spec
-from chunkwise.structured.spec import StructuredOutput
 
 if TYPE_CHECKING:
     from chunkwise.engine import AsyncEngine

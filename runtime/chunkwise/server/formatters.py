@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from chunkwise.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from chunkwise.engine.datatypes.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from chunkwise.server.tools import ToolCall, ToolParsing, ToolStream
 
 # JSON has no infinities: a -inf logprob (a token the sampler could never pick) is reported as this.

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from chunkwise.cache.events import KVEventLog, hash_hex
+from chunkwise.engine.cache.events import KVEventLog, hash_hex
 from chunkwise.server.errors import APIError, bad_request
 from chunkwise.server.serving import UNAVAILABLE_RETRY_AFTER_S
 

@@ -15,13 +15,13 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from chunkwise import __version__
-from chunkwise.sampling_params import MAX_LOGPROBS, MAX_N, MAX_PENALTY
+from chunkwise.engine.datatypes.sampling_params import MAX_LOGPROBS, MAX_N, MAX_PENALTY
 from chunkwise.server.chat import ROLES
 from chunkwise.server.endpoints import MAX_BATCH_PROMPTS
 from chunkwise.server.protocol import ChatCompletionRequest, CompletionRequest
 
 if TYPE_CHECKING:
-    from chunkwise.engine.core import ModelInfo
+    from chunkwise.engine.loop.core import ModelInfo
 
 REF = "#/components/schemas/{model}"
 # The statuses a generation request can be answered with besides 200 (server/errors.py).

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from chunkwise.engine_args import engine_config_from_args
+from chunkwise.engine.args import engine_config_from_args
 from chunkwise.server.app import build_app
 from chunkwise.server.serving import ServerState
 

@@ -23,9 +23,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from chunkwise.metrics import EngineMetrics
-from chunkwise.outputs import RequestFailed
-from chunkwise.sched.shedding import Overloaded, SheddingPolicy
+from chunkwise.engine.datatypes.outputs import RequestFailed
+from chunkwise.engine.loop.metrics import EngineMetrics
+from chunkwise.engine.sched.shedding import Overloaded, SheddingPolicy
 
 # chat_prompt_ids is re-exported: the router's tests hold its prompt ids against the server's, from here.
 from chunkwise.server.endpoints import B, Endpoint, Generation
@@ -35,7 +35,7 @@ from chunkwise.server.formatters import CollectedResponse, Formatter, Prompt, Re
 
 if TYPE_CHECKING:
     from chunkwise.engine import AsyncEngine, RequestStream
-    from chunkwise.outputs import RequestOutput
+    from chunkwise.engine.datatypes.outputs import RequestOutput
 
 # What a refused client is told while the server loads or drains (another replica may take it sooner).
 UNAVAILABLE_RETRY_AFTER_S = 5

@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from chunkwise.structured.spec import StructuredOutput
+from chunkwise.engine.datatypes.structured_output import StructuredOutput
 
 ToolMode = Literal["auto", "required", "named"]
 HERMES_OPEN = "<tool_call>"

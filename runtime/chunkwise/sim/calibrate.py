@@ -33,7 +33,7 @@ from chunkwise.sim.profile import LINEAR_TERMS, LinearCost, Profile, StepFeature
 if TYPE_CHECKING:
     from chunkwise.bench.results import RunResult
     from chunkwise.engine import EngineCore
-    from chunkwise.sched.output import SchedulerOutput
+    from chunkwise.engine.sched.output import SchedulerOutput
 
 # The prefill rate a profile reports (for swap-or-recompute and the router) is that of a chunk this long.
 _PREFILL_RATE_CHUNK = 512
@@ -154,7 +154,7 @@ def fit_profile(
     """Fit a linear profile to real runs of `engine` (each with all its requests arriving at once)."""
     import torch
 
-    from chunkwise.worker.model_runner import kv_bytes_per_token
+    from chunkwise.engine.worker.model_runner import kv_bytes_per_token
 
     feats: list[StepFeatures] = []
     times: list[float] = []

@@ -34,7 +34,7 @@ _SCHED_OPTIONS = (
 
 
 def _sched_args(p: argparse.ArgumentParser) -> None:
-    from chunkwise.engine_args import add_engine_args
+    from chunkwise.engine.args import add_engine_args
 
     # The engine's own flags (help and defaults from its config), but for the two the profile sizes.
     add_engine_args(p, _SCHED_OPTIONS, title="replica (the engine's flags, same defaults)")
@@ -96,7 +96,7 @@ def _log(msg: str) -> None:
 
 
 def _prefix_caching(ns: argparse.Namespace) -> bool:
-    from chunkwise.config import CacheConfig
+    from chunkwise.engine.datatypes.config import CacheConfig
 
     flag = ns.enable_prefix_caching  # None when not given: the engine's default
     return CacheConfig().enable_prefix_caching if flag is None else bool(flag)

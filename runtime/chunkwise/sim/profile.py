@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from chunkwise.sched.output import SchedulerOutput
+from chunkwise.engine.sched.output import SchedulerOutput
 
 
 def _length_groups(lengths: list[int]) -> int:

@@ -18,8 +18,8 @@ from typing import Any
 from chunkwise.bench.metrics import RequestRecord
 from chunkwise.bench.results import COUNTERS, RunResult, StepRecord
 from chunkwise.bench.workloads import Encoder, WorkItem
-from chunkwise.config import SchedulerConfig
-from chunkwise.sched.output import SchedulerOutput
+from chunkwise.engine.datatypes.config import SchedulerConfig
+from chunkwise.engine.sched.output import SchedulerOutput
 from chunkwise.sim.profile import Profile
 from chunkwise.sim.replica import SimReplica, prompt_block_hashes
 from chunkwise.sim.router import Router, make_router

@@ -16,15 +16,15 @@ import time
 from dataclasses import dataclass
 
 from chunkwise.bench.workloads import WorkItem
-from chunkwise.cache.hashing import hash_prefix_blocks
-from chunkwise.cache.kv_cache_manager import KVCacheManager
-from chunkwise.config import SchedulerConfig
-from chunkwise.request import Request, resolve_max_tokens
-from chunkwise.sampling_params import SamplingParams
-from chunkwise.sched.output import SchedulerOutput
-from chunkwise.sched.preemption import PreemptionCostModel
-from chunkwise.sched.scheduler import Scheduler
-from chunkwise.sched.shedding import ServiceRate
+from chunkwise.engine.cache.hashing import hash_prefix_blocks
+from chunkwise.engine.cache.kv_cache_manager import KVCacheManager
+from chunkwise.engine.datatypes.config import SchedulerConfig
+from chunkwise.engine.datatypes.request import Request, resolve_max_tokens
+from chunkwise.engine.datatypes.sampling_params import SamplingParams
+from chunkwise.engine.sched.output import SchedulerOutput
+from chunkwise.engine.sched.preemption import PreemptionCostModel
+from chunkwise.engine.sched.scheduler import Scheduler
+from chunkwise.engine.sched.shedding import ServiceRate
 from chunkwise.sim.profile import Profile
 
 # The stand-in model's vocabulary: EOS where a hidden target ends a request, fillers otherwise. Fillers vary
@@ -118,7 +118,7 @@ class SimReplica:
         return self.scheduler.num_requests
 
     def queue_delay_s(self) -> float:
-        """The engine's own predicted queueing delay (chunkwise.sched.shedding), from the scheduler's count
+        """The engine's own predicted queueing delay (chunkwise.engine.sched.shedding), from the scheduler's count
         of the queued work (Scheduler.load, as the engine's load shedding reads it) over the measured
         service rate."""
         return self.scheduler.load(self.rate.tokens_per_s).predicted_delay_s

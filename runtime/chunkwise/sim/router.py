@@ -2,7 +2,7 @@
 
 - round-robin: in turn, blind to load and to caches;
 - least-loaded: fewest requests held (running + waiting + swapped), lowest index on ties;
-- predicted-completion: the seed's objective, the smallest predicted completion time
+- predicted-completion: the objective of docs/scheduling.md, the smallest predicted completion time
 
       T(r, replica) = T_queue + (|p_r| - |p_r ∩ cache|) / prefill_rate + l_r * TPOT
 

@@ -57,7 +57,7 @@ def compare_batching(
             "useful_work_fraction": u,
             "max_num_seqs": max_num_seqs,
             "num_requests": len(items),
-            # Static batching computes a padding row per held slot of a finished request, as the seed's does.
+            # Static batching computes a padding row per held slot of a finished request, as a real static batch does.
             "static_padding_share": padding_share(results["static"]),
             "continuous_padding_share": padding_share(results["continuous"]),
         },

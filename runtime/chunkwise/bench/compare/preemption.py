@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from chunkwise.bench.clock import CLOCKS, ClockName
 from chunkwise.bench.compare.base import _engine
-from chunkwise.config import DEFAULT_BLOCK_SIZE
+from chunkwise.engine.datatypes.config import DEFAULT_BLOCK_SIZE
 
 if TYPE_CHECKING:
     from chunkwise.engine import EngineCore
@@ -38,7 +38,7 @@ def _forced_preemption(engine: EngineCore, context: int, tag: str, clock: ClockN
     stats = engine.stats
     prompt_o = [3 + i % 250 for i in range(2 * bs)]
     prompt_v = [5 + (i * 13) % 250 for i in range(context)]
-    from chunkwise.sampling_params import SamplingParams
+    from chunkwise.engine.datatypes.sampling_params import SamplingParams
 
     sp = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
     o = f"{tag}-o"

@@ -22,7 +22,7 @@ from chunkwise.bench.peer.served import (
     vllm_random_shape,
 )
 from chunkwise.bench.workloads import WorkItem
-from chunkwise.models import resolve_model_path
+from chunkwise.engine.model.bundled import resolve_model_path
 
 if TYPE_CHECKING:
     import argparse

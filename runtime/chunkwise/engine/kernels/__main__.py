@@ -1,0 +1,3 @@
+from chunkwise.engine.kernels import main
+
+raise SystemExit(main())

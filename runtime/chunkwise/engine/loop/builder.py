@@ -1,0 +1,334 @@
+"""build_engine: an EngineConfig -> the parts of an engine (model, KV cache, runner, cost models,
+scheduler), in the order their sizes depend on each other. EngineCore keeps the parts and runs the loop.
+
+dtype -> attention backend -> model (and draft model) -> KV blocks (given, from bytes, or profiled on a
+GPU) -> max_model_len -> KV cache manager and runner -> start-up probes (swap and prefill costs, the draft
+length's step cost) -> CUDA graphs -> scheduler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+
+from chunkwise.engine.attention import get_attention_backend
+from chunkwise.engine.attention.backend import AttentionBackend
+from chunkwise.engine.cache.events import KVEventLog
+from chunkwise.engine.cache.kv_cache_manager import KVCacheManager
+from chunkwise.engine.datatypes.config import Dtype, EngineConfig
+from chunkwise.engine.hardware import cpu_has_bf16_matmul, cpu_isa, resolve_dtype
+from chunkwise.engine.loop.calibration import (
+    DEFAULT_CPU_KV_BYTES,
+    CudaMemoryStats,
+    StartupProbe,
+    kv_blocks_on_device,
+)
+from chunkwise.engine.model.loader import LoadedModel, checkpoint_dtype, load_model
+from chunkwise.engine.sampling.structured.compiler import GrammarCompiler
+from chunkwise.engine.sched.draft_length import AdaptiveDraftLength, StepCostModel
+from chunkwise.engine.sched.preemption import PreemptionCostModel
+from chunkwise.engine.sched.scheduler import Scheduler
+from chunkwise.engine.worker.cuda_graphs import bucket_sizes
+from chunkwise.engine.worker.draft_model import DraftModelProposer
+from chunkwise.engine.worker.model_runner import ModelRunner, Proposer, kv_bytes_per_token
+from chunkwise.engine.worker.ngram import NgramProposer
+
+log = logging.getLogger("chunkwise.engine.loop.core")  # the core's log lines, under the name they always had
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the server and metrics need to know about the loaded engine, without reaching into it."""
+
+    model: str  # what was loaded: a preset name or a checkpoint directory
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool
+    max_waiting: int | None  # the scheduler's load-shedding bound (None: unbounded)
+    dtype: str
+    max_num_seqs: int  # a request's n choices run side by side, so n is bounded by this too
+
+
+@dataclass
+class EngineParts:
+    """An engine's parts, built and wired; EngineCore runs the loop over them."""
+
+    config: EngineConfig  # resolved: the real dtype and max_model_len
+    loaded: LoadedModel
+    max_model_len: int
+    structured: GrammarCompiler
+    kv_events: KVEventLog | None
+    kv: KVCacheManager
+    runner: ModelRunner
+    cost_model: PreemptionCostModel
+    draft_length: AdaptiveDraftLength | None
+    scheduler: Scheduler
+    num_blocks: int
+    model_info: ModelInfo
+
+
+def build_engine(config: EngineConfig) -> EngineParts:
+    torch.manual_seed(config.seed)
+    device = torch.device(config.device)
+    choice = resolve_dtype(config.dtype, device, checkpoint_dtype(config.model))
+    dtype = choice.dtype
+    if device.type == "cpu":
+        log.info("cpu %s", cpu_isa().describe())
+    log.info("dtype %s (%s)", choice.name, choice.reason)
+    if dtype != torch.float32 and device.type == "cpu" and not cpu_has_bf16_matmul():
+        log.info(
+            "this CPU has no %s matrix units: linear layers keep %s numerics but run as float32 matmuls "
+            "over weights widened once (twice the weights' %s memory); float32 is as fast and more exact",
+            choice.name,
+            choice.name,
+            choice.name,
+        )
+    backend = get_attention_backend(config.attention_backend, device.type)
+    log.info("attention backend %s", backend.name)
+    loaded = load_model(config.model, dtype=dtype, device=device, backend=backend)
+    mcfg = loaded.config
+    cache = config.cache
+    # Loaded before the KV cache is sized: its weights and its KV blocks take device memory too.
+    draft = _load_draft(config, loaded, dtype, device, backend)
+    per_token = kv_bytes_per_token(mcfg, dtype)
+    block_bytes = per_token * cache.block_size
+    sched_cfg = config.scheduler
+    if cache.num_blocks is not None:
+        num_blocks = cache.num_blocks
+    elif cache.kv_cache_memory_bytes is not None:
+        num_blocks = cache.kv_cache_memory_bytes // block_bytes
+    elif device.type == "cuda":
+        # Each block id is a block of the target's cache and one of the draft's (worker/draft_model.py).
+        draft_bytes = kv_bytes_per_token(draft.config, dtype) * cache.block_size if draft else 0
+        profile_len = sched_cfg.max_model_len or mcfg.max_position_embeddings
+
+        def profile_runner(blocks: int) -> ModelRunner:
+            return make_runner(loaded, config, backend, blocks, 0, dtype, device, profile_len)
+
+        num_blocks = kv_blocks_on_device(
+            profile_runner,
+            CudaMemoryStats(device),
+            utilization=cache.gpu_memory_utilization,
+            block_bytes=block_bytes + draft_bytes,
+            block_size=cache.block_size,
+            max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
+            max_num_seqs=sched_cfg.max_num_seqs,
+            max_model_len=sched_cfg.max_model_len,
+            profile_len=profile_len,
+        )
+    else:
+        num_blocks = DEFAULT_CPU_KV_BYTES // block_bytes
+    if sched_cfg.max_model_len is None:
+        # Unset, it is the model's context, cut to what the cache holds (a request must fit it alone);
+        # set, it is the operator's word, and a cache too small for it is an error below.
+        fits = num_blocks * cache.block_size
+        max_model_len = min(mcfg.max_position_embeddings, fits)
+        if max_model_len < mcfg.max_position_embeddings:
+            log.warning(
+                "max_model_len %d: the KV cache (%d blocks of %d tokens) holds fewer tokens than the "
+                "model's %d positions; set --max-model-len, or give the cache more blocks or bytes",
+                max_model_len,
+                num_blocks,
+                cache.block_size,
+                mcfg.max_position_embeddings,
+            )
+        sched_cfg = dataclasses.replace(sched_cfg, max_model_len=max_model_len)
+    elif sched_cfg.max_model_len > mcfg.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len {sched_cfg.max_model_len} exceeds the model's "
+            f"max_position_embeddings {mcfg.max_position_embeddings}"
+        )
+    # The resolved dtype, so that what reads the config later (benchmarks, calibration) sees the real one.
+    resolved = cast(Dtype, choice.name)  # resolve_dtype names one of the config's dtypes
+    resolved_config = dataclasses.replace(config, scheduler=sched_cfg, dtype=resolved)
+    max_model_len_: int = sched_cfg.max_model_len  # type: ignore[assignment]
+
+    min_blocks = -(-max_model_len_ // cache.block_size)
+    if num_blocks < min_blocks:
+        raise ValueError(
+            f"the KV cache ({num_blocks} blocks of {cache.block_size} tokens) cannot hold one request of "
+            f"max_model_len {max_model_len_} tokens; give it at least {min_blocks} blocks "
+            f"({min_blocks * block_bytes} bytes) or lower max_model_len"
+        )
+    num_host_blocks = cache.swap_space_bytes // block_bytes
+    # Structured outputs: the engine's one llguidance tokenizer (built on first use) and grammar cache.
+    structured = GrammarCompiler(loaded.tokenizer, mcfg.vocab_size, loaded.eos_token_ids)
+    proposer = _make_proposer(config, draft, num_blocks, dtype, device, max_model_len_)
+    # What enters and leaves the prefix cache, for the router's exact index (GET /v1/kv_events).
+    kv_events = (
+        KVEventLog(cache.kv_events_buffer) if cache.enable_prefix_caching and cache.kv_events_buffer else None
+    )
+    kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, num_host_blocks, kv_events)
+    runner = make_runner(
+        loaded,
+        config,
+        backend,
+        num_blocks,
+        num_host_blocks,
+        dtype,
+        device,
+        max_model_len_,
+        proposer=proposer,
+        grammars=structured,
+    )
+    probe = StartupProbe(runner, kv, max_model_len_)
+    fixed_transfer_s, host_copy_bytes_per_s = probe.swap_cost(num_blocks, num_host_blocks, block_bytes)
+    cost_model = PreemptionCostModel(
+        kv_bytes_per_token=per_token,
+        host_copy_bytes_per_s=host_copy_bytes_per_s,
+        prefill_tokens_per_s=probe.prefill_rate(),
+        fixed_transfer_s=fixed_transfer_s,
+    )
+    if num_host_blocks:
+        log.info("preemption cost model: %s", cost_model.describe())
+    else:
+        log.info(
+            "preemption cost model: no swap space (swap_space_bytes %d < one block of %d bytes), every "
+            "preemption recomputes; recompute = %.0f tokens/s",
+            cache.swap_space_bytes,
+            block_bytes,
+            cost_model.prefill_tokens_per_s,
+        )
+    draft_length: AdaptiveDraftLength | None = None
+    if proposer is not None:
+        draft_length = AdaptiveDraftLength(
+            config.spec.num_speculative_tokens,
+            StepCostModel(*probe.step_cost()),
+            adaptive=config.spec.adaptive,
+        )
+    _set_up_graphs(runner, config, device, backend)
+    scheduler = Scheduler.from_config(sched_cfg, kv, cost_model, draft_length=draft_length)
+    model_info = ModelInfo(
+        model=config.model,
+        vocab_size=mcfg.vocab_size,
+        max_model_len=max_model_len_,
+        block_size=cache.block_size,
+        num_blocks=num_blocks,
+        enable_prefix_caching=cache.enable_prefix_caching,
+        max_waiting=sched_cfg.max_waiting,
+        dtype=choice.name,
+        max_num_seqs=sched_cfg.max_num_seqs,
+    )
+    return EngineParts(
+        config=resolved_config,
+        loaded=loaded,
+        max_model_len=max_model_len_,
+        structured=structured,
+        kv_events=kv_events,
+        kv=kv,
+        runner=runner,
+        cost_model=cost_model,
+        draft_length=draft_length,
+        scheduler=scheduler,
+        num_blocks=num_blocks,
+        model_info=model_info,
+    )
+
+
+def _set_up_graphs(
+    runner: ModelRunner, config: EngineConfig, device: torch.device, backend: AttentionBackend
+) -> None:
+    if config.enforce_eager:
+        if device.type == "cuda":
+            log.info(
+                "CUDA graphs off (enforce_eager): they stay off by default until a GPU run has shown them "
+                "to give identical tokens; --no-enforce-eager replays decode steps from graphs"
+            )
+        return
+    if device.type != "cuda":
+        log.info("enforce_eager=False has no effect on %s: CUDA graphs need a CUDA device", device.type)
+        return
+    if not getattr(backend, "graph_safe", False):
+        log.warning(
+            "CUDA graphs off: the %s attention backend plans from host-side lengths, which a replayed "
+            "graph would not see; use the triton backend",
+            backend.name,
+        )
+        return
+    sizes = bucket_sizes(config.scheduler.max_num_seqs)
+    t0 = time.perf_counter()
+    runner.use_decode_graphs(sizes, capture=True)
+    log.info("CUDA graph capture took %.1fs", time.perf_counter() - t0)
+
+
+def make_runner(
+    loaded: LoadedModel,
+    config: EngineConfig,
+    backend: AttentionBackend,
+    num_blocks: int,
+    num_host_blocks: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+    proposer: Proposer | None = None,
+    grammars: GrammarCompiler | None = None,
+) -> ModelRunner:
+    """The model runner: the engine's own, or one with a few blocks for the start-up memory profile."""
+    return ModelRunner(
+        loaded.model,
+        loaded.config,
+        backend,
+        num_blocks=num_blocks,
+        block_size=config.cache.block_size,
+        num_host_blocks=num_host_blocks,
+        dtype=dtype,
+        device=device,
+        max_num_tokens=config.scheduler.max_num_batched_tokens,
+        max_num_reqs=config.scheduler.max_num_seqs,
+        max_model_len=max_model_len,
+        proposer=proposer,
+        grammars=grammars,
+    )
+
+
+def _load_draft(
+    config: EngineConfig,
+    target: LoadedModel,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: AttentionBackend,
+) -> LoadedModel | None:
+    spec = config.spec
+    if spec.method != "draft":
+        return None
+    if not spec.draft_model:
+        raise ValueError("speculative_method='draft' needs speculative_model (a preset or a HF directory)")
+    draft = load_model(spec.draft_model, dtype=dtype, device=device, backend=backend)
+    target_vocab = target.config.vocab_size
+    if draft.config.vocab_size != target_vocab:
+        raise ValueError(
+            f"the draft model {spec.draft_model!r} has vocab_size {draft.config.vocab_size}, "
+            f"the target {target_vocab}: they must share a tokenizer"
+        )
+    return draft
+
+
+def _make_proposer(
+    config: EngineConfig,
+    draft: LoadedModel | None,
+    num_blocks: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+) -> Proposer | None:
+    spec = config.spec
+    if spec.method is None:
+        return None
+    if spec.method == "ngram":
+        return NgramProposer()
+    assert draft is not None  # _load_draft loaded it for the method "draft"
+    if draft.config.max_position_embeddings < max_model_len:
+        raise ValueError(
+            f"the draft model supports {draft.config.max_position_embeddings} positions, "
+            f"fewer than max_model_len {max_model_len}"
+        )
+    return DraftModelProposer(
+        draft.model, num_blocks=num_blocks, block_size=config.cache.block_size, dtype=dtype, device=device
+    )

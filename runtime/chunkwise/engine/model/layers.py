@@ -1,0 +1,290 @@
+"""The layers the model file is built from: a linear layer that lays its weight out once for the device's
+matmul library, RMSNorm, SiluAndMul and the rotary embedding with its cos/sin table.
+
+Each layer holds Hugging Face's numerics (tests compare against transformers token for token); what differs
+per device is only how it runs, chosen once by `prepare()` after the weights are loaded: on CPU, chunkwise's
+C++ kernels (chunkwise.engine.kernels) do a norm, a rotation or a gated activation in one pass where torch takes
+four to six (each a full read and write of the activations, and a dispatch); on CUDA, Triton kernels
+(model/triton_ops.py) do a norm (with the residual add before it) or a rotation in one launch.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from chunkwise.engine.datatypes.config import RopeScaling
+from chunkwise.engine.hardware import configure_onednn, cpu_has_avx512
+from chunkwise.engine.model.rope import rope_frequencies
+
+log = logging.getLogger(__name__)
+
+
+def triton_kernels_for(t: torch.Tensor) -> ModuleType | None:
+    """model/triton_ops.py when a layer holding `t` runs its kernels (a CUDA tensor, and triton installed;
+    imported only then), else None. Kept by the layer: a per-call import is host time on every step."""
+    if t.device.type != "cuda":
+        return None
+    try:
+        from chunkwise.engine.model import triton_ops
+    except ImportError:
+        log.warning("triton is not installed: RMSNorm and rotary run as torch ops on %s", t.device)
+        return None
+    return triton_ops
+
+
+def cpu_kernels_for(t: torch.Tensor) -> bool:
+    """Whether a layer holding `t` runs chunkwise's CPU kernels (a CPU tensor, and the kernels load)."""
+    if t.device.type != "cpu":
+        return False
+    from chunkwise.engine import kernels
+
+    return kernels.available()
+
+
+# Up to this many rows an fp32 linear layer on an AVX2 CPU runs chunkwise's small-row kernel, past it oneDNN,
+# over the same weight: where the two cross there (bench/cpu/linear_small_m.py: the kernel 2.75x oneDNN over
+# the same weight at 4 rows, 1.06x at 64, 0.98x at 96). With AVX-512 oneDNN's packed layout wins at every
+# row count instead (same script on an AVX-512 EPYC: 1.05-1.5x the kernel from 1 to 256 rows).
+SMALL_M_ROWS = 64
+
+
+def _onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def onednn_bf16_available() -> bool:
+    """Whether torch's oneDNN ops take bf16 on this CPU: they refuse it without AVX512-BW/VL/DQ or
+    AVX-NE-CONVERT ("bf16 path needs the cpu support ..."), e.g. on an AVX2 EPYC told CHUNKWISE_CPU_ISA=amx."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return _onednn_available() and check is not None and bool(check())
+
+
+def _small_m_kernel_for(t: torch.Tensor) -> bool:
+    """Whether the small-row kernel runs here: it is written for AVX2's 16 registers and FMA, which AVX-512
+    builds have too."""
+    if not cpu_kernels_for(t):
+        return False
+    from chunkwise.engine import kernels
+
+    return kernels.isa() in ("avx2", "avx512")
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), weight [out_features, in_features] as in nn.Linear and Hugging Face checkpoints.
+
+    `prepare()` picks the kernel once the weights are final:
+    - CPU with AVX-512 (cpu_has_avx512()), float32 or bfloat16: the weight is reordered once into oneDNN's
+      blocked layout and replaces the plain one (a tied LM head gets its own packed copy; the embedding
+      keeps the plain one). Measured on an AVX-512-BF16 EPYC over the benchmark model's weights: bf16
+      1.3-2.2x F.linear at decode's rows (bench/cpu/linear_bf16.py), 2.3x on its LM head at one row, even
+      at 1,024; fp32 1.05-1.8x the plain layout and 1.05-1.5x the small-row kernel from 1 to 256 rows
+      (bench/cpu/linear_small_m.py). Issue 29's figures on an AMX Xeon: bf16 1.9-2.3x at decode.
+    - CPU with AVX2 only, float32: the weight stays in Hugging Face's row-major layout, one copy (a tied LM
+      head shares the embedding's). Up to SMALL_M_ROWS rows (decode), chunkwise's small-row kernel streams
+      it once per tile of rows; past that (prefill chunks), oneDNN's GEMM. A copy prepacked for oneDNN was
+      1-9% faster at a prefill chunk's rows there and 2.5x slower at decode's few.
+    - CPU, bfloat16/float16 without bf16 units (cpu_has_bf16_matmul() is False): torch's half-precision
+      matmul is a scalar fallback (5 GFLOP/s on an AVX2 EPYC). The weight, already rounded to the half
+      dtype by loading, is kept as float32 and the input is widened per call: the same numbers as a bf16
+      GEMM with fp32 accumulation (bf16 products are exact in fp32), at float32 speed, for twice the
+      half-precision weight memory. The output is rounded back to the half dtype.
+    - CPU float16 with bf16 units, CUDA, or no oneDNN: F.linear as it is.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        stacked: tuple[tuple[str, int], ...] = (),
+    ) -> None:
+        super().__init__()
+        if stacked and sum(rows for _, rows in stacked) != out_features:
+            raise ValueError(f"stacked projections {stacked} do not add up to {out_features} outputs")
+        self.in_features = in_features
+        self.out_features = out_features
+        # A fused projection: the Hugging Face layers (by name) whose weights fill consecutive output rows.
+        self.stacked = stacked
+        self.weight: torch.Tensor = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        # "torch", "onednn", "small-m+onednn" (fp32: the small-row kernel up to SMALL_M_ROWS rows), or
+        # "onednn-packed" (the weight in oneDNN's layout).
+        self.kernel = "torch"
+        self._out_dtype: torch.dtype | None = None
+        # Half-precision weights held as fp32 (a CPU without bf16 units): inputs widened, outputs narrowed.
+        self._widen = False
+
+    def prepare(self, widen_half_on_cpu: bool) -> None:
+        w = self.weight.detach()
+        if w.device.type != "cpu" or not _onednn_available():
+            return
+        self._widen = w.dtype != torch.float32 and widen_half_on_cpu
+        if w.dtype == torch.float16 and not self._widen:
+            return
+        if w.dtype == torch.bfloat16 and not self._widen and not onednn_bf16_available():
+            return  # torch's own bf16 GEMM: slow without bf16 units, but it runs
+        configure_onednn()
+        self._out_dtype = w.dtype
+        if self._widen:
+            w = w.float()
+            if self.bias is not None:
+                self.bias = nn.Parameter(self.bias.detach().float(), requires_grad=False)
+        if w.dtype == torch.bfloat16 or cpu_has_avx512():
+            # An opaque oneDNN tensor: only _linear_pointwise reads it (the plain copy is dropped).
+            self.weight = nn.Parameter(
+                torch.ops.mkldnn._reorder_linear_weight(w.contiguous()), requires_grad=False
+            )
+            self.kernel = "onednn-packed"
+            return
+        if self._widen:
+            self.weight = nn.Parameter(w.contiguous(), requires_grad=False)
+        self.kernel = "small-m+onednn" if _small_m_kernel_for(w) else "onednn"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "torch":
+            return F.linear(x, self.weight, self.bias)
+        if x.shape[0] == 0:  # a step whose last layer keeps no rows; oneDNN refuses empty inputs
+            return x.new_empty(0, self.out_features)
+        xin = x.float() if self._widen else x
+        if (
+            self.kernel == "small-m+onednn"
+            and xin.dim() == 2
+            and xin.shape[0] <= SMALL_M_ROWS
+            and xin.stride(-1) == 1
+        ):
+            y = xin.new_empty(xin.shape[0], self.out_features)
+            torch.ops.chunkwise.linear_small_m(y, xin, self.weight, self.bias)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(xin, self.weight, self.bias, "none", [], "")
+        return y.to(self._out_dtype) if self._widen else y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, kernel={self.kernel}"
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.fused = False
+        # One Triton launch on a GPU, where torch's ~8 ops are 8 launches (model/triton_ops.py).
+        self.triton: ModuleType | None = None
+
+    def prepare(self, triton_layers: bool = True) -> None:
+        self.fused = cpu_kernels_for(self.weight)
+        self.triton = triton_kernels_for(self.weight) if triton_layers else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = self.triton
+        if ops is not None and ops.supports_norm(x, self.weight):
+            return ops.rms_norm(x, self.weight, self.eps)
+        if self.fused and x.dim() == 2 and x.stride(-1) == 1 and x.dtype == self.weight.dtype:
+            out = torch.empty_like(x, memory_format=torch.contiguous_format)
+            torch.ops.chunkwise.rms_norm(out, x, self.weight, self.eps)
+            return out
+        # Normalise in fp32 and cast back before the weight, as HF does, so half-precision runs match it.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + x, its norm): the residual add before a norm, one launch with Triton. The sum is the
+        residual stream's next value; Triton writes it into `residual` in place, torch into a new tensor."""
+        ops = self.triton
+        if ops is not None and ops.supports_add_norm(x, residual, self.weight):
+            return residual, ops.add_rms_norm(x, residual, self.weight, self.eps)
+        h = x + residual
+        return h, self(h)
+
+
+class SiluAndMul(nn.Module):
+    """[gate | up] -> silu(gate) * up, the gated MLP's activation over the fused gate_up projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused = False
+
+    def prepare(self, like: torch.Tensor) -> None:
+        self.fused = cpu_kernels_for(like)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        if self.fused and x.dim() == 2 and x.stride(-1) == 1:
+            out = torch.empty(x.shape[0], half, dtype=x.dtype, device=x.device)
+            torch.ops.chunkwise.silu_and_mul(out, x)
+            return out
+        return F.silu(x[:, :half]) * x[:, half:]
+
+
+@dataclass
+class Rope:
+    """A step's rotary inputs, looked up once and shared by every layer."""
+
+    cos: torch.Tensor  # [T, 1, head_dim // 2], the activations' dtype
+    sin: torch.Tensor
+    positions: torch.Tensor  # [T]
+    table: torch.Tensor  # [max_positions, 2, head_dim // 2] fp32, for the fused kernel
+
+
+class RotaryEmbedding:
+    """Rotary position embedding (HF's rotate-half layout) with cos/sin precomputed for every position.
+
+    The table is fp32, built with HF's formula, and kept out of the module's state so `.to(dtype)` never rounds
+    it; a step looks its positions up once and every layer reuses the result (`lookup`, then `apply`).
+    """
+
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None = None
+    ) -> None:
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.theta = theta
+        self.scaling = scaling
+        self._tables: dict[torch.device, torch.Tensor] = {}
+        self.fused = False
+        self.triton: ModuleType | None = None
+
+    def prepare(self, like: torch.Tensor, triton_layers: bool = True) -> None:
+        self.fused = cpu_kernels_for(like)
+        self.triton = triton_kernels_for(like) if triton_layers else None
+
+    def _table(self, device: torch.device) -> torch.Tensor:
+        table = self._tables.get(device)
+        if table is None:
+            inv_freq, attention_factor = rope_frequencies(self.head_dim, self.theta, self.scaling)
+            positions = torch.arange(self.max_positions, dtype=torch.float32)
+            freqs = positions[:, None] * inv_freq[None, :]
+            # [max_positions, 2, head_dim // 2]: cos then sin, one gather per step for both, scaled in fp32
+            # by the attention factor (YaRN, LongRoPE) before any cast, as transformers does.
+            cs = torch.stack((freqs.cos(), freqs.sin()), dim=1)
+            if attention_factor != 1.0:
+                cs = cs * attention_factor
+            table = cs.to(device)
+            self._tables[device] = table
+        return table
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """The step's rotary inputs: cos, sin [T, 1, head_dim // 2] in the activations' dtype (as HF casts)."""
+        table = self._table(positions.device)
+        cs = table.index_select(0, positions).to(dtype)
+        return Rope(cs[:, 0, None, :], cs[:, 1, None, :], positions, table)
+
+    def apply(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """x [T, heads, head_dim] rotated: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). The fused kernel
+        rotates x in place (returning it); torch returns a rotated copy."""
+        ops = self.triton
+        if ops is not None and ops.supports_rotary(x, rope.table, rope.positions):
+            return ops.rotary(x, rope.table, rope.positions)
+        if self.fused and x.stride(-1) == 1 and rope.positions.dtype == torch.int64:
+            torch.ops.chunkwise.rotary_embedding(x, rope.table, rope.positions)
+            return x
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat((x1 * rope.cos - x2 * rope.sin, x2 * rope.cos + x1 * rope.sin), dim=-1)

@@ -1,0 +1,205 @@
+"""The Llama architecture (also Mistral, Qwen2 and Qwen3, which differ only in config), over a flat batch.
+
+There is no batch dimension and no padding: a step's tokens from every request are concatenated, and the
+attention backend uses the step's plan to keep requests apart. q/k/v and gate/up are each one matmul over
+weights fused at load time (each fused Linear names the Hugging Face projections stacked into it).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from chunkwise.engine.attention.backend import AttentionBackend, AttentionMetadata, AttentionPlan
+from chunkwise.engine.datatypes.config import ModelConfig
+from chunkwise.engine.model.layers import Linear, RMSNorm, Rope, RotaryEmbedding, SiluAndMul
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.backend = backend
+        self.rotary = rotary
+        # Qwen2 puts a bias on q/k/v only; o_proj never has one in the families we load.
+        self.qkv_proj = Linear(
+            config.hidden_size,
+            self.q_size + 2 * self.kv_size,
+            bias=config.attention_bias,
+            stacked=(("q_proj", self.q_size), ("k_proj", self.kv_size), ("v_proj", self.kv_size)),
+        )
+        self.o_proj = Linear(self.q_size, config.hidden_size)
+        # Qwen3 normalises each head's query and key (over head_dim) before rotating them.
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Rope,
+        kv_cache: torch.Tensor,
+        plan: AttentionPlan,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        # q and k sit side by side in the fused output: one rotation covers both.
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat(
+                (self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])), dim=1
+            )
+        qk = self.rotary.apply(qk, rope)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        # Write first: a prefill chunk attends to its own keys through the cache, like everything else.
+        self.backend.write_kv(k, v, kv_cache, plan.meta.slot_mapping)
+        o = self.backend.attend(q, kv_cache, plan, self.scale).reshape(t, self.q_size)
+        return self.o_proj(o if keep is None else o.index_select(0, keep))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = Linear(
+            config.hidden_size, 2 * size, stacked=(("gate_proj", size), ("up_proj", size))
+        )
+        self.act = SiluAndMul()
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, backend, rotary)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: Rope,
+        kv_cache: torch.Tensor,
+        plan: AttentionPlan,
+        keep: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual stream before it): the layer's output is their sum, which the next layer's
+        norm adds (or the model's final norm), so that each residual add is fused with the norm after it
+        (one launch on a GPU, model/triton_ops.py). The first layer gets residual None and x the embeddings.
+
+        keep: the rows to go on past attention (see LlamaModel.forward); every row's keys and values are
+        written either way."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            residual, h = self.input_layernorm.add(x, residual)
+        attn = self.self_attn(h, rope, kv_cache, plan, keep)
+        if keep is not None:
+            residual = residual.index_select(0, keep)
+        residual, h = self.post_attention_layernorm.add(attn, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, backend, self.rotary) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        plan: AttentionPlan | None = None,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states [T, hidden], or [len(keep), hidden] for the token rows `keep` lists.
+
+        Only the rows a step samples or scores need the last layer's output; the rest of a prefill chunk
+        needs only its keys and values in the cache. With `keep`, the last layer computes its output
+        projection and MLP for those rows alone: most of a layer's work for a prompt token."""
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} KV caches (one per layer), got {len(kv_caches)}")
+        # The backend plans the step once (which rows take which path, their index tensors); every layer
+        # reuses the plan. A runner may have built it already, outside a captured graph.
+        if plan is None:
+            cfg = self.config
+            plan = self.backend.plan(meta, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary.lookup(positions, x.dtype)
+        last = len(self.layers) - 1
+        residual = None
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            x, residual = layer(x, residual, rope, kv_cache, plan, keep if i == last else None)
+        assert residual is not None  # a model has a layer
+        return self.norm.add(x, residual)[1]
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, backend)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output projection when the config says so (again after loading)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def prepare(self, widen_half_on_cpu: bool, triton_layers: bool = True) -> None:
+        """Pick each layer's kernels for its device once the weights are final (see layers.py): linear
+        weights widened where the CPU computes half precision in fp32, fused norms and activations on CPU,
+        Triton norms and rotation on CUDA unless `triton_layers` is False (the torch reference's model: a
+        reference that ran the same kernels could not catch them out).
+        A tied lm_head keeps sharing the embedding unless it is widened (then it gets its own fp32 copy)."""
+        like = self.model.embed_tokens.weight
+        self.model.rotary.prepare(like, triton_layers)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepare(widen_half_on_cpu)
+            elif isinstance(module, RMSNorm):
+                module.prepare(triton_layers)
+            elif isinstance(module, SiluAndMul):
+                module.prepare(like)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        plan: AttentionPlan | None = None,
+        keep: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden] (or of the rows in `keep`, see
+        LlamaModel.forward); logits are left to compute_logits, which the runner calls on the few rows it
+        samples from (not every prefill token)."""
+        return self.model(input_ids, positions, kv_caches, meta, plan, keep)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # The projection runs in the model's dtype (upcasting a large vocab's weight every step is a real
+        # cost); the sampler gets fp32.
+        return self.lm_head(hidden).float()

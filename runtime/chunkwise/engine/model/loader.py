@@ -1,0 +1,323 @@
+"""Build a model from a preset name or a Hugging Face directory. Nothing is ever downloaded.
+
+An HF directory holds config.json, one or more *.safetensors files and (usually) tokenizer.json. Every
+mismatch between what the config describes and what the weights hold is an error naming the tensors, so
+a wrong checkpoint fails at start-up rather than serving noise. What config.json means is hf_config.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from chunkwise.engine.attention.backend import AttentionBackend
+from chunkwise.engine.datatypes.config import ModelConfig
+from chunkwise.engine.hardware import cpu_has_bf16_matmul
+from chunkwise.engine.model.bundled import BUNDLED, resolve_model_path
+
+# Re-exported: `chunkwise inspect` reads the supported architectures from here.
+from chunkwise.engine.model.hf_config import SUPPORTED_ARCHITECTURES as SUPPORTED_ARCHITECTURES
+from chunkwise.engine.model.hf_config import eos_ids, model_config_from_hf
+from chunkwise.engine.model.layers import Linear
+from chunkwise.engine.model.llama import LlamaForCausalLM
+from chunkwise.engine.model.presets import (
+    DEVICE_DRAWN_PRESETS,
+    PRESET_SEEDS,
+    PRESETS,
+    hf_parameter_shapes,
+    preset_state_dict,
+    random_tensors,
+)
+from chunkwise.engine.tokenizer import ByteTokenizer, HFTokenizer, NoTokenizer, Tokenizer
+
+# Checkpoints saved by older transformers versions carry the rotary table; we compute it.
+IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
+# How many names an error lists before it summarises.
+MAX_NAMES_IN_ERROR = 10
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    config: ModelConfig
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer
+    chat_template: str | None
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The ids that end generation: the model config's and the tokenizer's, as HF's generate uses."""
+        return tuple(dict.fromkeys((*self.config.eos_token_ids, *self.tokenizer.eos_token_ids)))
+
+
+def load_model(
+    name_or_path: str,
+    *,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    backend: AttentionBackend,
+    prepare: bool = True,
+) -> LoadedModel:
+    """The model, its tokenizer and chat template, with weights in `dtype` on `device`.
+
+    With prepare=True (serving) each layer then picks its kernels for the device (Linear.prepare), and a
+    half-precision weight the CPU computes in fp32 is widened; prepare=False keeps the weights as loaded."""
+    if name_or_path in PRESETS:
+        loaded = _load_preset(name_or_path, dtype=dtype, device=device, backend=backend)
+    else:
+        path = resolve_model_path(name_or_path)
+        if not path.is_dir():
+            raise ValueError(
+                f"model {name_or_path!r} is neither a built-in preset ({', '.join(sorted(PRESETS))}), a bundled "
+                f"model ({', '.join(BUNDLED)}) nor an existing directory (chunkwise never downloads; give the "
+                "path of a Hugging Face model directory)"
+            )
+        loaded = _load_hf_dir(path, name=name_or_path, dtype=dtype, device=device, backend=backend)
+    if prepare:
+        # The torch attention backend is the reference other paths are checked against: its model keeps
+        # the torch norms and rotation too.
+        loaded.model.prepare(
+            widen_half_on_cpu=not cpu_has_bf16_matmul(), triton_layers=backend.name != "torch"
+        )
+    return loaded
+
+
+def checkpoint_dtype(name_or_path: str) -> str | None:
+    """The dtype a checkpoint stores its weights in (config.json's torch_dtype, or dtype as transformers 5
+    writes it); None for a preset or when the config does not say."""
+    config_path = resolve_model_path(name_or_path) / "config.json"
+    if name_or_path in PRESETS or not config_path.is_file():
+        return None
+    raw = _read_json(config_path)
+    value = raw.get("torch_dtype", raw.get("dtype")) if isinstance(raw, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def _load_preset(
+    name: str, *, dtype: torch.dtype, device: str | torch.device, backend: AttentionBackend
+) -> LoadedModel:
+    config = PRESETS[name]
+    model = _empty_model(config, backend, dtype, device)
+    if name in DEVICE_DRAWN_PRESETS:
+        tensors = random_tensors(
+            hf_parameter_shapes(config), PRESET_SEEDS[name], config.hidden_size, torch.device(device)
+        )
+    else:
+        tensors = iter(preset_state_dict(name).items())
+    _copy_weights(model, tensors, dtype)
+    tokenizer = ByteTokenizer()
+    return LoadedModel(name, config, model, tokenizer, tokenizer.chat_template)
+
+
+def _empty_model(
+    config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: str | torch.device
+) -> LlamaForCausalLM:
+    # Built on the meta device and allocated once in the target dtype: no throwaway fp32 init on the device.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, backend)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.tie_weights()
+    return model
+
+
+def hf_weight_names(model: LlamaForCausalLM) -> dict[str, tuple[str, int, tuple[int, ...]]]:
+    """Each Hugging Face tensor the model reads -> (its parameter, first row there, HF shape).
+
+    Fused projections (Linear.stacked) read several HF tensors into consecutive rows of one parameter."""
+    names: dict[str, tuple[str, int, tuple[int, ...]]] = {}
+    stacked = {
+        f"{prefix}.{kind}": module.stacked
+        for prefix, module in model.named_modules()
+        if isinstance(module, Linear) and module.stacked
+        for kind in ("weight", "bias")
+    }
+    # named_parameters() lists a tied weight once, under the embedding's name.
+    for name, p in model.named_parameters():
+        parts = stacked.get(name)
+        if parts is None:
+            names[name] = (name, 0, tuple(p.shape))
+            continue
+        prefix, _, kind = name.rpartition(".")
+        owner = prefix.rpartition(".")[0]
+        row = 0
+        for hf_proj, rows in parts:
+            names[f"{owner}.{hf_proj}.{kind}"] = (name, row, (rows, *p.shape[1:]))
+            row += rows
+    return names
+
+
+def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """The model's weights under Hugging Face's names and shapes (views; before prepare())."""
+    params = dict(model.named_parameters())
+    return {
+        hf: params[name].detach()[row : row + shape[0]].view(shape)
+        for hf, (name, row, shape) in hf_weight_names(model).items()
+    }
+
+
+def _copy_weights(
+    model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype
+) -> None:
+    """Copy HF-named tensors into the model (converting to its dtype), one at a time."""
+    params = dict(model.named_parameters())
+    expected = hf_weight_names(model)
+    with torch.no_grad():
+        for hf, tensor in tensors:
+            name, row, shape = expected.pop(hf)
+            params[name][row : row + shape[0]].copy_(tensor.view(shape))
+    if expected:
+        raise ValueError(f"weights missing from the preset: {_name_list(set(expected))}")
+    _freeze(model)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"malformed JSON in {path}: {e}") from e
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+
+
+def read_checkpoint(path: Path) -> tuple[ModelConfig, Tokenizer]:
+    """What a model directory says of itself, weights aside: its config (with generation_config.json's stop
+    ids), its tokenizer and chat template. Raises ValueError naming what it cannot use."""
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"{path} has no config.json; it is not a Hugging Face model directory")
+    raw = _read_json(config_path)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_path} must hold a JSON object")
+    config = model_config_from_hf(raw)
+
+    # generation_config.json may name more stop ids than config.json (Llama 3 instruct does).
+    gen_path = path / "generation_config.json"
+    if gen_path.is_file():
+        gen = _read_json(gen_path)
+        if isinstance(gen, dict):
+            extra = eos_ids(gen.get("eos_token_id"), gen_path)
+            if extra:
+                merged = tuple(dict.fromkeys((*config.eos_token_ids, *extra)))
+                config = replace(config, eos_token_ids=merged)
+
+    tokenizer: Tokenizer
+    if (path / "tokenizer.json").is_file():
+        tokenizer = HFTokenizer.from_dir(path, extra_eos_token_ids=config.eos_token_ids)
+    else:
+        tokenizer = NoTokenizer(config.vocab_size, config.bos_token_id, config.eos_token_ids)
+    return config, tokenizer
+
+
+def _load_hf_dir(
+    path: Path, *, name: str, dtype: torch.dtype, device: str | torch.device, backend: AttentionBackend
+) -> LoadedModel:
+    config, tokenizer = read_checkpoint(path)
+    if isinstance(tokenizer, NoTokenizer):
+        log.warning("%s has no tokenizer.json: prompts must be token ids, and outputs have no text", path)
+    weight_files = _weight_files(path)
+
+    with torch.device("meta"):
+        expected = hf_weight_names(LlamaForCausalLM(config, backend))
+    where = _locate_weights(weight_files, expected, config)
+    model = _empty_model(config, backend, dtype, device)
+    params = dict(model.named_parameters())
+    by_file: dict[Path, list[str]] = {}
+    for key, f in where.items():
+        by_file.setdefault(f, []).append(key)
+    from safetensors import safe_open
+
+    with torch.no_grad():
+        for f, keys in by_file.items():
+            with safe_open(str(f), framework="pt", device="cpu") as st:
+                for key in keys:
+                    tensor = st.get_tensor(key)
+                    param, row, shape = expected[key]
+                    if tuple(tensor.shape) != shape:
+                        raise ValueError(
+                            f"weight {key!r} in {f.name} has shape {tuple(tensor.shape)}, but config.json "
+                            f"implies {shape}"
+                        )
+                    params[param][row : row + shape[0]].copy_(tensor)
+    _freeze(model)
+    return LoadedModel(name, config, model, tokenizer, tokenizer.chat_template)
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The checkpoint's safetensors shards: those its index names (model.safetensors.index.json), else
+    model.safetensors, else every *.safetensors file. With an index, other files (a consolidated.safetensors
+    in the original format, say) are left alone; a shard it names but the directory lacks is an error."""
+    index_path = path / "model.safetensors.index.json"
+    if index_path.is_file():
+        index = _read_json(index_path)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index_path} has no weight_map")
+        names = sorted({str(v) for v in weight_map.values()})
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise ValueError(f"{index_path} names shards that are not in {path}: {', '.join(missing[:5])}")
+        return [path / n for n in names]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        hint = (
+            " (PyTorch .bin checkpoints are not supported; convert to safetensors)"
+            if any(path.glob("*.bin"))
+            else ""
+        )
+        raise ValueError(f"{path} has no *.safetensors weight files{hint}")
+    return files
+
+
+def _freeze(model: torch.nn.Module) -> None:
+    model.eval()
+    model.requires_grad_(False)
+
+
+def _name_list(names: set[str]) -> str:
+    ordered = sorted(names)
+    shown = ", ".join(ordered[:MAX_NAMES_IN_ERROR])
+    more = len(ordered) - MAX_NAMES_IN_ERROR
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
+def _locate_weights(
+    files: list[Path], expected: dict[str, tuple[str, int, tuple[int, ...]]], config: ModelConfig
+) -> dict[str, Path]:
+    """Which file holds each expected tensor; every missing, unexpected or duplicated name is an error."""
+    from safetensors import safe_open
+
+    where: dict[str, Path] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as st:
+                keys = list(st.keys())
+        except Exception as e:
+            raise ValueError(f"cannot read safetensors file {f}: {e}") from e
+        for key in keys:
+            if key.endswith(IGNORED_WEIGHT_SUFFIXES) or (
+                config.tie_word_embeddings and key == "lm_head.weight"
+            ):
+                continue
+            if key in where:
+                raise ValueError(f"weight {key!r} appears in both {where[key].name} and {f.name}")
+            where[key] = f
+    missing = expected.keys() - where.keys()
+    unexpected = where.keys() - expected.keys()
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing weights: {_name_list(set(missing))}")
+        if unexpected:
+            parts.append(f"unexpected weights: {_name_list(set(unexpected))}")
+        raise ValueError(f"checkpoint does not match its config.json ({'; '.join(parts)})")
+    return where

@@ -1,0 +1,116 @@
+"""The scheduler's output record: everything the model runner needs for one step, and nothing of policy."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from chunkwise.engine.datatypes.request import Request
+from chunkwise.engine.datatypes.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    req_id: str
+    # Tokens whose KV this step computes: positions start_pos .. start_pos + len(token_ids) - 1.
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    # True when this step reaches the end of the request's known tokens, so its last row is sampled.
+    samples: bool
+    sampling_params: SamplingParams
+    # Generated tokens so far (a live reference; read only when a penalty needs the counts).
+    output_token_ids: list[int] | None = None
+    # Speculative decoding: the runner may append up to this many draft tokens after token_ids and verify
+    # them in this same forward (the scheduler has budgeted and allocated for them).
+    num_spec_tokens: int = 0
+    # The request's whole token history (live reference), for proposers that look back over it.
+    all_token_ids: list[int] | None = None
+    # The scheduler's own request, so that applying the step needs no lookup (the runner never reads it).
+    req: Request | None = None
+    # The prompt (live reference), while a request that asked for its prompt's log-probs prefills it: the
+    # tokens each position's logits are scored against.
+    prompt_token_ids: list[int] | None = None
+
+
+@dataclass(slots=True)
+class DecodeStep:
+    """A decode-only step at a glance, gathered while it was composed: each row's one token and position
+    (the same as its row's, in row order), and the rows whose block table grew this step. The runner fills
+    its inputs from these lists instead of reading every row again."""
+
+    token_ids: list[int]
+    positions: list[int]
+    grown: list[int]  # indices into scheduled
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    # KV copies to run before the forward pass: first out (device block, host slot), then in (host slot, block).
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Copy-on-write copies (source block, new block) on device, made before the swaps and the forward: a
+    # forked request's partial last block, one copy per child but the first (sched/fork.py).
+    block_copies: Sequence[tuple[int, int]] = ()
+    # Requests that left since the last step, so the runner drops their per-request state.
+    finished_req_ids: set[str] = field(default_factory=set)
+    num_prefill_tokens: int = 0
+    num_preempted: int = 0
+    # Set by the steady-state path: every row is one token of a decode that samples (none speculating).
+    decode_only: bool = False
+    # The steady-state path's summary of its rows (None on the general path).
+    decode: DecodeStep | None = None
+    # Static batching's padding rows, one per finished request whose slot the batch still holds: the position
+    # of each. The runner computes each as a one-token decode row into its sink block (a block no request
+    # owns) and discards its logits; they belong to no request and produce nothing.
+    padding_positions: tuple[int, ...] = ()
+    # Some row carries a prompt to score (SamplingParams.prompt_logprobs): the runner looks only then.
+    score_prompts: bool = False
+    # Requests the scheduler's watchdog failed this step (Scheduler._fail_stalled): finished, with no row.
+    failed: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.swap_out and not self.swap_in and not self.block_copies
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since start plus gauges as of the last step; metrics.py exports them."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    kv_usage: float = 0.0
+    num_preemptions_swap: int = 0
+    num_preemptions_recompute: int = 0
+    # Of the recomputes: swap chosen but the host swap space was full (counted in recompute too).
+    num_preemption_fallbacks: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0  # of which found cached
+    num_prefill_tokens: int = 0  # tokens computed as prefill (recompute included)
+    num_decode_tokens: int = 0
+    last_output_length_estimate: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_draft_length: int = 0  # k chosen for the last step
+    num_long_prefilling: int = 0
+    num_rows: int = 0  # real rows computed (one per scheduled request per step)
+    num_padding_rows: int = 0  # static batching's padding rows computed, on top of those
+    # Requests the watchdog failed: a step with work waiting, nothing running and nothing admitted.
+    num_stalled_requests: int = 0
+
+
+@dataclass
+class SchedulerSnapshot:
+    """What the scheduler's state means to whoever publishes it (load shedding, metrics), as of one moment:
+    a copy of the stats with the gauges refreshed, the load queued behind the running requests, and the
+    output-length estimate of each route asked for."""
+
+    stats: SchedulerStats
+    num_queued: int  # waiting + swapped
+    queued_prefill_tokens: int  # their tokens not yet computed
+    queued_decode_tokens: int  # their estimated outputs still to generate
+    estimates: dict[str, int]

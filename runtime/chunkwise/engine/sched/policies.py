@@ -1,0 +1,125 @@
+"""The scheduler's policies as objects, and the one factory that builds them from a SchedulerConfig.
+
+The scheduler calls each policy and never asks which one it holds; only `build_policies` reads the config's
+mode strings. The engine and the simulator both build their schedulers through `Scheduler.from_config`,
+which uses this factory, so a replay runs the policies a server runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from chunkwise.engine.datatypes.config import SchedulerConfig
+from chunkwise.engine.datatypes.request import Request
+from chunkwise.engine.sched.batching import ContinuousBatching, StaticBatching
+from chunkwise.engine.sched.budget import TokenBudget
+from chunkwise.engine.sched.draft_length import AdaptiveDraftLength
+from chunkwise.engine.sched.preemption import Mode, PreemptionCostModel, VictimPolicy
+from chunkwise.engine.sched.queue import PrefixPreference, WaitingQueue
+from chunkwise.engine.sched.reservation import OutputLengthEstimator, ReservationAdmission
+
+
+class Batching(Protocol):
+    # Whether admission may go on once the step's token budget is spent (a static batch forms whole).
+    admits_without_budget: bool
+
+    def admission_open(self, num_running: int) -> bool: ...
+
+    def release(self, req: Request, num_running: int) -> None: ...
+
+    def padding_positions(self) -> tuple[int, ...]: ...
+
+
+class Preemption(Protocol):
+    """Whether a victim is swapped to host memory or dropped and recomputed later."""
+
+    def mode(self, req: Request) -> Mode: ...
+
+
+class AlwaysSwap:
+    def mode(self, req: Request) -> Mode:
+        return "swap"
+
+
+class AlwaysRecompute:
+    def mode(self, req: Request) -> Mode:
+        return "recompute"
+
+
+class CostChosen:
+    """Swap or recompute, whichever the measured cost model says is cheaper for this victim's context."""
+
+    def __init__(self, cost_model: PreemptionCostModel) -> None:
+        self.cost_model = cost_model
+
+    def mode(self, req: Request) -> Mode:
+        return self.cost_model.mode(req)
+
+
+class Victims(Protocol):
+    def victim(self, running: list[Request]) -> Request: ...
+
+
+@dataclass
+class SchedulerPolicies:
+    batching: Batching
+    estimator: OutputLengthEstimator
+    admission: ReservationAdmission
+    budget: TokenBudget
+    preemption: Preemption
+    victims: Victims
+    waiting: WaitingQueue
+    reuse: PrefixPreference
+    # Learns the recompute rate from prefill-heavy steps; the preemption policy may read it.
+    cost_model: PreemptionCostModel
+    # Speculative decoding's draft length (None: no speculation).
+    draft_length: AdaptiveDraftLength | None = None
+
+
+def preemption_policy(config: SchedulerConfig, cost_model: PreemptionCostModel) -> Preemption:
+    if config.preemption_mode == "swap":
+        return AlwaysSwap()
+    if config.preemption_mode == "recompute":
+        return AlwaysRecompute()
+    return CostChosen(cost_model)
+
+
+def build_policies(
+    config: SchedulerConfig,
+    block_size: int,
+    cost_model: PreemptionCostModel,
+    estimator: OutputLengthEstimator | None = None,
+    draft_length: AdaptiveDraftLength | None = None,
+) -> SchedulerPolicies:
+    if config.max_model_len is None:
+        raise ValueError("SchedulerConfig.max_model_len must be resolved before building a Scheduler")
+    estimator = estimator or OutputLengthEstimator(
+        config.output_length_quantile,
+        config.cold_start_output_tokens,
+        kind=config.output_length_estimator,
+    )
+    # Speculation grows a sequence by up to k tokens in a step: admission reserves for that too.
+    spec_tokens = draft_length.max_k if draft_length is not None else 0
+    batching: Batching = (
+        StaticBatching(config.max_model_len) if config.batching == "static" else ContinuousBatching()
+    )
+    return SchedulerPolicies(
+        batching=batching,
+        estimator=estimator,
+        admission=ReservationAdmission(block_size, estimator, spec_tokens),
+        budget=TokenBudget(
+            config.max_num_batched_tokens,
+            config.enable_chunked_prefill,
+            config.long_prompt_threshold,
+            config.max_long_prefill_chunk,
+        ),
+        preemption=preemption_policy(config, cost_model),
+        victims=VictimPolicy(),
+        waiting=WaitingQueue(config.long_prompt_threshold, config.max_long_prefills),
+        reuse=PrefixPreference(
+            block_size, config.prefix_lookahead, config.prefix_reuse_min_fraction, config.max_prefix_bypass
+        ),
+        cost_model=cost_model,
+        draft_length=draft_length,
+    )

@@ -1,3 +1,0 @@
-from chunkwise.kernels import main
-
-raise SystemExit(main())
