@@ -173,7 +173,8 @@ class SchedulerConfig:
         True, help="split long prompts into chunks that share steps with decode rows"
     )
     batching: Batching = option(
-        "continuous", help="static: the baseline continuous batching is measured against, a batch runs until its last request ends"
+        "continuous",
+        help="static: the baseline continuous batching is measured against, a batch runs until its last request ends",
     )
     preemption_mode: PreemptionMode = option(
         "auto", help="how a running request gives up its KV blocks; auto: whichever costs less"
