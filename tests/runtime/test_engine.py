@@ -543,3 +543,34 @@ def test_output_processor_reports_stop_strings_and_finishes_without_the_schedule
     second = proc.process(StepUpdate([a, b], [len(a.token_ids), len(b.token_ids)], [False, True]))
     assert [o.request_id for o in second.outputs] == ["b"] and second.finished == [b]
     assert second.stopped == [] and second.outputs[0].finished
+
+
+def test_a_dropped_engine_is_freed_without_the_garbage_collector() -> None:
+    """An LLM dropped by its user gives its memory (the KV cache: 1 GiB by default on CPU) back at once.
+    A collaborator holding a bound method of its owner (the applier the Scheduler's finish, the verifier the
+    runner's generator lookup) made a reference cycle: every engine waited for a full collection, and a test
+    worker building one per test grew to 11 GB. Mutant: StepApplier keeping `finish` from its constructor."""
+    import gc
+    import weakref
+
+    llm = LLM(model="tiny", max_model_len=64, num_blocks=16)
+    sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=2, stop=["zz"])
+    llm.generate([[5, 6, 7], [8, 9]], [sampled, SamplingParams(max_tokens=4, temperature=0.0)])
+    core = llm.engine
+    parts = {
+        "engine": weakref.ref(core),
+        "scheduler": weakref.ref(core.scheduler),
+        "runner": weakref.ref(core.runner),
+        "model": weakref.ref(core.runner.model),
+    }
+    del core
+    gc.collect()  # what the engine's construction left, so that only the drop is measured
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del llm
+        alive = sorted(name for name, ref in parts.items() if ref() is not None)
+    finally:
+        if enabled:
+            gc.enable()
+    assert alive == []

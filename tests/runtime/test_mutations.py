@@ -49,7 +49,7 @@ def per_request_state(s: Scheduler, core: EngineCore | None = None) -> dict[str,
         outputs = core.outputs
         assert outputs is not None
         sizes |= {
-            "runner._generators": len(runner._generators),  # a seeded request's torch.Generator
+            "runner.generators._generators": len(runner.generators._generators),  # seeded requests' torch.Generators
             "runner.prompt_scorer._scores": len(runner.prompt_scorer._scores),
             "runner.prompt_scorer._scored": len(runner.prompt_scorer._scored),
             "runner.inputs._table_state": len(runner.inputs._table_state),
@@ -366,8 +366,8 @@ def _serve(core: EngineCore, waves: int) -> tuple[dict[str, RequestOutput], str,
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_the_engine_keeps_nothing_per_request_after_serving_many(mode: str) -> None:
-    """Mutants: ModelRunner.execute without `self._generators.pop(rid, None)` (a seeded request's generator
-    kept: runner._generators grows); KVCacheManager.forget without `self._hashes.pop(...)`."""
+    """Mutants: ModelRunner._forget without `self.generators.forget(rid)` (a seeded request's generator
+    kept: runner.generators grows); KVCacheManager.forget without `self._hashes.pop(...)`."""
     core = _engine(mode)
     start = per_request_state(core.scheduler, core)
     last, stop, swapped_aborts, peak = _serve(core, waves=2)

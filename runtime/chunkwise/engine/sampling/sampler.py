@@ -35,6 +35,28 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     return generator
 
 
+class RequestGenerators:
+    """The seeded requests' generators, one per request for its whole life, made on its first sampled row.
+    One owner for the sampler's rows and the draft verifier's alike (a callback into the runner would tie
+    the runner into a reference cycle, freed only by the garbage collector)."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = device
+        self._generators: dict[str, torch.Generator] = {}
+
+    def get(self, req_id: str, params: SamplingParams) -> torch.Generator | None:
+        """The request's generator; None for a greedy or unseeded one (it draws from the step's own)."""
+        if params.seed is None or params.greedy:
+            return None
+        gen = self._generators.get(req_id)
+        if gen is None:
+            gen = self._generators[req_id] = make_generator(params.seed, self.device)
+        return gen
+
+    def forget(self, req_id: str) -> None:
+        self._generators.pop(req_id, None)
+
+
 def _to_device_array(values: np.ndarray, dtype: torch.dtype, device: torch.device) -> Tensor:
     t = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
     if device.type == "cpu":

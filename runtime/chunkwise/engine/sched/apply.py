@@ -27,13 +27,11 @@ class StepApplier:
         cost_model: PreemptionCostModel,
         draft_length: AdaptiveDraftLength | None,
         max_model_len: int,
-        finish: Finish,
     ) -> None:
         self.stats = stats
         self.cost_model = cost_model
         self.draft_length = draft_length
         self.max_model_len = max_model_len
-        self.finish = finish
 
     def apply(
         self,
@@ -43,6 +41,8 @@ class StepApplier:
         row_tokens: list[int] | None = None,
         forward_seconds: float | None = None,
         step_seconds: float | None = None,
+        *,
+        finish: Finish,
     ) -> list[Request]:
         """Advance each scheduled request and append what it sampled. Returns requests with new tokens
         (finished ones included, already released).
@@ -68,7 +68,7 @@ class StepApplier:
         if out.decode_only and not drafted:
             if row_tokens is None:
                 row_tokens = [sampled[sr.req_id][0] for sr in out.scheduled]
-            return self._update_decodes(out, row_tokens, now)
+            return self._update_decodes(out, row_tokens, now, finish)
         for sr in out.scheduled:
             req = sr.req
             assert req is not None  # the scheduler's own rows carry their request
@@ -89,7 +89,7 @@ class StepApplier:
                 if len(token_ids) >= limit or t in stop_ids:
                     status, reason = self._check_stop(req, t)  # which one it is (EOS may be ignored)
                     if status is not None:
-                        self.finish(req, status, reason)
+                        finish(req, status, reason)
                         break
             updated.append(req)
         return updated
@@ -136,7 +136,9 @@ class StepApplier:
         if forward_seconds is not None and prefill > 0 and prefill >= out.num_batched_tokens // 2:
             self.cost_model.observe_prefill(out.num_batched_tokens, forward_seconds)
 
-    def _update_decodes(self, out: SchedulerOutput, tokens: list[int], now: float) -> list[Request]:
+    def _update_decodes(
+        self, out: SchedulerOutput, tokens: list[int], now: float, finish: Finish
+    ) -> list[Request]:
         """update_from_output for the steady state: every row computed one token and sampled one (`tokens`,
         in row order)."""
         updated: list[Request] = []
@@ -152,7 +154,7 @@ class StepApplier:
             if len(token_ids) >= req.length_limit or t in req.stop_check_ids:
                 status, reason = self._check_stop(req, t)
                 if status is not None:
-                    self.finish(req, status, reason)
+                    finish(req, status, reason)
             append(req)
         return updated
 

@@ -66,9 +66,9 @@ class Scheduler:
         self.composer = StepComposer(
             kv, policies.batching, self.stats, config.max_num_batched_tokens, self.draft_length is not None
         )
-        self.applier = StepApplier(
-            self.stats, self.cost_model, self.draft_length, self.max_model_len, self.finish
-        )
+        # Given finish per call, not kept: a bound method of the Scheduler held by its own collaborator would
+        # make a reference cycle, and an engine in one is freed only by the garbage collector's full passes.
+        self.applier = StepApplier(self.stats, self.cost_model, self.draft_length, self.max_model_len)
 
     @classmethod
     def from_config(
@@ -238,7 +238,9 @@ class Scheduler:
     ) -> list[Request]:
         """Apply the step's result (StepApplier.apply, whose docstring says how). Returns requests with new
         tokens (finished ones included, already released)."""
-        return self.applier.apply(out, sampled, drafted, row_tokens, forward_seconds, step_seconds)
+        return self.applier.apply(
+            out, sampled, drafted, row_tokens, forward_seconds, step_seconds, finish=self.finish
+        )
 
     def _schedule_running(
         self, num_new: dict[str, int], swap_out: list[tuple[int, int]]

@@ -15,10 +15,10 @@ from chunkwise.engine.datatypes.config import ModelConfig
 from chunkwise.engine.model.llama import LlamaForCausalLM
 from chunkwise.engine.sampling.sampler import (
     GrammarMask,
+    RequestGenerators,
     Sampler,
     SamplerOutput,
     SamplingBatch,
-    make_generator,
 )
 from chunkwise.engine.sampling.structured.compiler import GrammarCompiler
 from chunkwise.engine.sampling.structured.state import GrammarRow, GrammarState
@@ -78,13 +78,13 @@ class ModelRunner:
             sink_block=self.sink_block,
         )
         # Per-request sampling state that must persist across steps: a seeded request's generator.
-        self._generators: dict[str, torch.Generator] = {}
+        self.generators = RequestGenerators(device)
         self.prompt_scorer = PromptScorer(model)
         # The last decode-only step's rows, their sampling batch and grammar rows (see _decode_sampling_batch).
         self._decode_batch: tuple[list[ScheduledRequest], SamplingBatch, list[GrammarRow]] | None = None
         # Structured outputs: each constrained request's matcher (None: this runner refuses such rows).
         self.grammar = GrammarState(grammars, device) if grammars is not None else None
-        self.verifier = DraftVerifier(model, self.grammar, self._generator)
+        self.verifier = DraftVerifier(model, self.grammar, self.generators)
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:
@@ -157,7 +157,7 @@ class ModelRunner:
         if not finished:
             return
         for rid in finished:
-            self._generators.pop(rid, None)
+            self.generators.forget(rid)
         self.prompt_scorer.forget(finished)
         if self.grammar is not None:
             self.grammar.forget(finished)
@@ -293,16 +293,6 @@ class ModelRunner:
         reads.append(result.token_ids)
         return result
 
-    # -- sampling state ---------------------------------------------------------------------------------
-    def _generator(self, sr: ScheduledRequest) -> torch.Generator | None:
-        seed = sr.sampling_params.seed
-        if seed is None or sr.sampling_params.greedy:
-            return None
-        gen = self._generators.get(sr.req_id)
-        if gen is None:
-            gen = self._generators[sr.req_id] = make_generator(seed, self.device)
-        return gen
-
     def _decode_sampling_batch(
         self, scheduled: list[ScheduledRequest]
     ) -> tuple[SamplingBatch, list[GrammarRow]]:
@@ -333,7 +323,7 @@ class ModelRunner:
             p = sr.sampling_params
             params.append(p)
             outputs.append(sr.output_token_ids or ())
-            generators.append(None if p.seed is None or p.greedy else self._generator(sr))
+            generators.append(self.generators.get(sr.req_id, p))
             if p.structured is not None:
                 grammar_rows.append(GrammarRow(j, sr.req_id, p.structured))
         return SamplingBatch.build(params, outputs, generators, self.device), grammar_rows

@@ -3,14 +3,12 @@ argmax; sampled: rejection sampling), queued on the device and read back with th
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from chunkwise.engine.datatypes.sampling_params import SamplingParams
 from chunkwise.engine.kernels import argmax
 from chunkwise.engine.model.llama import LlamaForCausalLM
-from chunkwise.engine.sampling.sampler import apply_grammar_mask, apply_top_k_top_p
+from chunkwise.engine.sampling.sampler import RequestGenerators, apply_grammar_mask, apply_top_k_top_p
 from chunkwise.engine.sampling.structured.state import GrammarState
 from chunkwise.engine.sched.output import ScheduledRequest
 from chunkwise.engine.worker.rejection import finish_sampled, sampled_decisions, verify_greedy
@@ -31,11 +29,11 @@ class DraftVerifier:
         self,
         model: LlamaForCausalLM,
         grammar: GrammarState | None,
-        generator: Callable[[ScheduledRequest], torch.Generator | None],
+        generators: RequestGenerators,
     ) -> None:
         self.model = model
         self.grammar = grammar
-        self.generator = generator  # a seeded request's generator (the runner keeps them)
+        self.generators = generators  # the seeded requests' generators, shared with the runner's sampling
 
     def verify(self, step: PreparedStep, hidden: torch.Tensor, reads: list[torch.Tensor]) -> list[Verifying]:
         """Speculating rows: each one's verify queued on the device (a greedy row's argmax, a sampled row's
@@ -54,7 +52,9 @@ class DraftVerifier:
                     reads.append(argmax(logits))
                 else:
                     probs = _target_probs(logits, params)
-                    reads.append(sampled_decisions(probs, row_drafts, None, self.generator(sr)))
+                    reads.append(
+                        sampled_decisions(probs, row_drafts, None, self.generators.get(sr.req_id, params))
+                    )
                 verifying.append((sr, row_drafts, len(reads[-1])))
         return verifying
 
