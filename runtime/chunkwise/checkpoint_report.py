@@ -88,7 +88,7 @@ def inspect_model(
     )
     from chunkwise.engine.model.presets import PRESETS
     from chunkwise.engine.tokenizer import NoTokenizer
-    from chunkwise.engine.worker.model_runner import kv_bytes_per_token
+    from chunkwise.engine.worker.kv_tensors import kv_bytes_per_token
 
     if name_or_path in PRESETS:
         config = PRESETS[name_or_path]

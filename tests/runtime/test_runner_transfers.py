@@ -19,8 +19,9 @@ from chunkwise.engine.datatypes.sampling_params import SamplingParams
 from chunkwise.engine.model.loader import load_model
 from chunkwise.engine.sched.output import ScheduledRequest, SchedulerOutput
 from chunkwise.engine.worker.inputs import Row, build_batch
-from chunkwise.engine.worker.model_runner import DraftRequest, ModelRunner
+from chunkwise.engine.worker.model_runner import ModelRunner
 from chunkwise.engine.worker.rejection import verify_greedy
+from chunkwise.engine.worker.step import DraftRequest
 
 BLOCK = 4
 # What reading one value back dispatches (aten.item under inference mode); on CUDA each is a sync.

@@ -34,7 +34,7 @@ import torch
 from chunkwise.engine import EngineCore
 from chunkwise.engine.datatypes.config import engine_config_from_kwargs
 from chunkwise.engine.datatypes.sampling_params import SamplingParams
-from chunkwise.engine.worker.model_runner import DraftRequest
+from chunkwise.engine.worker.step import DraftRequest
 
 
 class OracleProposer:

@@ -154,7 +154,7 @@ def fit_profile(
     """Fit a linear profile to real runs of `engine` (each with all its requests arriving at once)."""
     import torch
 
-    from chunkwise.engine.worker.model_runner import kv_bytes_per_token
+    from chunkwise.engine.worker.kv_tensors import kv_bytes_per_token
 
     feats: list[StepFeatures] = []
     times: list[float] = []

@@ -26,7 +26,8 @@ idle on the same core must stay idle, or the comparison is not fair, and the rep
 base.py      the engines, PeerSettings, PeerReport, the alternation, vLLM's availability, process CPU time
 offline.py   the throughput mode: WorkerProcess (peer_worker.py, which stays beside this package, in a
              subprocess) and compare_throughput
-convoy.py    the convoy mode: ServerProcess, convoy_metrics and compare_convoy
+servers.py   the online modes' servers: ServerProcess (chunkwise serve or vLLM's, pinned), process_servers
+convoy.py    the convoy mode: convoy_metrics, its client (http_serve) and compare_convoy
 served.py    the served mode: compare_served, chunkwise's client and vLLM's (vllm_client)
 cli.py       run_from_args: the command's checks, its defaults per mode, and the printed report
 """
@@ -58,20 +59,7 @@ from chunkwise.bench.peer.cli import (
     resolve_mode_defaults,
     run_from_args,
 )
-from chunkwise.bench.peer.convoy import (
-    SERVED_MODEL_NAME,
-    ServeFn,
-    Server,
-    ServerFactory,
-    ServerProcess,
-    compare_convoy,
-    convoy_metrics,
-    http_serve,
-    process_servers,
-    server_command,
-    server_env,
-    wait_quiet,
-)
+from chunkwise.bench.peer.convoy import ServeFn, compare_convoy, convoy_metrics, http_serve, wait_quiet
 from chunkwise.bench.peer.offline import (
     RUN_TIMEOUT_S,
     WORKER_PATH,
@@ -93,6 +81,15 @@ from chunkwise.bench.peer.served import (
     vllm_bench_command,
     vllm_client,
     vllm_random_shape,
+)
+from chunkwise.bench.peer.servers import (
+    SERVED_MODEL_NAME,
+    Server,
+    ServerFactory,
+    ServerProcess,
+    process_servers,
+    server_command,
+    server_env,
 )
 
 __all__ = [

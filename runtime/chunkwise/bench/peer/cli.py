@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chunkwise.bench.peer.base import PeerError, PeerReport, PeerSettings, check_vllm
-from chunkwise.bench.peer.convoy import compare_convoy, http_serve, process_servers
+from chunkwise.bench.peer.convoy import compare_convoy, http_serve
 from chunkwise.bench.peer.offline import compare_throughput, process_workers
 from chunkwise.bench.peer.served import (
     compare_served,
@@ -21,6 +21,7 @@ from chunkwise.bench.peer.served import (
     vllm_client,
     vllm_random_shape,
 )
+from chunkwise.bench.peer.servers import process_servers
 from chunkwise.bench.workloads import WorkItem
 from chunkwise.engine.model.bundled import resolve_model_path
 

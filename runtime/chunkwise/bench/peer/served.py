@@ -1,4 +1,4 @@
-"""The served mode: both OpenAI-compatible servers up and pinned (convoy.py's ServerProcess, the idle one
+"""The served mode: both OpenAI-compatible servers up and pinned (servers.py's ServerProcess, the idle one
 paused), driven in turn by one streaming client at a fixed concurrency on a random workload, as
 
     vllm bench serve --dataset-name random --random-input-len 256 --random-output-len 128 \
@@ -51,7 +51,7 @@ from chunkwise.bench.peer.base import (
     alternation,
     paused,
 )
-from chunkwise.bench.peer.convoy import SERVED_MODEL_NAME, Server, ServerFactory, _warmup_items
+from chunkwise.bench.peer.servers import SERVED_MODEL_NAME, Server, ServerFactory, _warmup_items
 from chunkwise.bench.workloads import WorkItem
 
 # The figures of a run, with vLLM's key names (its client's result JSON and chunkwise.bench.metrics agree).

@@ -1,81 +1,24 @@
 """The Triton attention backend: the mixed batch over the paged KV cache in one or two kernel launches.
 
 Importing this module imports triton (an optional dependency); chunkwise.engine.attention imports it only when the
-backend is chosen. The kernels live in triton_kernels.py; this module picks their shapes and launches them.
+backend is chosen. The kernels live in triton_kernels.py and their launches in triton_launch.py; this module
+picks each step's launch shape and keeps the buffers the launches write.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 
 from chunkwise.engine.attention import triton_kernels as K
 from chunkwise.engine.attention.backend import AttentionMetadata, AttentionPlan
-
-
-@dataclass(frozen=True)
-class TritonAttentionConfig:
-    """Tile shapes and launch parameters. The defaults are a reasoned starting point for Hopper; they are
-    not tuned (bench/gpu/run_attention_bench.py sweeps alternatives on a GPU)."""
-
-    # Short launch (decode rows, speculative verifies): 16 rows is the smallest tensor-core M, filled by
-    # the query group and, for small groups, by several query tokens of the same request.
-    short_block_m: int = 16
-    short_tile_n: int = 64
-    short_num_warps: int = 4
-    # 3 stages: two K/V buffers, so the copies of tile i+1 are in flight while tile i computes (with 2 the
-    # sm_90 TTGIR had one buffer and waited for every copy each iteration); ~70 KB of shared memory at
-    # head_dim 128, three programs per SM.
-    short_num_stages: int = 3
-    # Long launch (prefill chunks).
-    long_block_m: int = 64
-    long_tile_n: int = 64
-    long_num_warps: int = 4
-    long_num_stages: int = 2
-    # KV splits for the short launch: None picks them so the launch has about splits_target_waves programs
-    # per SM (decode is bandwidth-bound: more programs in flight hide more latency); 1 never splits.
-    num_splits: int | None = None
-    max_splits: int = 64
-    min_tiles_per_split: int = 2
-    splits_target_waves: int = 4
-
-    def __post_init__(self) -> None:
-        for name in ("short_block_m", "short_tile_n", "long_block_m", "long_tile_n"):
-            value = getattr(self, name)
-            # tl.dot needs every dimension >= 16 on NVIDIA, and tl.arange needs powers of two.
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
-        if self.num_splits is not None and not 1 <= self.num_splits <= self.max_splits:
-            raise ValueError(f"num_splits must be in 1..{self.max_splits}, got {self.num_splits}")
-
-
-@dataclass(frozen=True)
-class LaunchPlan:
-    """What attend() launches for one batch shape (exposed for tests and benchmarks)."""
-
-    group_pad: int
-    short_block_q: int
-    short_block_m: int
-    long_block_q: int
-    long_block_m: int
-    run_short: bool
-    run_long: bool
-    # KV splits of the short launch: the grid's third axis. Each row cuts its own context into this many
-    # pieces at run time (row_splits), so the plan holds no split size.
-    num_splits: int
-    num_heads: int
-    num_kv_heads: int
+from chunkwise.engine.attention.triton_launch import Launches, LaunchPlan, TritonAttentionConfig, next_pow2
 
 
 @dataclass
 class TritonPlan(AttentionPlan):
     launch: LaunchPlan | None = None
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -88,10 +31,6 @@ def row_splits(seq_len: int, num_splits: int, tile_n: int) -> tuple[int, int]:
     num_tiles = _cdiv(max(seq_len, 1), tile_n)
     per_split = _cdiv(num_tiles, num_splits)
     return _cdiv(num_tiles, per_split), per_split
-
-
-# Splits the merge kernel reads per iteration: a constant, so it compiles once whatever the number of splits.
-_MERGE_SPLITS_BLOCK = 16
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -145,7 +84,7 @@ class TritonAttentionBackend:
         key = _last_dim_contiguous(key)
         value = _last_dim_contiguous(value)
         row = num_kv_heads * head_dim
-        row_pad = _next_pow2(row)
+        row_pad = next_pow2(row)
         # About 4K elements per program on a GPU; the interpreter pays per program, so it takes more.
         block_t = 64 if self.interpreted else max(1, min(64, 4096 // row_pad))
         K.write_kv_kernel[(_cdiv(num_tokens, block_t),)](
@@ -182,7 +121,7 @@ class TritonAttentionBackend:
     ) -> LaunchPlan:
         cfg = self.config
         group = num_heads // num_kv_heads
-        group_pad = _next_pow2(group)
+        group_pad = next_pow2(group)
         short_block_m = max(cfg.short_block_m, group_pad)
         long_block_m = max(cfg.long_block_m, group_pad)
         short_block_q = short_block_m // group_pad
@@ -252,7 +191,9 @@ class TritonAttentionBackend:
             # The first forward (the engine's start-up probe runs one before serving) compiles every
             # variant, with this layer's own query layout: none is left to compile inside a timed step.
             self.warmup(query, kv_cache, launch)
-        launches = _Launches(self, query, kv_cache, launch, out, scale, compile_only=False)
+        launches = Launches(
+            self.config, self.upcast, self._buffer, query, kv_cache, launch, out, scale, compile_only=False
+        )
         tables = (_last_dim_contiguous(meta.block_tables), meta.seq_lens, meta.query_start_loc)
         if launch.run_short:
             launches.short(meta.num_reqs, tables)
@@ -275,8 +216,12 @@ class TritonAttentionBackend:
         # splitting is off. (The number of splits is a grid size and an unspecialised argument: any will do.)
         for num_splits in (1,) if self.config.num_splits == 1 else (1, 2):
             split = replace(launch, num_splits=num_splits)
-            compiled += _Launches(self, query, kv_cache, split, out, 1.0, compile_only=True).short(1, tables)
-        launches = _Launches(self, query, kv_cache, launch, out, 1.0, compile_only=True)
+            compiled += Launches(
+                self.config, self.upcast, self._buffer, query, kv_cache, split, out, 1.0, compile_only=True
+            ).short(1, tables)
+        launches = Launches(
+            self.config, self.upcast, self._buffer, query, kv_cache, launch, out, 1.0, compile_only=True
+        )
         compiled += launches.long(1, query.shape[0], tables)
         self._warm.add(_layout(query, kv_cache))
         return compiled
@@ -325,154 +270,3 @@ def _layout(query: torch.Tensor, kv_cache: torch.Tensor) -> tuple[object, ...]:
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
-
-
-class _Launches:
-    """The kernel launches of one attend call, built in one place for attend and warmup alike, so that a
-    warmed variant is exactly the one a step would compile: with compile_only, each launch is Triton's
-    warmup (compile, do not run) and returns the variant's name."""
-
-    def __init__(
-        self,
-        backend: TritonAttentionBackend,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        launch: LaunchPlan,
-        out: torch.Tensor,
-        scale: float,
-        *,
-        compile_only: bool,
-    ) -> None:
-        self.backend = backend
-        self.config = backend.config
-        self.query = query
-        self.kv_cache = kv_cache
-        self.launch = launch
-        self.out = out
-        self.compile_only = compile_only
-        num_heads, head_dim = query.shape[1], query.shape[2]
-        self.num_heads = num_heads
-        self.num_kv_heads = kv_cache.shape[3]
-        self.head_dim_pad = max(16, _next_pow2(head_dim))
-        self.common: dict[str, object] = dict(
-            num_heads=num_heads,
-            qk_scale=scale * K.LOG2E,
-            stride_qt=query.stride(0),
-            stride_qh=query.stride(1),
-            stride_ot=out.stride(0),
-            stride_oh=out.stride(1),
-            stride_kb=kv_cache.stride(1),
-            stride_ko=kv_cache.stride(2),
-            stride_kh=kv_cache.stride(3),
-            # The page size is fixed for an engine's life: a constant turns // and % into shifts.
-            PAGE=kv_cache.shape[2],
-            GROUP=num_heads // self.num_kv_heads,
-            GROUP_PAD=launch.group_pad,
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=self.head_dim_pad,
-            UPCAST=backend.upcast,
-            # Real fp32 matmuls for fp32 caches; on GPU tl.dot would otherwise round inputs to tf32.
-            IEEE_DOT=kv_cache.dtype == torch.float32,
-            SEARCH=128,
-        )
-
-    def _run(self, kernel: Any, grid: tuple[int, ...], name: str, *args: Any, **kwargs: Any) -> list[str]:
-        if self.compile_only:
-            kernel.warmup(*args, grid=grid, **kwargs)
-            return [name]
-        kernel[grid](*args, **kwargs)
-        return []
-
-    def short(self, num_reqs: int, tables: tuple[torch.Tensor, ...]) -> list[str]:
-        launch, cfg, device = self.launch, self.config, self.query.device
-        block_tables, seq_lens, query_start_loc = tables
-        split = launch.num_splits > 1
-        if split:
-            rows = num_reqs * launch.short_block_q * self.num_heads * launch.num_splits
-            part_m = self.backend._buffer("part_m", rows, torch.float32, device)
-            part_l = self.backend._buffer("part_l", rows, torch.float32, device)
-            part_acc = self.backend._buffer("part_acc", rows * self.head_dim_pad, torch.float32, device).view(
-                rows, self.head_dim_pad
-            )
-        else:
-            # Unused when SPLIT is off; any tensor will do for the pointer arguments.
-            part_m = part_l = part_acc = self.out
-        compiled = self._run(
-            K.paged_attention_kernel,
-            (num_reqs, self.num_kv_heads, launch.num_splits),
-            "short+split" if split else "short",
-            self.out,
-            self.query,
-            self.kv_cache[0],
-            self.kv_cache[1],
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            part_acc,
-            part_m,
-            part_l,
-            num_reqs=num_reqs,
-            short_max_q=0,
-            stride_bt=block_tables.stride(0),
-            BLOCK_Q=launch.short_block_q,
-            BLOCK_M=launch.short_block_m,
-            TILE_N=cfg.short_tile_n,
-            LONG=False,
-            SPLIT=split,
-            num_warps=cfg.short_num_warps,
-            num_stages=cfg.short_num_stages,
-            **self.common,
-        )
-        if split:
-            compiled += self._run(
-                K.merge_splits_kernel,
-                (num_reqs, launch.short_block_q, self.num_heads),
-                "merge",
-                self.out,
-                part_acc,
-                part_m,
-                part_l,
-                query_start_loc,
-                seq_lens,
-                self.num_heads,
-                launch.num_splits,
-                self.out.stride(0),
-                self.out.stride(1),
-                HEAD_DIM=self.common["HEAD_DIM"],
-                HEAD_DIM_PAD=self.head_dim_pad,
-                BLOCK_Q=launch.short_block_q,
-                TILE_N=cfg.short_tile_n,
-                SPLITS_BLOCK=_MERGE_SPLITS_BLOCK,
-            )
-        return compiled
-
-    def long(self, num_reqs: int, num_tokens: int, tables: tuple[torch.Tensor, ...]) -> list[str]:
-        launch, cfg = self.launch, self.config
-        block_tables, seq_lens, query_start_loc = tables
-        return self._run(
-            K.paged_attention_kernel,
-            (num_tokens // launch.long_block_q + num_reqs, self.num_kv_heads, 1),
-            "long",
-            self.out,
-            self.query,
-            self.kv_cache[0],
-            self.kv_cache[1],
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            self.out,
-            self.out,
-            self.out,
-            num_reqs=num_reqs,
-            # Requests the short launch already took; 0 when it did not run, so the long one takes all.
-            short_max_q=launch.short_block_q if launch.run_short else 0,
-            stride_bt=block_tables.stride(0),
-            BLOCK_Q=launch.long_block_q,
-            BLOCK_M=launch.long_block_m,
-            TILE_N=cfg.long_tile_n,
-            LONG=True,
-            SPLIT=False,
-            num_warps=cfg.long_num_warps,
-            num_stages=cfg.long_num_stages,
-            **self.common,
-        )

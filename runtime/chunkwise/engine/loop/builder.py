@@ -35,7 +35,8 @@ from chunkwise.engine.sched.preemption import PreemptionCostModel
 from chunkwise.engine.sched.scheduler import Scheduler
 from chunkwise.engine.worker.cuda_graphs import bucket_sizes
 from chunkwise.engine.worker.draft_model import DraftModelProposer
-from chunkwise.engine.worker.model_runner import ModelRunner, Proposer, kv_bytes_per_token
+from chunkwise.engine.worker.kv_tensors import kv_bytes_per_token
+from chunkwise.engine.worker.model_runner import ModelRunner, Proposer
 from chunkwise.engine.worker.ngram import NgramProposer
 
 log = logging.getLogger("chunkwise.engine.loop.core")  # the core's log lines, under the name they always had

@@ -16,7 +16,7 @@ from chunkwise.engine.attention.backend import kv_cache_shape
 from chunkwise.engine.kernels import argmax
 from chunkwise.engine.model.llama import LlamaForCausalLM
 from chunkwise.engine.worker.inputs import Row, build_batch
-from chunkwise.engine.worker.model_runner import DraftRequest
+from chunkwise.engine.worker.step import DraftRequest
 
 
 class DraftModelProposer:

@@ -25,12 +25,12 @@ from chunkwise.engine.sampling.structured.state import GrammarRow, GrammarState
 from chunkwise.engine.sched.output import ScheduledRequest, SchedulerOutput
 from chunkwise.engine.worker.cuda_graphs import DecodeGraphRunner
 from chunkwise.engine.worker.inputs import InputBatch, Row, RowLike
-from chunkwise.engine.worker.kv_tensors import KVTensors, kv_bytes_per_token
+from chunkwise.engine.worker.kv_tensors import KVTensors
 from chunkwise.engine.worker.prompt_scores import PromptScorer
 from chunkwise.engine.worker.step import DraftRequest, ModelRunnerOutput, PreparedStep, Proposer
 from chunkwise.engine.worker.verifier import DraftVerifier, require_grammar
 
-__all__ = ["DraftRequest", "ModelRunner", "ModelRunnerOutput", "Proposer", "kv_bytes_per_token"]
+__all__ = ["ModelRunner", "ModelRunnerOutput", "Proposer"]
 
 
 class ModelRunner:

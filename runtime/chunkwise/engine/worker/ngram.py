@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from chunkwise.engine.worker.model_runner import DraftRequest
+    from chunkwise.engine.worker.step import DraftRequest
 
 
 class NgramProposer:
