@@ -49,7 +49,9 @@ def per_request_state(s: Scheduler, core: EngineCore | None = None) -> dict[str,
         outputs = core.outputs
         assert outputs is not None
         sizes |= {
-            "runner.generators._generators": len(runner.generators._generators),  # seeded requests' torch.Generators
+            "runner.generators._generators": len(
+                runner.generators._generators
+            ),  # seeded requests' torch.Generators
             "runner.prompt_scorer._scores": len(runner.prompt_scorer._scores),
             "runner.prompt_scorer._scored": len(runner.prompt_scorer._scored),
             "runner.inputs._table_state": len(runner.inputs._table_state),

@@ -108,7 +108,7 @@ POLICIES: dict[str, Callable[[CostModel], Policy]] = {
 }
 # Other routers' policies, reproduced as baselines (router/llmd.py). The router runs them like any other;
 # `chunkwise router --policy` offers POLICIES (router/args.py), and the benchmark starts the router with
-# these as well (router/bench_router.py).
+# these as well (bench/routing/router.py).
 BASELINES: dict[str, Callable[[CostModel], Policy]] = {LlmD.name: LlmD}
 
 

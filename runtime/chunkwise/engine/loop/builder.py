@@ -36,8 +36,9 @@ from chunkwise.engine.sched.scheduler import Scheduler
 from chunkwise.engine.worker.cuda_graphs import bucket_sizes
 from chunkwise.engine.worker.draft_model import DraftModelProposer
 from chunkwise.engine.worker.kv_tensors import kv_bytes_per_token
-from chunkwise.engine.worker.model_runner import ModelRunner, Proposer
+from chunkwise.engine.worker.model_runner import ModelRunner
 from chunkwise.engine.worker.ngram import NgramProposer
+from chunkwise.engine.worker.step import Proposer
 
 log = logging.getLogger("chunkwise.engine.loop.core")  # the core's log lines, under the name they always had
 

@@ -30,7 +30,7 @@ from chunkwise.engine.worker.prompt_scores import PromptScorer
 from chunkwise.engine.worker.step import DraftRequest, ModelRunnerOutput, PreparedStep, Proposer
 from chunkwise.engine.worker.verifier import DraftVerifier, require_grammar
 
-__all__ = ["ModelRunner", "ModelRunnerOutput", "Proposer"]
+__all__ = ["ModelRunner"]
 
 
 class ModelRunner:

@@ -1,7 +1,7 @@
 """`chunkwise router` as the routing benchmark starts it: the same flags and the same code (`serve_router`),
 with the baseline policies (policies.BASELINES, e.g. `llm-d`) accepted by --policy as well.
 
-    python -m chunkwise.router.bench_router --replicas URL,... --policy llm-d [router flags]
+    python -m chunkwise.bench.routing.router --replicas URL,... --policy llm-d [router flags]
 
 `chunkwise router --policy` offers the router's own policies only (router/args.py): the baselines are
 other routers' policies, reproduced for comparison, not something to deploy.
@@ -19,7 +19,7 @@ def parser() -> argparse.ArgumentParser:
     from chunkwise.router.policies import BASELINES
 
     p = argparse.ArgumentParser(
-        prog="python -m chunkwise.router.bench_router", description=__doc__.split("\n")[0]
+        prog="python -m chunkwise.bench.routing.router", description=__doc__.split("\n")[0]
     )
     add_router_args(p)
     for action in p._actions:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from chunkwise.bench.routing.run import PolicyResult, Workload, format_results, percentile, schedule
 from chunkwise.engine.tokenizer import ByteTokenizer
-from chunkwise.router.bench import PolicyResult, Workload, format_results, percentile, schedule
 
 
 def test_schedule_is_reproducible_and_shares_prefixes_per_tenant() -> None:

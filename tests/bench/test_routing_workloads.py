@@ -10,8 +10,8 @@ from collections import Counter
 
 import pytest
 
-from chunkwise.router import bench
-from chunkwise.router.bench_report import (
+from chunkwise.bench.routing import run as bench
+from chunkwise.bench.routing.report import (
     Outcome,
     PolicyResult,
     Run,
@@ -20,8 +20,8 @@ from chunkwise.router.bench_report import (
     ratios,
     summarize,
 )
-from chunkwise.router.bench_router import parser as router_parser
-from chunkwise.router.bench_workloads import AgentWorkload, MixedWorkload, Workload, schedule
+from chunkwise.bench.routing.router import parser as router_parser
+from chunkwise.bench.routing.workloads import AgentWorkload, MixedWorkload, Workload, schedule
 
 SESSION = re.compile(r"\[session (\d+)\]")
 

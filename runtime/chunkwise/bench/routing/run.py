@@ -1,11 +1,11 @@
 """Routing policies side by side across local replicas, on shared-prefix workloads.
 
-    python -m chunkwise.router.bench [--workload tenants|agent|mixed|all] [--replicas 4[,8]]
+    python -m chunkwise.bench.routing.run [--workload tenants|agent|mixed|all] [--replicas 4[,8]]
         [--policies round-robin,least-loaded,predicted-completion]
 
 For each workload, replica count and policy: fresh replicas (`chunkwise serve`, one per 127.0.0.x address,
 port 8000, a KV cache too small to hold every prefix of the workload), a fresh router in front of them, and
-the same open-loop schedule of requests (fixed seed; router/bench_workloads.py). Requests stream, so the
+the same open-loop schedule of requests (fixed seed; bench/routing/workloads.py). Requests stream, so the
 client measures its own time to first token; the final chunk's usage says how many prompt tokens the
 replica found cached.
 
@@ -15,7 +15,7 @@ own estimate, `--no-kv-events`) or `NAME+kv-events` (the exact index from the re
 index is fed by its own decisions: it reads no KV events.
 
 The report gives mean, p50 and p99 TTFT per policy, errors, the replicas' prefix-cache hit ratio, how the
-requests were spread, and the ratios the goals are stated in (router/bench_report.py). Loopback only; every
+requests were spread, and the ratios the goals are stated in (bench/routing/report.py). Loopback only; every
 process the benchmark starts, it stops.
 """
 
@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from chunkwise.router.bench_report import (
+from chunkwise.bench.routing.report import (
     Outcome,
     PolicyResult,
     Run,
@@ -48,7 +48,7 @@ from chunkwise.router.bench_report import (
     ratios,
     summarize,
 )
-from chunkwise.router.bench_workloads import (
+from chunkwise.bench.routing.workloads import (
     ALL,
     WORKLOADS,
     AgentWorkload,
@@ -226,9 +226,9 @@ def run_policy(
     try:
         for url, proc in zip(replica_urls, procs):
             _wait(url, proc, args.startup_timeout)
-        # bench_router: `chunkwise router` with the baselines among its policies.
+        # bench/routing/router.py: `chunkwise router` with the baselines among its policies.
         router = _Process(
-            [sys.executable, "-m", "chunkwise.router.bench_router", "--host", "127.0.0.1", "--port", str(port),
+            [sys.executable, "-m", "chunkwise.bench.routing.router", "--host", "127.0.0.1", "--port", str(port),
              "--replicas", ",".join(replica_urls), "--policy", policy, *flags,
              "--poll-interval-seconds", str(args.poll_interval_seconds), "--block-size", str(args.block_size),
              "--prefix-cache-blocks", str(num_blocks), "--log-level", "warning"],
@@ -300,7 +300,9 @@ def workloads(args: argparse.Namespace) -> list[BenchWorkload]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m chunkwise.router.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m chunkwise.bench.routing.run", description=__doc__.split("\n")[0]
+    )
     d = Workload()
     p.add_argument(
         "--workload", choices=[*WORKLOADS, "all"], default="tenants", help=f"all: {', '.join(ALL)}"
