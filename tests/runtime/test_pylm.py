@@ -39,7 +39,7 @@ TEXTS = [*PROMPTS, "Ünïcödé: naïve café, 中文字符, emoji 🙂🚀, Ε�
 
 
 def test_the_checkpoint_ships_in_the_package_and_resolves_by_name() -> None:
-    assert PATH is not None and PATH.parent.name == "models"
+    assert PATH is not None and PATH.parent.name == "bundled"
     assert resolve_model_path("pylm") == PATH
     assert resolve_model_path("/some/dir") == Path("/some/dir")
     assert bundled_path("tiny") is None

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from chunkwise import sampling_params as sp_module
+from chunkwise.engine.datatypes import sampling_params as sp_module
 from chunkwise.engine.datatypes.sampling_params import SamplingParams
 
 
