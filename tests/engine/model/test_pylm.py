@@ -23,8 +23,8 @@ from chunkwise.engine.model.bundled.pylm_corpus import (
 from chunkwise.engine.model.loader import read_checkpoint
 from chunkwise.engine.tokenizer import HFTokenizer, IncrementalDetokenizer
 from chunkwise.server.chat import ChatMessage, render_chat
-from tests.runtime.hf_models import hf_greedy
-from tests.runtime.test_engine_exact import run_staggered
+from tests.engine.loop.test_engine_exact import run_staggered
+from tests.hf_models import hf_greedy
 
 PATH = bundled_path("pylm")
 # Excerpts in the style of the held-out stdlib files (the benchmark's kind of text), and text it never saw.
