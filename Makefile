@@ -62,7 +62,7 @@ isa: $(STAMP)
 	for isa in $(ISAS); do \
 		if [ "$$isa" = "$$here" ]; then echo "isa: $$isa is this CPU's own, covered by the unit run"; continue; fi; \
 		CHUNKWISE_CPU_ISA=$$isa $(BIN)/python -m chunkwise.engine.kernels >/dev/null; \
-		CHUNKWISE_CPU_ISA=$$isa $(BIN)/pytest -q -m "isa and not slow" --timeout=600 $(XDIST) tests/runtime \
+		CHUNKWISE_CPU_ISA=$$isa $(BIN)/pytest -q -m "isa and not slow" --timeout=600 $(XDIST) tests/engine \
 			|| exit 1; \
 	done
 

@@ -17,7 +17,7 @@ lease still leaves everything that finished:
   convoy       32 decoding streams while 8k-token prompts prefill: the streams' p99 ITL, the prompts' TTFT
 
 Needs only what the GPU machine has (torch, triton, numpy) and this repository: no network, no download;
-tests/runtime/test_gpu_first_run.py runs the dry run with every other dependency made unimportable.
+tests/bench/gpu/test_gpu_first_run.py runs the dry run with every other dependency made unimportable.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ both configurations' eyes (each one's log-prob of the other's choice within `tie
 the rest of that sequence is not comparable and is not compared. A split that is not a tie fails, and so
 does a run in which too few positions could be compared to mean anything (`min_compared`).
 
-Pure and stdlib-only: the GPU machine runs it, and tests/runtime/test_gpu_first_run.py checks it on CPU.
+Pure and stdlib-only: the GPU machine runs it, and tests/bench/gpu/test_gpu_first_run.py checks it on CPU.
 """
 
 from __future__ import annotations

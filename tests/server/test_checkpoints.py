@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from chunkwise.engine.tokenizer import HFTokenizer
-from tests.runtime.hf_models import save_byte_fallback_tokenizer
+from tests.hf_models import save_byte_fallback_tokenizer
 from tests.server.harness import LiveServer, start_server
 
 

@@ -1,4 +1,4 @@
-"""The engine, as layers: each sub-package imports only the ones below it (tests/runtime/test_import_graph.py
+"""The engine, as layers: each sub-package imports only the ones below it (tests/test_import_graph.py
 checks it, TYPE_CHECKING imports included). Top to bottom:
 
 args.py      EngineArgs: the engine's command-line flags over the config dataclasses

@@ -70,7 +70,7 @@ INIT_STD = 0.02
 # averages the same context, hidden states collapse, and greedy decoding repeats one token forever. Sharper
 # q/k (scores with std ~3, whatever the width) keep attention content-specific and greedy output varied;
 # an output projection giving logits of std ~3 keeps sampling at temperature 1 from being uniform noise.
-# tests/runtime/test_model.py checks that greedy output does not get stuck.
+# tests/engine/model/test_model.py checks that greedy output does not get stuck.
 QK_STD_TIMES_SQRT_HIDDEN = 1.7
 LM_HEAD_STD_TIMES_SQRT_HIDDEN = 3.0
 

@@ -10,7 +10,7 @@ cos/sin table, rounded once.
 
 Importing this module imports triton: layers.py only does so for a layer whose weights are on a CUDA
 device. The CPU keeps its C++ kernels (chunkwise.engine.kernels). Tests run these under TRITON_INTERPRET=1 on CPU
-tensors, and tests/runtime/triton_compile_check.py compiles them for sm_90.
+tensors, and tests/engine/triton_compile_check.py compiles them for sm_90.
 """
 
 from __future__ import annotations

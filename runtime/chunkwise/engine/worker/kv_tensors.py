@@ -57,7 +57,7 @@ class KVTensors:
             # Copy-on-write (a forked request's partial block), first: a swap-out this step may take the copy.
             self.copy_blocks(list(block_copies))
         # A step swaps out (it preempted) or in (it admitted), never both: the scheduler admits nothing in a
-        # step that preempts (tests/runtime/test_scheduler_stress.py checks it), so their order is moot.
+        # step that preempts (tests/engine/sched/test_scheduler_stress.py checks it), so their order is moot.
         self.swap_out(swap_out)
         self.swap_in(swap_in)
 

@@ -13,7 +13,7 @@ boto3 = pytest.importorskip("boto3")
 moto_server = pytest.importorskip("moto.server")
 
 from chunkwise.fetch.state import PARTIAL_DIR  # noqa: E402
-from tests.runtime.fetch_servers import fetch, model_files, tree  # noqa: E402
+from tests.fetch.fetch_servers import fetch, model_files, tree  # noqa: E402
 
 BUCKET = "models"
 FILES = {**model_files(), "sub/dir/nested.bin": b"nested" * 1000}

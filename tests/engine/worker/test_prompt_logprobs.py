@@ -13,7 +13,7 @@ from chunkwise import SamplingParams
 from chunkwise.engine import EngineCore
 from chunkwise.engine.datatypes.config import engine_config_from_kwargs
 from chunkwise.engine.datatypes.outputs import RequestOutput
-from tests.runtime.hf_models import save_random_llama
+from tests.hf_models import save_random_llama
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from chunkwise.engine.attention.triton_backend import (
     row_splits,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 # Small tiles, so that contexts of a few dozen tokens already span several KV tiles and query blocks.
 SMALL_TILES = TritonAttentionConfig(short_tile_n=16, long_block_m=16, long_tile_n=16)
@@ -520,7 +520,7 @@ except ValueError as e:
 def test_kernels_compile_for_nvidia_gpus(tmp_path):
     """What the interpreter cannot catch: the backend's launches compile to cubins for sm_90 and sm_80."""
     result = _python(
-        f"import runpy; runpy.run_path({str(REPO / 'tests/runtime/triton_compile_check.py')!r}, run_name='__main__')",
+        f"import runpy; runpy.run_path({str(REPO / 'tests/engine/triton_compile_check.py')!r}, run_name='__main__')",
         {"TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path), "TRITON_DEFAULT_FP_FUSION": "1"},
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -546,7 +546,7 @@ def test_serving_compiles_no_variant_after_the_first_forward():
     new "== 1" / "multiple of 16" class and for every power of two of KV splits the merge saw. Steps with
     varying batch sizes, table widths, contexts and splits, after the first forward, must meet only the
     variants that forward compiled: short, short+split and long attention, one merge, one KV write."""
-    script = REPO / "tests/runtime/triton_compile_check.py"
+    script = REPO / "tests/engine/triton_compile_check.py"
     result = _python(
         f"import runpy, sys; sys.argv = [{str(script)!r}, '--variants', '300']; "
         f"runpy.run_path({str(script)!r}, run_name='__main__')",

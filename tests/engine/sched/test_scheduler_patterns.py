@@ -1,4 +1,4 @@
-"""The seed's failure patterns, each as a test a naive scheduler fails and chunkwise's passes.
+"""The failure patterns of docs/scheduling.md, each as a test a naive scheduler fails and chunkwise's passes.
 
 The scheduler is driven directly; the stand-in model emits EOS when a request reaches a hidden target length,
 so output lengths are unknown to admission, as in production.

@@ -10,7 +10,7 @@ import pytest
 from chunkwise import LLM, SamplingParams
 from chunkwise.engine import EngineCore
 from chunkwise.engine.datatypes.config import engine_config_from_kwargs
-from tests.runtime.hf_models import CONFIGS, hf_greedy, save_random_llama
+from tests.hf_models import CONFIGS, hf_greedy, save_random_llama
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))

@@ -28,7 +28,7 @@ from chunkwise.engine.model.layers import RMSNorm, RotaryEmbedding
 from chunkwise.engine.model.llama import LlamaForCausalLM
 from chunkwise.engine.model.presets import PRESETS
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 # What a one-ulp difference in rounding allows: fp32 sums in another order, bf16 roundings at one more
 # place (the torch path rounds cos/sin and each product to bf16; the kernel rounds once).
 TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2}}
@@ -240,8 +240,8 @@ def test_one_layers_norms_and_rotation_take_three_launches_instead_of_two_dozen_
 
 def test_the_kernels_compile_for_sm_90(tmp_path: Path):
     """What the interpreter cannot catch: both kernels, in the shapes an 8B model and a Qwen3 use, compile
-    to cubins through Triton's real JIT (tests/runtime/triton_compile_check.py --model-ops)."""
-    script = REPO / "tests/runtime/triton_compile_check.py"
+    to cubins through Triton's real JIT (tests/engine/triton_compile_check.py --model-ops)."""
+    script = REPO / "tests/engine/triton_compile_check.py"
     env = {
         **os.environ,
         "PYTHONPATH": str(REPO / "runtime"),

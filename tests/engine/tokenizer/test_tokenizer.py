@@ -234,7 +234,7 @@ EMOJI_CJK = [
 
 @pytest.fixture(scope="module")
 def fallback_tok(tmp_path_factory) -> HFTokenizer:
-    from tests.runtime.hf_models import save_byte_fallback_tokenizer
+    from tests.hf_models import save_byte_fallback_tokenizer
 
     path = tmp_path_factory.mktemp("fallback")
     save_byte_fallback_tokenizer(path)

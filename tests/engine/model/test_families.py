@@ -11,8 +11,8 @@ import pytest
 from chunkwise import LLM, SamplingParams
 from chunkwise.engine import EngineCore
 from chunkwise.engine.datatypes.config import engine_config_from_kwargs
-from tests.runtime.hf_models import FAMILIES, hf_greedy, save_random_family
-from tests.runtime.test_engine_exact import run_staggered
+from tests.engine.loop.test_engine_exact import run_staggered
+from tests.hf_models import FAMILIES, hf_greedy, save_random_family
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

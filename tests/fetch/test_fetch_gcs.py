@@ -12,7 +12,7 @@ import pytest
 
 from chunkwise.fetch.errors import FetchError
 from chunkwise.fetch.state import read_marker
-from tests.runtime.fetch_servers import Loopback, Seen, fetch, json_route, model_files, serving, tree
+from tests.fetch.fetch_servers import Loopback, Seen, fetch, json_route, model_files, serving, tree
 
 BUCKET = "models-bkt"
 PAGE = 2

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = [ROOT / "runtime" / "chunkwise", ROOT / "operator" / "chunkwise_operator"]
 
 # runtime/chunkwise, top to bottom (chunkwise/engine/__init__.py says what each layer is). A module belongs to

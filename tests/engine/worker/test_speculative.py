@@ -16,7 +16,7 @@ from chunkwise.engine.sched.preemption import PreemptionCostModel
 from chunkwise.engine.sched.scheduler import Scheduler
 from chunkwise.engine.worker.ngram import NgramProposer
 from chunkwise.engine.worker.rejection import verify_greedy, verify_sampled
-from tests.runtime.hf_models import hf_greedy, save_random_llama
+from tests.hf_models import hf_greedy, save_random_llama
 
 
 def test_ngram_proposes_what_followed_the_latest_earlier_match():
@@ -66,7 +66,7 @@ def test_rejection_sampling_keeps_the_target_distribution(draft_kind: str) -> No
 def test_adaptive_draft_length_falls_to_zero_under_saturation():
     # A step with a large fixed cost (weight reads) and a small per-token cost: drafting pays at batch 1.
     # The model's preference from its prior alone (choose() measures a plain step at a load before it
-    # trusts the model there: tests/runtime/test_adaptive_draft.py drives it through measured steps).
+    # trusts the model there: tests/engine/sched/test_adaptive_draft.py drives it through measured steps).
     cost = StepCostModel(fixed_s=0.020, per_token_s=0.0001)
     policy = AdaptiveDraftLength(max_k=5, cost=cost, prior_acceptance=0.8)
     ks = [policy.preferred(n, min(5, 4096 // n - 1)) for n in (1, 8, 64, 256, 1024)]

@@ -16,7 +16,7 @@ from chunkwise.engine.datatypes.structured_output import StructuredOutput
 from chunkwise.engine.sched.preemption import VictimPolicy
 from chunkwise.engine.sched.scheduler import Scheduler
 from chunkwise.engine.worker.draft_model import DraftModelProposer
-from tests.runtime.test_scheduler import make_req, make_sched, plan, run_step
+from tests.engine.sched.test_scheduler import make_req, make_sched, plan, run_step
 
 
 def family(rid: str, prompt: list[int], n: int, max_tokens: int, **params: object) -> Request:

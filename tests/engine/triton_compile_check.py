@@ -13,8 +13,8 @@ With --variants [steps] it compiles nothing and instead counts the variants a se
 
 Must run without TRITON_INTERPRET (triton.jit picks interpreted kernels at import time):
 
-    PYTHONPATH=runtime TRITON_INTERPRET=0 python tests/runtime/triton_compile_check.py [--variants [steps]]
-    PYTHONPATH=runtime TRITON_INTERPRET=0 python tests/runtime/triton_compile_check.py --model-ops
+    PYTHONPATH=runtime TRITON_INTERPRET=0 python tests/engine/triton_compile_check.py [--variants [steps]]
+    PYTHONPATH=runtime TRITON_INTERPRET=0 python tests/engine/triton_compile_check.py --model-ops
 
 --model-ops compiles the model's own kernels (RMSNorm, rotary: chunkwise/engine/model/triton_ops.py) instead.
 """

@@ -17,7 +17,7 @@ from chunkwise.fetch.errors import FetchError, UsageError
 from chunkwise.fetch.select import Selection
 from chunkwise.fetch.state import MARKER_NAME, PARTIAL_DIR
 from chunkwise.fetch.uri import GcsUri, HfUri, HttpUri, S3Uri, parse_uri
-from tests.runtime.fetch_servers import (
+from tests.fetch.fetch_servers import (
     Loopback,
     cli,
     cli_popen,
@@ -337,7 +337,7 @@ def test_the_command_imports_neither_torch_nor_boto3_for_an_archive(tmp_path):
 
 def test_a_fetched_checkpoint_is_what_the_engine_loads(tmp_path):
     from chunkwise import LLM, SamplingParams
-    from tests.runtime.hf_models import save_random_llama
+    from tests.hf_models import save_random_llama
 
     src = save_random_llama(tmp_path / "src", "gqa")
     files = {p.relative_to(src).as_posix(): p.read_bytes() for p in src.rglob("*") if p.is_file()}

@@ -11,7 +11,7 @@ import pytest
 from chunkwise.fetch.errors import FetchError
 from chunkwise.fetch.select import Selection
 from chunkwise.fetch.state import PARTIAL_DIR, read_marker
-from tests.runtime.fetch_servers import Loopback, cli, fetch, json_route, model_files, serving, tree
+from tests.fetch.fetch_servers import Loopback, cli, fetch, json_route, model_files, serving, tree
 
 TOKEN = "hf_secret"
 REPO = "org/tiny"

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from chunkwise.checkpoint_report import inspect_model
-from tests.runtime.hf_models import save_random_family
+from tests.hf_models import save_random_family
 
 
 def test_report_of_a_llama3_checkpoint(tmp_path):

@@ -23,8 +23,8 @@ from chunkwise.engine.model.bundled.pylm_corpus import (
 from chunkwise.engine.model.loader import read_checkpoint
 from chunkwise.engine.tokenizer import HFTokenizer, IncrementalDetokenizer
 from chunkwise.server.chat import ChatMessage, render_chat
-from tests.runtime.hf_models import hf_greedy
-from tests.runtime.test_engine_exact import run_staggered
+from tests.engine.loop.test_engine_exact import run_staggered
+from tests.hf_models import hf_greedy
 
 PATH = bundled_path("pylm")
 # Excerpts in the style of the held-out stdlib files (the benchmark's kind of text), and text it never saw.
@@ -39,7 +39,7 @@ TEXTS = [*PROMPTS, "Ünïcödé: naïve café, 中文字符, emoji 🙂🚀, Ε�
 
 
 def test_the_checkpoint_ships_in_the_package_and_resolves_by_name() -> None:
-    assert PATH is not None and PATH.parent.name == "models"
+    assert PATH is not None and PATH.parent.name == "bundled"
     assert resolve_model_path("pylm") == PATH
     assert resolve_model_path("/some/dir") == Path("/some/dir")
     assert bundled_path("tiny") is None

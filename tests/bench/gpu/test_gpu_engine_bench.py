@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_engine_bench_smoke_mode(tmp_path, monkeypatch):
