@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from chunkwise.bench.workloads import WorkItem, long_tailed, shared_prefix, with_arrivals
+from chunkwise.engine.datatypes.config import SchedulerConfig
 from chunkwise.sim.calibrate import fit_nonnegative
 from chunkwise.sim.profile import BUILTIN_PROFILES, LinearCost, Profile, StepFeatures, load_profile
 from chunkwise.sim.replay import replay, scheduler_config
@@ -179,3 +180,10 @@ def test_queue_delay_counts_each_of_a_queued_parents_n_outputs() -> None:
     assert rep.queue_delay_s() == pytest.approx((10 + 3 * 5) / 1000.0)
     snap = rep.scheduler.snapshot()
     assert (snap.num_queued, snap.queued_prefill_tokens, snap.queued_decode_tokens) == (1, 10, 15)
+
+
+def test_a_simulated_replica_needs_a_resolved_max_model_len() -> None:
+    from chunkwise.sim.replica import SimReplica
+
+    with pytest.raises(ValueError, match="max_model_len must be resolved"):
+        SimReplica(0, profile(), SchedulerConfig())

@@ -60,12 +60,10 @@ class SimReplica:
         enable_prefix_caching: bool = True,
         num_host_blocks: int | None = None,
     ) -> None:
-        if config.max_model_len is None:
-            raise ValueError("the scheduler config's max_model_len must be resolved")
         self.index = index
         self.profile = profile
         self.config = config
-        self.max_model_len = config.max_model_len
+        self.max_model_len = config.resolved_max_model_len()
         blocks = num_blocks if num_blocks is not None else profile.num_blocks
         # Host swap space as the engine sizes it by default: 1 GiB.
         host = num_host_blocks

@@ -499,3 +499,14 @@ def test_an_explicit_long_chunk_cap_holds_even_for_a_lone_long_prompt():
     )
     s.add_request(make_req("long", 1500, 1, base=5000))
     assert plan(run_step(s)) == {"long": 100}  # the operator's cap bounds every step's time
+
+
+def test_a_scheduler_needs_a_resolved_max_model_len() -> None:
+    """One owner of the check (SchedulerConfig.resolved_max_model_len): the engine resolves the length from
+    the model and the cache before it builds a scheduler, and so must anyone else (the simulator too:
+    tests/bench/test_sim.py)."""
+    import pytest
+
+    assert SchedulerConfig(max_model_len=64).resolved_max_model_len() == 64
+    with pytest.raises(ValueError, match="max_model_len must be resolved"):
+        make_sched(max_model_len=None)

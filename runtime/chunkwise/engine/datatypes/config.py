@@ -211,6 +211,13 @@ class SchedulerConfig:
     # the offline LLM API queues everything it is given.
     max_waiting: int | None = option(None, help="bound of the waiting queue", unset="unbounded", flag=False)
 
+    def resolved_max_model_len(self) -> int:
+        """max_model_len once the engine has resolved it (from the model's context and the cache's size);
+        a scheduler, real or simulated, cannot be built before."""
+        if self.max_model_len is None:
+            raise ValueError("SchedulerConfig.max_model_len must be resolved before building a Scheduler")
+        return self.max_model_len
+
     def __post_init__(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)

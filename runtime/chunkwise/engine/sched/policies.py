@@ -92,8 +92,7 @@ def build_policies(
     estimator: OutputLengthEstimator | None = None,
     draft_length: AdaptiveDraftLength | None = None,
 ) -> SchedulerPolicies:
-    if config.max_model_len is None:
-        raise ValueError("SchedulerConfig.max_model_len must be resolved before building a Scheduler")
+    max_model_len = config.resolved_max_model_len()
     estimator = estimator or OutputLengthEstimator(
         config.output_length_quantile,
         config.cold_start_output_tokens,
@@ -102,7 +101,7 @@ def build_policies(
     # Speculation grows a sequence by up to k tokens in a step: admission reserves for that too.
     spec_tokens = draft_length.max_k if draft_length is not None else 0
     batching: Batching = (
-        StaticBatching(config.max_model_len) if config.batching == "static" else ContinuousBatching()
+        StaticBatching(max_model_len) if config.batching == "static" else ContinuousBatching()
     )
     return SchedulerPolicies(
         batching=batching,

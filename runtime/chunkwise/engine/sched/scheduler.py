@@ -40,10 +40,8 @@ log = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, policies: SchedulerPolicies) -> None:
-        if config.max_model_len is None:
-            raise ValueError("SchedulerConfig.max_model_len must be resolved before building a Scheduler")
         self.config = config
-        self.max_model_len: int = config.max_model_len
+        self.max_model_len = config.resolved_max_model_len()
         self.kv = kv
         self.block_size = kv.block_size
         self.policies = policies
