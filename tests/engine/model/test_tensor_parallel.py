@@ -1,7 +1,8 @@
 """Tensor parallel over two real gloo ranks (torch.multiprocessing): each rank loads only its shard of a
 checkpoint, and the sharded forward's logits equal the unsharded model's (float32) on Llama (untied; tied),
 Qwen2 (q/k/v biases), Qwen3 (per-head q/k norms, tied, a vocabulary that does not divide over the ranks) and
-Mistral (one KV head for two ranks: replicated). Each rank's KV cache holds exactly its KV heads of the
+Mistral (one KV head for two ranks: replicated), and the `tiny` preset (its weights drawn in memory, then
+sharded). Each rank's KV cache holds exactly its KV heads of the
 unsharded cache; the CPU kernels the unsharded model picks run on the shards; sizes that do not divide are
 refused at load, naming the config field. (World size 1 is the rest of tests/engine/model/: unchanged.)
 
@@ -27,7 +28,7 @@ from chunkwise.engine.datatypes.config import ModelConfig
 from chunkwise.engine.distributed import ProcessGroupTP
 from chunkwise.engine.model.layers import Linear
 from chunkwise.engine.model.llama import LlamaForCausalLM
-from chunkwise.engine.model.loader import load_model
+from chunkwise.engine.model.loader import hf_state_dict, load_model
 from chunkwise.engine.worker.kv_tensors import KVTensors, kv_bytes_per_token
 from tests.engine.distributed.ranks import run_ranks
 from tests.hf_models import save_random_family, save_random_llama
@@ -35,12 +36,13 @@ from tests.hf_models import save_random_family, save_random_llama
 WORLD = 2
 BLOCK = 4
 NUM_BLOCKS = 16
-CHECKPOINTS: dict[str, Callable[[Path], Path]] = {
+CHECKPOINTS: dict[str, Callable[[Path], Path | str]] = {
     "llama-gqa": lambda d: save_random_llama(d, "gqa"),  # 4 heads, 2 KV heads (one a rank), untied
     "llama-mha-tied": lambda d: save_random_llama(d, "mha_tied"),  # 4 KV heads, tied embeddings
     "qwen2-bias": lambda d: save_random_family(d, "qwen2-bias-yarn"),  # q/k/v biases
     "qwen3-odd-vocab": lambda d: save_random_family(d, "qwen3", vocab_size=321),  # q/k norms, tied, padded
     "mistral-1kv": lambda d: save_random_family(d, "mistral"),  # 1 KV head: each rank holds it
+    "tiny-preset": lambda d: "tiny",  # a preset's tensors, sharded in memory
 }
 
 
@@ -109,6 +111,7 @@ def _describe(model: LlamaForCausalLM) -> dict[str, Any]:
         "sizes": {n: (m.in_features, m.out_features) for n, m in linears.items()},
         "kernels": {n: m.kernel for n, m in linears.items()},
         "embedding_rows": model.model.embed_tokens.weight.shape[0],
+        "padding": model.model.embed_tokens.weight[model.layout.vocab_rows :].clone(),
         "layout": dataclasses.asdict(model.layout),
     }
 
@@ -124,26 +127,26 @@ def _sharded(group: ProcessGroupTP, paths: dict[str, str], out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tp")
-    return {name: make(root / name) for name, make in CHECKPOINTS.items()}
+    return {name: str(make(root / name)) for name, make in CHECKPOINTS.items()}
 
 
 @pytest.fixture(scope="module")
-def unsharded(checkpoints: dict[str, Path]) -> dict[str, dict[str, Any]]:
+def unsharded(checkpoints: dict[str, str]) -> dict[str, dict[str, Any]]:
     backend = get_attention_backend("auto", "cpu")
     results = {}
     for name, path in checkpoints.items():
-        loaded = load_model(str(path), dtype=torch.float32, device="cpu", backend=backend)
+        loaded = load_model(path, dtype=torch.float32, device="cpu", backend=backend)
         logits, kv = _run(loaded.model, 1)
         results[name] = {"logits": logits, "kv": kv, "config": loaded.config, **_describe(loaded.model)}
     return results
 
 
 @pytest.fixture(scope="module")
-def ranks(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def ranks(checkpoints: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("ranks")
-    run_ranks(_sharded, WORLD, {n: str(p) for n, p in checkpoints.items()}, str(out), timeout_s=120)
+    run_ranks(_sharded, WORLD, checkpoints, str(out), timeout_s=120)
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 
@@ -199,7 +202,10 @@ def test_each_rank_holds_its_shard_and_runs_the_same_kernels(
         assert sizes["model.layers.0.mlp.down_proj"] == (cfg.intermediate_size // WORLD, h)
         assert sizes["lm_head"] == (h, vocab_shard)
         assert rank[name]["embedding_rows"] == vocab_shard
+        # The last rank's rows past the vocabulary (qwen3-odd-vocab's one) are zeros, not memory as found.
+        assert not rank[name]["padding"].any()
         assert rank[name]["kernels"] == unsharded[name]["kernels"]
+    assert [len(rank[name]["padding"]) for rank in ranks] == [0, WORLD * vocab_shard - cfg.vocab_size]
 
 
 def test_kv_bytes_per_token_are_a_rank_s() -> None:
@@ -222,18 +228,62 @@ def test_kv_bytes_per_token_are_a_rank_s() -> None:
     assert kv_bytes_per_token(cfg(1), torch.float32, tensor_parallel_size=2) == whole
 
 
-class RefusingGroup:
-    """A rank of a group of `world_size` that must not communicate: the refusal comes before any collective."""
+class SilentRank:
+    """Rank `rank` of a group of `world_size` that must not communicate: loading (and refusing) needs no
+    collective, so one process can load any rank's shard."""
 
-    def __init__(self, world_size: int) -> None:
-        self.rank = 0
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
         self.world_size = world_size
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        raise AssertionError("a collective ran before the size was refused")
+        raise AssertionError("loading ran a collective")
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        raise AssertionError("a collective ran before the size was refused")
+        raise AssertionError("loading ran a collective")
+
+
+def _expected_shard(hf: str, full: torch.Tensor, cfg: ModelConfig, rank: int) -> torch.Tensor:
+    """vLLM's scheme, written out per Hugging Face tensor for two ranks."""
+    hd, kv = cfg.head_dim, cfg.num_key_value_heads
+
+    def rows(t: torch.Tensor, n: int) -> torch.Tensor:  # rank's n of them
+        return t[rank * n : (rank + 1) * n]
+
+    if hf.endswith(("q_proj.weight", "q_proj.bias")):
+        return rows(full, cfg.num_attention_heads // 2 * hd)
+    if hf.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
+        return full if kv == 1 else rows(full, kv // 2 * hd)  # one KV head: both ranks hold all of it
+    if hf.endswith(("o_proj.weight", "down_proj.weight")):
+        return rows(full.T, full.shape[1] // 2).T
+    if hf.endswith(("gate_proj.weight", "up_proj.weight")):
+        return rows(full, cfg.intermediate_size // 2)
+    if hf.endswith(("embed_tokens.weight", "lm_head.weight")):
+        return rows(full, -(-cfg.vocab_size // 2))  # the last rank's is short: its padding is no token
+    return full  # norms
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("name", ["qwen2-bias", "qwen3-odd-vocab", "mistral-1kv"])
+def test_each_rank_reads_its_slice_of_each_tensor(checkpoints: dict[str, str], name: str, rank: int) -> None:
+    from safetensors.torch import load_file
+
+    backend = get_attention_backend("torch", "cpu")
+    loaded = load_model(
+        checkpoints[name],
+        dtype=torch.float32,
+        device="cpu",
+        backend=backend,
+        prepare=False,
+        tp_group=SilentRank(rank, WORLD),
+    )
+    full = load_file(str(Path(checkpoints[name]) / "model.safetensors"))
+    got = hf_state_dict(loaded.model)
+    # A tied checkpoint's lm_head is the embedding (whether or not the file holds one).
+    tied = loaded.config.tie_word_embeddings
+    assert got.keys() == (full.keys() - {"lm_head.weight"} if tied else full.keys())
+    for hf, shard in got.items():
+        assert torch.equal(shard, _expected_shard(hf, full[hf], loaded.config, rank)), hf
 
 
 @pytest.mark.parametrize(
@@ -249,12 +299,13 @@ class RefusingGroup:
     ],
 )
 def test_sizes_that_do_not_divide_are_refused_at_load(
-    checkpoints: dict[str, Path], tmp_path: Path, edit: dict[str, int], world: int, message: str
+    checkpoints: dict[str, str], tmp_path: Path, edit: dict[str, int], world: int, message: str
 ) -> None:
     path = shutil.copytree(checkpoints["llama-gqa"], tmp_path / "ckpt")
     config = json.loads((path / "config.json").read_text()) | edit
     (path / "config.json").write_text(json.dumps(config))
     backend = get_attention_backend("torch", "cpu")
-    group = RefusingGroup(world)
     with pytest.raises(ValueError, match=re.escape(message)):
-        load_model(str(path), dtype=torch.float32, device="cpu", backend=backend, tp_group=group)
+        load_model(
+            str(path), dtype=torch.float32, device="cpu", backend=backend, tp_group=SilentRank(0, world)
+        )
