@@ -33,6 +33,10 @@ from chunkwise.engine.worker.kv_tensors import KVTensors, kv_bytes_per_token
 from tests.engine.distributed.ranks import run_ranks
 from tests.hf_models import save_random_family, save_random_llama
 
+# The shards run the kernels the CPU picks (oneDNN packed, or AVX2's small-row kernel): `make test` runs this
+# again under each CHUNKWISE_CPU_ISA, which the ranks inherit.
+pytestmark = pytest.mark.isa
+
 WORLD = 2
 BLOCK = 4
 NUM_BLOCKS = 16
