@@ -118,7 +118,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {
 }
 
 
-def save_random_family(path: Path, name: str, seed: int = 0) -> Path:
+def save_random_family(path: Path, name: str, seed: int = 0, vocab_size: int = 320) -> Path:
     """A random checkpoint of one of FAMILIES, saved with save_pretrained. Norms and biases are randomised too
     (so loading them is tested), and q/k are sharpened as the built-in presets are: with transformers' init
     attention is nearly uniform and the rotation (and any scaling of it) would not change a greedy token."""
@@ -127,7 +127,7 @@ def save_random_family(path: Path, name: str, seed: int = 0) -> Path:
     config_cls, model_cls, overrides = FAMILIES[name]
     torch.manual_seed(seed)
     cfg = getattr(transformers, config_cls)(
-        vocab_size=320,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,

@@ -43,6 +43,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("attention", ["chunkwise.engine.attention"]),
     ("kernels", ["chunkwise.engine.kernels"]),
     ("tokenizer", ["chunkwise.engine.tokenizer"]),
+    ("distributed", ["chunkwise.engine.distributed"]),
     ("datatypes", ["chunkwise.engine.datatypes"]),
     ("hardware", ["chunkwise.engine.hardware"]),
     ("shared names", ["chunkwise.metric_names"]),

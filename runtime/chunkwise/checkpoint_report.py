@@ -115,7 +115,7 @@ def inspect_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(config, TorchAttentionBackend())
     shapes = hf_weight_names(model)
-    parameters = sum(int(torch.Size(shape).numel()) for _, _, shape in shapes.values())
+    parameters = sum(int(torch.Size(slot.shape).numel()) for slot in shapes.values())
     elem = torch.empty((), dtype=choice.dtype).element_size()
     weight_bytes = parameters * elem
     if device == "cpu" and choice.dtype != torch.float32 and not cpu_has_bf16_matmul():

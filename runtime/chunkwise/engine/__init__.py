@@ -13,6 +13,8 @@ model/       Llama-family models, presets, the checkpoint loader, the bundled ch
 attention/   one backend interface over paged KV: torch reference, CPU kernels, Triton
 kernels/     the C++ CPU kernels, built once per machine
 tokenizer/   byte-level and Hugging Face tokenizers, incremental detokenization
+distributed/ tensor parallelism's group of ranks (all_reduce, all_gather; none at world size 1) and what
+             each rank holds of a model (its heads, KV heads, MLP columns, vocabulary rows)
 datatypes/   what crosses layers: Request, SamplingParams, outputs, config dataclasses
 hardware.py  the CPU's kernel and dtype level (CHUNKWISE_CPU_ISA), below everything that chooses by it
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -75,8 +76,24 @@ def _small_m_kernel_for(t: torch.Tensor) -> bool:
     return kernels.isa() in ("avx2", "avx512")
 
 
+class Part(NamedTuple):
+    """Rows of a Linear's weight (and bias) read from one Hugging Face tensor: `rows` of them, consecutive,
+    from row `start` of that tensor, which has `total` rows (0: `rows`, the whole tensor). A fused projection
+    has one part per HF projection stacked into it; a column-parallel shard reads fewer rows than `total`."""
+
+    name: str  # the HF projection ("q_proj"); "" for the Linear's own name
+    rows: int
+    start: int = 0
+    total: int = 0
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b), weight [out_features, in_features] as in nn.Linear and Hugging Face checkpoints.
+
+    Under tensor parallelism a Linear holds a shard and computes on it as on a whole weight: `parts` say
+    which HF rows fill its output rows (column parallel: a share of q/k/v, of gate/up, of the vocabulary,
+    whose last rows may be padding past the HF tensor's), `columns` which HF input columns it holds (row
+    parallel: o_proj, down_proj; the model sums the ranks' outputs). The loader reads them (model/parallel.py).
 
     `prepare()` picks the kernel once the weights are final:
     - CPU with AVX-512 (cpu_has_avx512()), float32 or bfloat16: the weight is reordered once into oneDNN's
@@ -102,15 +119,22 @@ class Linear(nn.Module):
         in_features: int,
         out_features: int,
         bias: bool = False,
-        stacked: tuple[tuple[str, int], ...] = (),
+        parts: tuple[Part, ...] = (),
+        columns: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
-        if stacked and sum(rows for _, rows in stacked) != out_features:
-            raise ValueError(f"stacked projections {stacked} do not add up to {out_features} outputs")
+        filled = sum(p.rows for p in parts)
+        if (len(parts) > 1 and filled != out_features) or filled > out_features:
+            raise ValueError(f"the parts {parts} do not add up to {out_features} outputs")
+        if columns is not None and bias:
+            raise ValueError("a row-parallel Linear (columns) cannot hold a bias: each rank would add it")
         self.in_features = in_features
         self.out_features = out_features
-        # A fused projection: the Hugging Face layers (by name) whose weights fill consecutive output rows.
-        self.stacked = stacked
+        # The Hugging Face tensors (by name) whose rows fill consecutive output rows: a fused projection's,
+        # or a shard's; () is the Linear's own tensor, whole.
+        self.parts = parts
+        # (first, total): the HF weight's input columns [first, first + in_features) of `total` (row parallel).
+        self.columns = columns
         self.weight: torch.Tensor = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         # "torch", "onednn", "small-m+onednn" (fp32: the small-row kernel up to SMALL_M_ROWS rows), or

@@ -3,6 +3,13 @@
 There is no batch dimension and no padding: a step's tokens from every request are concatenated, and the
 attention backend uses the step's plan to keep requests apart. q/k/v and gate/up are each one matmul over
 weights fused at load time (each fused Linear names the Hugging Face projections stacked into it).
+
+Tensor parallel (vLLM's scheme; a TPGroup of more than one rank, distributed/layout.py for the shares): each
+rank holds its query heads' share of q/k/v (with its KV heads, replicated where there are fewer KV heads than
+ranks) and of gate/up, o_proj's and down_proj's matching input columns, and its rows of the vocabulary. Each
+layer sums o_proj's and down_proj's partial outputs over the ranks (one all_reduce each), the embedding sums
+its shards' rows, and the logits are the ranks' shards gathered. At world size 1 (the default) none of that
+communicates: the model is the unsharded one.
 """
 
 from __future__ import annotations
@@ -12,28 +19,46 @@ from torch import nn
 
 from chunkwise.engine.attention.backend import AttentionBackend, AttentionMetadata, AttentionPlan
 from chunkwise.engine.datatypes.config import ModelConfig
-from chunkwise.engine.model.layers import Linear, RMSNorm, Rope, RotaryEmbedding, SiluAndMul
+from chunkwise.engine.distributed import SINGLE_RANK, TPGroup, TPLayout
+from chunkwise.engine.model.layers import Linear, Part, RMSNorm, Rope, RotaryEmbedding, SiluAndMul
+from chunkwise.engine.model.parallel import VocabParallelEmbedding
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        rotary: RotaryEmbedding,
+        layout: TPLayout,
+        tp: TPGroup,
+    ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        # This rank's heads: all of them at world size 1.
+        self.num_heads = layout.num_heads
+        self.num_kv_heads = layout.num_kv_heads
+        self.head_dim = hd = config.head_dim
+        self.q_size = self.num_heads * hd
+        self.kv_size = self.num_kv_heads * hd
+        self.scale = hd**-0.5
         self.backend = backend
         self.rotary = rotary
-        # Qwen2 puts a bias on q/k/v only; o_proj never has one in the families we load.
+        self.tp = tp
+        q_total, kv_total = config.num_attention_heads * hd, config.num_key_value_heads * hd
+        kv_start = layout.kv_head_start * hd
+        # Qwen2 puts a bias on q/k/v only (sharded with their rows); o_proj never has one in the families we
+        # load, so its partial sums need no bias added once.
         self.qkv_proj = Linear(
             config.hidden_size,
             self.q_size + 2 * self.kv_size,
             bias=config.attention_bias,
-            stacked=(("q_proj", self.q_size), ("k_proj", self.kv_size), ("v_proj", self.kv_size)),
+            parts=(
+                Part("q_proj", self.q_size, layout.head_start * hd, q_total),
+                Part("k_proj", self.kv_size, kv_start, kv_total),
+                Part("v_proj", self.kv_size, kv_start, kv_total),
+            ),
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size)
+        self.o_proj = Linear(self.q_size, config.hidden_size, columns=(layout.head_start * hd, q_total))
         # Qwen3 normalises each head's query and key (over head_dim) before rotating them.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -60,28 +85,40 @@ class Attention(nn.Module):
         # Write first: a prefill chunk attends to its own keys through the cache, like everything else.
         self.backend.write_kv(k, v, kv_cache, plan.meta.slot_mapping)
         o = self.backend.attend(q, kv_cache, plan, self.scale).reshape(t, self.q_size)
-        return self.o_proj(o if keep is None else o.index_select(0, keep))
+        # Row parallel: each rank's heads' share of the projection, summed over the ranks.
+        return self.tp.all_reduce(self.o_proj(o if keep is None else o.index_select(0, keep)))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layout: TPLayout, tp: TPGroup) -> None:
         super().__init__()
-        size = config.intermediate_size
+        size, start, total = layout.intermediate_size, layout.intermediate_start, config.intermediate_size
         self.gate_up_proj = Linear(
-            config.hidden_size, 2 * size, stacked=(("gate_proj", size), ("up_proj", size))
+            config.hidden_size,
+            2 * size,
+            parts=(Part("gate_proj", size, start, total), Part("up_proj", size, start, total)),
         )
         self.act = SiluAndMul()
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.down_proj = Linear(size, config.hidden_size, columns=(start, total))
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        # Row parallel, as o_proj: this rank's intermediate columns' share, summed over the ranks.
+        return self.tp.all_reduce(self.down_proj(self.act(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        rotary: RotaryEmbedding,
+        layout: TPLayout,
+        tp: TPGroup,
+    ) -> None:
         super().__init__()
-        self.self_attn = Attention(config, backend, rotary)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, backend, rotary, layout, tp)
+        self.mlp = MLP(config, layout, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -112,16 +149,18 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TPGroup = SINGLE_RANK) -> None:
         super().__init__()
         self.config = config
         self.backend = backend
+        # What this rank holds; refuses (ValueError naming the field) sizes that do not divide.
+        self.layout = layout = TPLayout.of(config, tp.rank, tp.world_size)
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(layout, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, self.rotary) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, backend, self.rotary, layout, tp) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -144,8 +183,8 @@ class LlamaModel(nn.Module):
         # The backend plans the step once (which rows take which path, their index tensors); every layer
         # reuses the plan. A runner may have built it already, outside a captured graph.
         if plan is None:
-            cfg = self.config
-            plan = self.backend.plan(meta, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+            heads = self.layout
+            plan = self.backend.plan(meta, heads.num_heads, heads.num_kv_heads, self.config.head_dim)
         x = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, x.dtype)
         last = len(self.layers) - 1
@@ -157,11 +196,19 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TPGroup = SINGLE_RANK) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, backend)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.tp = tp
+        self.model = LlamaModel(config, backend, tp)
+        # This rank's heads and shares (everything at world size 1): its KV cache holds layout.num_kv_heads.
+        self.layout = layout = self.model.layout
+        # Column parallel over the vocabulary, its rows the embedding's (so tying shares the shard).
+        self.lm_head = Linear(
+            config.hidden_size,
+            layout.vocab_shard,
+            parts=(Part("", layout.vocab_rows, layout.vocab_start, config.vocab_size),),
+        )
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -201,5 +248,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # The projection runs in the model's dtype (upcasting a large vocab's weight every step is a real
-        # cost); the sampler gets fp32.
-        return self.lm_head(hidden).float()
+        # cost); the sampler gets fp32. Tensor parallel: every rank gets every rank's shard of the logits,
+        # the last one's padding cut off.
+        logits = self.lm_head(hidden)
+        if self.tp.world_size > 1:
+            logits = self.tp.all_gather(logits, dim=-1)
+            if logits.shape[-1] != self.config.vocab_size:
+                logits = logits[:, : self.config.vocab_size].contiguous()
+        return logits.float()

@@ -3,6 +3,9 @@
 An HF directory holds config.json, one or more *.safetensors files and (usually) tokenizer.json. Every
 mismatch between what the config describes and what the weights hold is an error naming the tensors, so
 a wrong checkpoint fails at start-up rather than serving noise. What config.json means is hf_config.py's.
+
+Given a tensor-parallel group, each rank builds only its shard of the model and reads only its shard of each
+tensor from the checkpoint (safetensors slices; model/parallel.py says which).
 """
 
 from __future__ import annotations
@@ -18,14 +21,18 @@ import torch
 
 from chunkwise.engine.attention.backend import AttentionBackend
 from chunkwise.engine.datatypes.config import ModelConfig
+from chunkwise.engine.distributed import SINGLE_RANK, TPGroup
 from chunkwise.engine.hardware import cpu_has_bf16_matmul
 from chunkwise.engine.model.bundled import BUNDLED, resolve_model_path
 
 # Re-exported: `chunkwise inspect` reads the supported architectures from here.
 from chunkwise.engine.model.hf_config import SUPPORTED_ARCHITECTURES as SUPPORTED_ARCHITECTURES
 from chunkwise.engine.model.hf_config import eos_ids, model_config_from_hf
-from chunkwise.engine.model.layers import Linear
 from chunkwise.engine.model.llama import LlamaForCausalLM
+from chunkwise.engine.model.parallel import Slot, read_shard
+
+# Re-exported: `chunkwise inspect` counts the checkpoint's parameters from here.
+from chunkwise.engine.model.parallel import hf_weight_names as hf_weight_names
 from chunkwise.engine.model.presets import (
     DEVICE_DRAWN_PRESETS,
     PRESET_SEEDS,
@@ -65,13 +72,16 @@ def load_model(
     device: str | torch.device,
     backend: AttentionBackend,
     prepare: bool = True,
+    tp_group: TPGroup = SINGLE_RANK,
 ) -> LoadedModel:
     """The model, its tokenizer and chat template, with weights in `dtype` on `device`.
 
     With prepare=True (serving) each layer then picks its kernels for the device (Linear.prepare), and a
-    half-precision weight the CPU computes in fp32 is widened; prepare=False keeps the weights as loaded."""
+    half-precision weight the CPU computes in fp32 is widened; prepare=False keeps the weights as loaded.
+    With a tp_group of more than one rank, this rank's shard of the model (a size that does not divide over
+    the ranks is a ValueError naming the config field); every rank of the group calls this."""
     if name_or_path in PRESETS:
-        loaded = _load_preset(name_or_path, dtype=dtype, device=device, backend=backend)
+        loaded = _load_preset(name_or_path, dtype=dtype, device=device, backend=backend, tp=tp_group)
     else:
         path = resolve_model_path(name_or_path)
         if not path.is_dir():
@@ -80,7 +90,9 @@ def load_model(
                 f"model ({', '.join(BUNDLED)}) nor an existing directory (chunkwise never downloads; give the "
                 "path of a Hugging Face model directory)"
             )
-        loaded = _load_hf_dir(path, name=name_or_path, dtype=dtype, device=device, backend=backend)
+        loaded = _load_hf_dir(
+            path, name=name_or_path, dtype=dtype, device=device, backend=backend, tp=tp_group
+        )
     if prepare:
         # The torch attention backend is the reference other paths are checked against: its model keeps
         # the torch norms and rotation too.
@@ -102,10 +114,10 @@ def checkpoint_dtype(name_or_path: str) -> str | None:
 
 
 def _load_preset(
-    name: str, *, dtype: torch.dtype, device: str | torch.device, backend: AttentionBackend
+    name: str, *, dtype: torch.dtype, device: str | torch.device, backend: AttentionBackend, tp: TPGroup
 ) -> LoadedModel:
     config = PRESETS[name]
-    model = _empty_model(config, backend, dtype, device)
+    model = _empty_model(config, backend, dtype, device, tp)
     if name in DEVICE_DRAWN_PRESETS:
         tensors = random_tensors(
             hf_parameter_shapes(config), PRESET_SEEDS[name], config.hidden_size, torch.device(device)
@@ -118,61 +130,56 @@ def _load_preset(
 
 
 def _empty_model(
-    config: ModelConfig, backend: AttentionBackend, dtype: torch.dtype, device: str | torch.device
+    config: ModelConfig,
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    tp: TPGroup = SINGLE_RANK,
 ) -> LlamaForCausalLM:
     # Built on the meta device and allocated once in the target dtype: no throwaway fp32 init on the device.
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend)
+        model = LlamaForCausalLM(config, backend, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()
     return model
 
 
-def hf_weight_names(model: LlamaForCausalLM) -> dict[str, tuple[str, int, tuple[int, ...]]]:
-    """Each Hugging Face tensor the model reads -> (its parameter, first row there, HF shape).
-
-    Fused projections (Linear.stacked) read several HF tensors into consecutive rows of one parameter."""
-    names: dict[str, tuple[str, int, tuple[int, ...]]] = {}
-    stacked = {
-        f"{prefix}.{kind}": module.stacked
-        for prefix, module in model.named_modules()
-        if isinstance(module, Linear) and module.stacked
-        for kind in ("weight", "bias")
-    }
-    # named_parameters() lists a tied weight once, under the embedding's name.
-    for name, p in model.named_parameters():
-        parts = stacked.get(name)
-        if parts is None:
-            names[name] = (name, 0, tuple(p.shape))
-            continue
-        prefix, _, kind = name.rpartition(".")
-        owner = prefix.rpartition(".")[0]
-        row = 0
-        for hf_proj, rows in parts:
-            names[f"{owner}.{hf_proj}.{kind}"] = (name, row, (rows, *p.shape[1:]))
-            row += rows
-    return names
-
-
 def hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
-    """The model's weights under Hugging Face's names and shapes (views; before prepare())."""
+    """The model's weights under Hugging Face's names and shapes (views; before prepare()); a rank of a
+    tensor-parallel group gives its shard of each."""
     params = dict(model.named_parameters())
     return {
-        hf: params[name].detach()[row : row + shape[0]].view(shape)
-        for hf, (name, row, shape) in hf_weight_names(model).items()
+        hf: params[slot.param].detach()[slot.row : slot.row + slot.shard_shape[0]].view(slot.shard_shape)
+        for hf, slot in hf_weight_names(model).items()
     }
+
+
+def _fill(params: dict[str, torch.Tensor], slot: Slot, shard: torch.Tensor, filled: dict[str, int]) -> None:
+    """Copy one tensor's shard into its rows of its parameter (converting to the parameter's dtype)."""
+    rows = slot.shard_shape[0]
+    params[slot.param][slot.row : slot.row + rows].copy_(shard)
+    filled[slot.param] = filled.get(slot.param, 0) + rows
+
+
+def _zero_padding(params: dict[str, torch.Tensor], filled: dict[str, int]) -> None:
+    """Zero the rows no tensor filled: the padding of the last rank's vocabulary shard."""
+    for name, rows in filled.items():
+        if rows < params[name].shape[0]:
+            params[name][rows:].zero_()
 
 
 def _copy_weights(
     model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype
 ) -> None:
-    """Copy HF-named tensors into the model (converting to its dtype), one at a time."""
+    """Copy HF-named tensors (their shard, under tensor parallelism) into the model, one at a time."""
     params = dict(model.named_parameters())
     expected = hf_weight_names(model)
+    filled: dict[str, int] = {}
     with torch.no_grad():
         for hf, tensor in tensors:
-            name, row, shape = expected.pop(hf)
-            params[name][row : row + shape[0]].copy_(tensor.view(shape))
+            slot = expected.pop(hf)
+            _fill(params, slot, read_shard(tensor.view(slot.shape), slot), filled)
+        _zero_padding(params, filled)
     if expected:
         raise ValueError(f"weights missing from the preset: {_name_list(set(expected))}")
     _freeze(model)
@@ -217,7 +224,13 @@ def read_checkpoint(path: Path) -> tuple[ModelConfig, Tokenizer]:
 
 
 def _load_hf_dir(
-    path: Path, *, name: str, dtype: torch.dtype, device: str | torch.device, backend: AttentionBackend
+    path: Path,
+    *,
+    name: str,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    backend: AttentionBackend,
+    tp: TPGroup,
 ) -> LoadedModel:
     config, tokenizer = read_checkpoint(path)
     if isinstance(tokenizer, NoTokenizer):
@@ -225,10 +238,11 @@ def _load_hf_dir(
     weight_files = _weight_files(path)
 
     with torch.device("meta"):
-        expected = hf_weight_names(LlamaForCausalLM(config, backend))
+        expected = hf_weight_names(LlamaForCausalLM(config, backend, tp))
     where = _locate_weights(weight_files, expected, config)
-    model = _empty_model(config, backend, dtype, device)
+    model = _empty_model(config, backend, dtype, device, tp)
     params = dict(model.named_parameters())
+    filled: dict[str, int] = {}
     by_file: dict[Path, list[str]] = {}
     for key, f in where.items():
         by_file.setdefault(f, []).append(key)
@@ -238,14 +252,17 @@ def _load_hf_dir(
         for f, keys in by_file.items():
             with safe_open(str(f), framework="pt", device="cpu") as st:
                 for key in keys:
-                    tensor = st.get_tensor(key)
-                    param, row, shape = expected[key]
-                    if tuple(tensor.shape) != shape:
+                    # A slice reads from the file only what is indexed: this rank's shard.
+                    sliced = st.get_slice(key)
+                    slot = expected[key]
+                    if tuple(sliced.get_shape()) != slot.shape:
                         raise ValueError(
-                            f"weight {key!r} in {f.name} has shape {tuple(tensor.shape)}, but config.json "
-                            f"implies {shape}"
+                            f"weight {key!r} in {f.name} has shape {tuple(sliced.get_shape())}, but "
+                            f"config.json implies {slot.shape}"
                         )
-                    params[param][row : row + shape[0]].copy_(tensor)
+                    shard = st.get_tensor(key) if slot.size is None else read_shard(sliced, slot)
+                    _fill(params, slot, shard, filled)
+        _zero_padding(params, filled)
     _freeze(model)
     return LoadedModel(name, config, model, tokenizer, tokenizer.chat_template)
 
@@ -290,9 +307,7 @@ def _name_list(names: set[str]) -> str:
     return shown + (f" and {more} more" if more > 0 else "")
 
 
-def _locate_weights(
-    files: list[Path], expected: dict[str, tuple[str, int, tuple[int, ...]]], config: ModelConfig
-) -> dict[str, Path]:
+def _locate_weights(files: list[Path], expected: dict[str, Slot], config: ModelConfig) -> dict[str, Path]:
     """Which file holds each expected tensor; every missing, unexpected or duplicated name is an error."""
     from safetensors import safe_open
 

@@ -101,8 +101,8 @@ class DecodeGraphRunner:
         )
 
     def _plan(self, meta: AttentionMetadata) -> AttentionPlan:
-        cfg = self.config
-        return self.backend.plan(meta, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        heads = self.model.layout  # this rank's heads (all of them at world size 1)
+        return self.backend.plan(meta, heads.num_heads, heads.num_kv_heads, self.config.head_dim)
 
     def _forward(self, size: int, meta: AttentionMetadata, plan: AttentionPlan) -> torch.Tensor:
         return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta, plan)

@@ -12,11 +12,21 @@ import torch
 
 from chunkwise.engine.attention.backend import kv_cache_shape
 from chunkwise.engine.datatypes.config import ModelConfig
+from chunkwise.engine.distributed import TPLayout
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+def kv_heads_per_rank(config: ModelConfig, tensor_parallel_size: int = 1) -> int:
+    """The KV heads each rank's cache holds: its share, or one replicated KV head where the model has fewer
+    KV heads than ranks (the same on every rank)."""
+    return TPLayout.of(config, 0, tensor_parallel_size).num_kv_heads
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
+    """KV bytes one token takes over all layers, on each rank of a tensor-parallel group (all of them at
+    tensor_parallel_size 1)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * itemsize
+    heads = kv_heads_per_rank(config, tensor_parallel_size)
+    return 2 * config.num_hidden_layers * heads * config.head_dim * itemsize
 
 
 class KVTensors:
@@ -29,16 +39,19 @@ class KVTensors:
         num_host_blocks: int,
         dtype: torch.dtype,
         device: torch.device,
+        tensor_parallel_size: int = 1,
     ) -> None:
         self.device = device
+        # A rank's cache holds its KV heads only: swap and copy-on-write move its shard of each block.
+        heads = kv_heads_per_rank(config, tensor_parallel_size)
         # One block more than the pool hands out: the sink that padding rows write into, those of a bucketed
         # decode step (worker/cuda_graphs.py) and static batching's held slots (SchedulerOutput).
         self.sink_block = num_blocks
-        shape = kv_cache_shape(num_blocks + 1, block_size, config.num_key_value_heads, config.head_dim)
+        shape = kv_cache_shape(num_blocks + 1, block_size, heads, config.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)
         ]
-        host_shape = kv_cache_shape(num_host_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        host_shape = kv_cache_shape(num_host_blocks, block_size, heads, config.head_dim)
         pin = device.type == "cuda"
         # Host slots are always written (swap-out) before they are read (swap-in): leave them untouched, so
         # a large swap space costs no start-up time and no resident memory until used.

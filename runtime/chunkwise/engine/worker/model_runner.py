@@ -65,6 +65,7 @@ class ModelRunner:
             num_host_blocks=num_host_blocks,
             dtype=dtype,
             device=device,
+            tensor_parallel_size=model.tp.world_size,
         )
         self.sampler = Sampler()
         self.max_model_len = max_model_len
@@ -221,10 +222,8 @@ class ModelRunner:
             decode_only and self.graphs is not None and self.graphs.bucket(meta.num_reqs) is not None
         )
         if not step.graphed:
-            cfg = self.config
-            step.plan = self.backend.plan(
-                meta, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-            )
+            heads = self.model.layout  # this rank's heads (all of them at world size 1)
+            step.plan = self.backend.plan(meta, heads.num_heads, heads.num_kv_heads, self.config.head_dim)
         return step
 
     def _keep_rows(self, step: PreparedStep) -> None:

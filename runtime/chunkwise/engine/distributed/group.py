@@ -1,0 +1,115 @@
+"""The ranks a model is sharded over, and the two collectives its layers need: a sum (the row-parallel
+projections and the vocabulary-parallel embedding) and a gather along a dimension (the LM head's logits).
+
+SINGLE_RANK is world size 1: its collectives return their input and nothing touches torch.distributed, so
+the engine built without a group runs exactly as before. ProcessGroupTP runs them over torch.distributed:
+gloo on CPU, NCCL on CUDA (backend_for)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class TPGroup(Protocol):
+    """What a sharded layer sees of its ranks."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of `x` over the ranks, every rank the same bits; may be `x` itself, summed in place."""
+        ...
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Each rank's `x` concatenated along `dim`, in rank order (every rank's of the same shape)."""
+        ...
+
+
+class SingleRank:
+    """World size 1: the collectives are the identity, and no process group exists."""
+
+    rank = 0
+    world_size = 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return x
+
+
+SINGLE_RANK = SingleRank()
+
+
+def backend_for(device: torch.device) -> str:
+    """The torch.distributed backend for tensors on `device`: NCCL on CUDA, gloo elsewhere."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+class ProcessGroupTP:
+    """The collectives over a torch.distributed process group (None: the default group)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self._rank = dist.get_rank(group)
+        self._world_size = dist.get_world_size(group)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        # Every rank has the same shape, so every rank skips an empty tensor (a step whose last layer keeps
+        # no rows) together.
+        if x.numel() == 0:
+            return x
+        if not x.is_contiguous():
+            x = x.contiguous()
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self._world_size)]
+        if x.numel():
+            dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def destroy(self) -> None:
+        """Leave the group (the default one: the process's torch.distributed state with it)."""
+        dist.destroy_process_group(self.group)
+
+
+def init_tp_group(
+    rank: int,
+    world_size: int,
+    *,
+    init_method: str,
+    device: str | torch.device = "cpu",
+    timeout_s: float = 120.0,
+) -> ProcessGroupTP:
+    """Join the default process group as `rank` of `world_size` (every rank calls this with the same
+    `init_method`, e.g. "tcp://127.0.0.1:PORT" or "file:///tmp/rendezvous"). A collective that waits longer
+    than `timeout_s` for a peer (one that died) raises rather than hangs."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend_for(device),
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return ProcessGroupTP()
