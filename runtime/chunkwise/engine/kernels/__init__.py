@@ -3,7 +3,7 @@ and loaded as torch ops (torch.ops.chunkwise.*).
 
 The build is keyed by the source, the torch version and the instruction set it targets, so a cache shared
 between machines (a container image, a home directory) never hands one machine another's build. Where to
-cache: $CHUNKWISE_KERNEL_CACHE, else $XDG_CACHE_HOME/chunkwise/engine/kernels (~/.cache/...); a matching build in
+cache: $CHUNKWISE_KERNEL_CACHE, else $XDG_CACHE_HOME/chunkwise/kernels (~/.cache/...); a matching build in
 $CHUNKWISE_KERNEL_DIR (what an image bakes in) is used as it is, with no compiler needed at run time.
 
     python -m chunkwise.engine.kernels      # build now (make's install step does), print where it went
