@@ -297,12 +297,29 @@ class EngineConfig:
         True,
         help="run every step eagerly; --no-enforce-eager replays decode steps from CUDA graphs on a GPU",
     )
+    # vLLM's flag. One process per rank, rank 0 the caller's (loop/tp_ranks.py); gloo on CPU only for now.
+    tensor_parallel_size: int = option(
+        1,
+        help="ranks the model is sharded over (tensor parallel): one process each, on CPU (gloo)",
+    )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
         _one_of("dtype", self.dtype, get_args(Dtype), show=str)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1:
+            if not self.device.startswith("cpu"):
+                raise ValueError(
+                    f"tensor_parallel_size {self.tensor_parallel_size} runs on CPU (gloo) only: on "
+                    f"{self.device} the NCCL path is untested (no multi-GPU machine yet; issue 33)"
+                )
+            if self.spec.method == "draft":
+                raise ValueError(
+                    "tensor_parallel_size > 1 with speculative_method='draft' is not supported yet (the "
+                    "draft model is not sharded; issue 33): use speculative_method='ngram' or one rank"
+                )
 
 
 @dataclass(frozen=True)

@@ -21,13 +21,15 @@ from chunkwise.engine.attention.backend import AttentionBackend
 from chunkwise.engine.cache.events import KVEventLog
 from chunkwise.engine.cache.kv_cache_manager import KVCacheManager
 from chunkwise.engine.datatypes.config import Dtype, EngineConfig
-from chunkwise.engine.hardware import cpu_has_bf16_matmul, cpu_isa, resolve_dtype
+from chunkwise.engine.distributed import SINGLE_RANK
+from chunkwise.engine.hardware import DtypeChoice, cpu_has_bf16_matmul, cpu_isa, resolve_dtype
 from chunkwise.engine.loop.calibration import (
     DEFAULT_CPU_KV_BYTES,
     CudaMemoryStats,
     StartupProbe,
     kv_blocks_on_device,
 )
+from chunkwise.engine.loop.tp_ranks import EngineRanks, RankSizes, check_sizes
 from chunkwise.engine.model.loader import LoadedModel, checkpoint_dtype, load_model
 from chunkwise.engine.sampling.structured.compiler import GrammarCompiler
 from chunkwise.engine.sched.draft_length import AdaptiveDraftLength, StepCostModel
@@ -94,12 +96,30 @@ def build_engine(config: EngineConfig) -> EngineParts:
         )
     backend = get_attention_backend(config.attention_backend, device.type)
     log.info("attention backend %s", backend.name)
-    loaded = load_model(config.model, dtype=dtype, device=device, backend=backend)
+    if config.tensor_parallel_size == 1:
+        return _build(config, choice, backend, None)
+    check_sizes(config)  # before any process starts
+    ranks = EngineRanks(config, choice.name)  # the other ranks started, and the group joined
+    try:
+        return _build(config, choice, backend, ranks)
+    except BaseException:
+        ranks.close()
+        raise
+
+
+def _build(
+    config: EngineConfig, choice: DtypeChoice, backend: AttentionBackend, ranks: EngineRanks | None
+) -> EngineParts:
+    """The rest of build_engine, on rank 0 of `ranks` when tensor parallel."""
+    device = torch.device(config.device)
+    dtype = choice.dtype
+    tp_group = ranks.group if ranks is not None else SINGLE_RANK
+    loaded = load_model(config.model, dtype=dtype, device=device, backend=backend, tp_group=tp_group)
     mcfg = loaded.config
     cache = config.cache
     # Loaded before the KV cache is sized: its weights and its KV blocks take device memory too.
     draft = _load_draft(config, loaded, dtype, device, backend)
-    per_token = kv_bytes_per_token(mcfg, dtype)
+    per_token = kv_bytes_per_token(mcfg, dtype, config.tensor_parallel_size)  # on each rank
     block_bytes = per_token * cache.block_size
     sched_cfg = config.scheduler
     if cache.num_blocks is not None:
@@ -180,6 +200,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
         proposer=proposer,
         grammars=structured,
     )
+    if ranks is not None:
+        # Every rank's cache has the same blocks (the block ids the scheduler hands out are every rank's).
+        ranks.setup(RankSizes(num_blocks, num_host_blocks, max_model_len_))
+        runner.ranks = ranks  # from here on (the start-up probes first), each step drives the other ranks
     probe = StartupProbe(runner, kv, max_model_len_)
     fixed_transfer_s, host_copy_bytes_per_s = probe.swap_cost(num_blocks, num_host_blocks, block_bytes)
     cost_model = PreemptionCostModel(

@@ -53,6 +53,12 @@ class EngineCore:
         self.last_step: StepStats | None = None
         self.model_info: ModelInfo = parts.model_info
 
+    def close(self) -> None:
+        """Stop the engine's other processes (tensor parallel's worker ranks; none at one rank). Idempotent;
+        an engine garbage-collected or a process exiting does the same."""
+        if self.runner.ranks is not None:
+            self.runner.ranks.close()
+
     # -- what AsyncEngine reads -------------------------------------------------------------------------
     @property
     def prefill_tokens_per_s(self) -> float:

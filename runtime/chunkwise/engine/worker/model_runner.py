@@ -27,7 +27,14 @@ from chunkwise.engine.worker.cuda_graphs import DecodeGraphRunner
 from chunkwise.engine.worker.inputs import InputBatch, Row, RowLike
 from chunkwise.engine.worker.kv_tensors import KVTensors
 from chunkwise.engine.worker.prompt_scores import PromptScorer
-from chunkwise.engine.worker.step import DraftRequest, ModelRunnerOutput, PreparedStep, Proposer
+from chunkwise.engine.worker.step import (
+    DraftRequest,
+    ModelRunnerOutput,
+    PreparedStep,
+    Proposer,
+    emit_plain,
+)
+from chunkwise.engine.worker.tp_stage import RankDriver, StepMessage
 from chunkwise.engine.worker.verifier import DraftVerifier, require_grammar
 
 __all__ = ["ModelRunner"]
@@ -86,6 +93,8 @@ class ModelRunner:
         # Structured outputs: each constrained request's matcher (None: this runner refuses such rows).
         self.grammar = GrammarState(grammars, device) if grammars is not None else None
         self.verifier = DraftVerifier(model, self.grammar, self.generators)
+        # Tensor parallel, on rank 0: the other ranks, driven from execute (None: world size 1).
+        self.ranks: RankDriver | None = None
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:
@@ -124,13 +133,30 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """One step: finished requests forgotten and KV blocks moved, then the stages: propose drafts,
-        prepare inputs, forward, score prompts, sample, verify, and one device-to-host read for them all."""
+        prepare inputs, forward, score prompts, sample, verify, and one device-to-host read for them all.
+        Tensor parallel (rank 0): the step's message goes to the other ranks once the drafts are known; a
+        step that fails stops them all (an error naming a rank that died)."""
+        if self.ranks is None:
+            return self._execute(so)
+        self.ranks.check()
+        try:
+            return self._execute(so)
+        except Exception as e:
+            self.ranks.stop_after(e)
+            raise
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._forget(so.finished_req_ids)
         self.kv_tensors.move(so.block_copies, so.swap_out, so.swap_in)
         if not so.scheduled:
+            if self.ranks is not None:
+                self.ranks.send(StepMessage.of(so, {}))
             return ModelRunnerOutput()
         t0 = time.perf_counter()
-        step = self._prepare(so, self._propose(so))
+        drafts = self._propose(so)
+        if self.ranks is not None:
+            self.ranks.send(StepMessage.of(so, drafts))
+        step = self._prepare(so, drafts)
         t1 = time.perf_counter()
         out = ModelRunnerOutput(prepare_seconds=t1 - t0)
         hidden = self._forward(step)
@@ -145,12 +171,29 @@ class ModelRunner:
             self._advance_grammars(step.grammar_rows, tokens)
         t2 = time.perf_counter()
         if result is not None:
-            self._emit_plain(so, step.plain, tokens, result, out)
+            emit_plain(so, step.plain, tokens, result, out)
         self.verifier.emit(verifying, host, len(step.plain), out)
         t3 = time.perf_counter()
         out.forward_seconds = t2 - t1
         out.sample_seconds = t3 - t2
         return out
+
+    @torch.inference_mode()
+    def follow(self, message: StepMessage) -> None:
+        """A worker rank's step (tensor parallel): rank 0's, run over this rank's shard, up to the logits
+        every rank gathers; nothing is sampled here."""
+        so = message.so
+        self._forget(so.finished_req_ids)
+        self.kv_tensors.move(so.block_copies, so.swap_out, so.swap_in)
+        if not so.scheduled:
+            return
+        step = self._prepare(so, message.drafts)
+        hidden = self._forward(step)
+        if step.score_prompts:
+            self.prompt_scorer.score(step.scheduled, step.rows, hidden, {})
+        self._logits(step, hidden)
+        for _, drafts, start in self.verifier.rows(step):
+            self.model.compute_logits(hidden[start : start + 1 + len(drafts)])
 
     # -- the stages -------------------------------------------------------------------------------------
     def _forget(self, finished: set[str]) -> None:
@@ -261,10 +304,8 @@ class ModelRunner:
             step.inputs.input_ids, step.inputs.positions, self.kv_caches, step.meta, step.plan, step.keep
         )
 
-    def _sample(
-        self, step: PreparedStep, hidden: torch.Tensor, reads: list[torch.Tensor]
-    ) -> SamplerOutput | None:
-        """The plain rows' logits, sampled on the device; their ids queued for the step's one read."""
+    def _logits(self, step: PreparedStep, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The plain rows' logits, the padding rows' after them (None when no real row samples)."""
         num_pad = step.num_pad
         if not step.plain:
             if num_pad:
@@ -274,9 +315,6 @@ class ModelRunner:
                     hidden[:num_pad] if step.keep is not None else hidden[step.meta.num_tokens - num_pad :]
                 )
             return None
-        assert step.batch is not None
-        # Filled on the host while a GPU runs the forward queued above.
-        grammar_mask = self._grammar_mask(step.grammar_rows) if step.grammar_rows else None
         # A decode-only step's hidden rows are its last tokens, in row order (the padding rows last);
         # a kept step's start with them.
         if step.decode_only:
@@ -286,9 +324,22 @@ class ModelRunner:
         else:
             assert step.last is not None
             sampled_hidden = hidden[step.last]
-        logits = self.model.compute_logits(sampled_hidden)
+        return self.model.compute_logits(sampled_hidden)
+
+    def _sample(
+        self, step: PreparedStep, hidden: torch.Tensor, reads: list[torch.Tensor]
+    ) -> SamplerOutput | None:
+        """The plain rows' logits, sampled on the device; their ids queued for the step's one read."""
+        if not step.plain:
+            self._logits(step, hidden)
+            return None
+        assert step.batch is not None
+        # Filled on the host while a GPU runs the forward queued above.
+        grammar_mask = self._grammar_mask(step.grammar_rows) if step.grammar_rows else None
+        logits = self._logits(step, hidden)
+        assert logits is not None
         # Padding rows' logits are computed and discarded: only the real rows sample.
-        result = self.sampler(logits[: len(step.plain)] if num_pad else logits, step.batch, grammar_mask)
+        result = self.sampler(logits[: len(step.plain)] if step.num_pad else logits, step.batch, grammar_mask)
         reads.append(result.token_ids)
         return result
 
@@ -338,33 +389,6 @@ class ModelRunner:
         grammar = self._grammars()
         for r in rows:
             grammar.accept(r.req_id, r.spec, (tokens[r.row],))
-
-    def _emit_plain(
-        self,
-        so: SchedulerOutput,
-        rows: list[int],
-        tokens: list[int],
-        result: SamplerOutput,
-        out: ModelRunnerOutput,
-    ) -> None:
-        if so.decode_only:
-            out.row_tokens = tokens
-        else:
-            sampled = out.sampled
-            for i, tok in zip(rows, tokens):
-                sampled[so.scheduled[i].req_id] = [tok]
-        if result.logprobs is None:
-            return
-        chosen = result.logprobs.tolist()
-        top_ids = top_vals = None
-        if result.top_logprobs is not None:
-            top_ids, top_vals = (t.tolist() for t in result.top_logprobs)
-        for row, i in enumerate(rows):
-            sr = so.scheduled[i]
-            k = sr.sampling_params.logprobs
-            if k is not None:
-                top = list(zip(top_ids[row][:k], top_vals[row][:k])) if k and top_ids and top_vals else []
-                out.logprobs[sr.req_id] = [(chosen[row], top)]
 
     @staticmethod
     def _read_back(tensors: list[torch.Tensor]) -> list[int]:

@@ -10,9 +10,9 @@ import torch
 
 from chunkwise.engine.attention.backend import AttentionMetadata, AttentionPlan
 from chunkwise.engine.datatypes.outputs import TokenLogprob
-from chunkwise.engine.sampling.sampler import SamplingBatch
+from chunkwise.engine.sampling.sampler import SamplerOutput, SamplingBatch
 from chunkwise.engine.sampling.structured.state import GrammarRow
-from chunkwise.engine.sched.output import ScheduledRequest
+from chunkwise.engine.sched.output import ScheduledRequest, SchedulerOutput
 from chunkwise.engine.worker.inputs import RowLike, StepInputs
 
 
@@ -78,3 +78,31 @@ class PreparedStep:
     @property
     def meta(self) -> AttentionMetadata:
         return self.inputs.meta
+
+
+def emit_plain(
+    so: SchedulerOutput,
+    rows: list[int],
+    tokens: list[int],
+    result: SamplerOutput,
+    out: ModelRunnerOutput,
+) -> None:
+    """The plain rows' sampled tokens (and log-probs) into the step's output."""
+    if so.decode_only:
+        out.row_tokens = tokens
+    else:
+        sampled = out.sampled
+        for i, tok in zip(rows, tokens):
+            sampled[so.scheduled[i].req_id] = [tok]
+    if result.logprobs is None:
+        return
+    chosen = result.logprobs.tolist()
+    top_ids = top_vals = None
+    if result.top_logprobs is not None:
+        top_ids, top_vals = (t.tolist() for t in result.top_logprobs)
+    for row, i in enumerate(rows):
+        sr = so.scheduled[i]
+        k = sr.sampling_params.logprobs
+        if k is not None:
+            top = list(zip(top_ids[row][:k], top_vals[row][:k])) if k and top_ids and top_vals else []
+            out.logprobs[sr.req_id] = [(chosen[row], top)]

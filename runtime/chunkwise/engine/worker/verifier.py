@@ -3,6 +3,8 @@ argmax; sampled: rejection sampling), queued on the device and read back with th
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from chunkwise.engine.datatypes.sampling_params import SamplingParams
@@ -40,23 +42,28 @@ class DraftVerifier:
         rejection-sampling decisions) and read back with the sampled tokens: a read per row, or per draft,
         would be a sync each. Returns (row, its drafts, how many values it reads) per speculating row."""
         verifying: list[Verifying] = []
+        for sr, row_drafts, start in self.rows(step):
+            logits = self._logits(sr, row_drafts, hidden, start)
+            params = sr.sampling_params
+            if params.greedy:
+                reads.append(argmax(logits))
+            else:
+                probs = _target_probs(logits, params)
+                reads.append(
+                    sampled_decisions(probs, row_drafts, None, self.generators.get(sr.req_id, params))
+                )
+            verifying.append((sr, row_drafts, len(reads[-1])))
+        return verifying
+
+    @staticmethod
+    def rows(step: PreparedStep) -> Iterator[tuple[ScheduledRequest, list[int], int]]:
+        """Each speculating row, its drafts, and its first hidden row (the last known token's)."""
         drafts = step.drafts
         for i in step.sample_rows:
             sr = step.scheduled[i]
             if sr.req_id in drafts:
-                row_drafts = drafts[sr.req_id]
                 start = step.verify_at[sr.req_id] if step.keep is not None else step.row_starts[i]
-                logits = self._logits(sr, row_drafts, hidden, start)
-                params = sr.sampling_params
-                if params.greedy:
-                    reads.append(argmax(logits))
-                else:
-                    probs = _target_probs(logits, params)
-                    reads.append(
-                        sampled_decisions(probs, row_drafts, None, self.generators.get(sr.req_id, params))
-                    )
-                verifying.append((sr, row_drafts, len(reads[-1])))
-        return verifying
+                yield sr, drafts[sr.req_id], start
 
     def emit(
         self,

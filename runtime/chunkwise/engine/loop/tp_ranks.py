@@ -1,0 +1,300 @@
+"""Tensor parallel's ranks, seen from rank 0 (the caller's process, which keeps the whole EngineCore): the
+worker processes of ranks 1..N-1, started at engine build and stopped with it.
+
+- Start: each worker is a spawned process; every rank joins one gloo group (tcp rendezvous on 127.0.0.1, a
+  port rank 0 picks; COLLECTIVE_TIMEOUT_S on each collective) and loads its shard; rank 0 then sends the KV
+  sizes it worked out (num_blocks, host blocks, max_model_len), so every rank's cache has the same blocks.
+- Steps: ModelRunner.execute sends each step's StepMessage down a pipe per worker (a pipe, not a gloo
+  broadcast: an idle engine waits on it for as long as it likes, where a collective would time out); the
+  worker runs it (ModelRunner.follow), the forward's collectives keeping the ranks in step.
+- Failure: workers die with rank 0 (PR_SET_PDEATHSIG, and EOF on their pipe); rank 0 watches their
+  sentinels in a thread; a rank that died makes the next step raise an error naming it and its exit code,
+  and the other ranks are stopped. Shutdown (EngineRanks.close, the engine garbage-collected, the process
+  exiting) sends each worker a stop, joins under a deadline and kills what is left: no orphan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import weakref
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch
+
+from chunkwise.engine.datatypes.config import EngineConfig, ModelConfig
+from chunkwise.engine.distributed import ProcessGroupTP, TPLayout, init_tp_group
+from chunkwise.engine.model.loader import read_checkpoint, resolve_model_path
+from chunkwise.engine.model.presets import PRESETS
+from chunkwise.engine.worker.tp_stage import StepMessage
+
+log = logging.getLogger("chunkwise.engine.loop.tp_ranks")
+
+COLLECTIVE_TIMEOUT_S = 300.0  # a collective waiting longer for a peer raises (a peer that hangs)
+STOP_DEADLINE_S = 10.0  # a worker that has not exited this long after its stop message is killed
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class RankSizes:
+    """What rank 0 decided that each worker's runner needs."""
+
+    num_blocks: int
+    num_host_blocks: int
+    max_model_len: int
+
+
+def check_sizes(config: EngineConfig) -> None:
+    """Refuse a tensor-parallel size the model's heads or columns do not divide over, before any process
+    starts (a model that cannot be read here is left to load_model to refuse)."""
+    model_config: ModelConfig | None = PRESETS.get(config.model)
+    if model_config is None:
+        path = resolve_model_path(config.model)
+        if path.is_dir():
+            model_config = read_checkpoint(path)[0]
+    if model_config is not None:
+        TPLayout.of(model_config, 0, config.tensor_parallel_size)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _State:
+    """What shutdown needs, apart from EngineRanks itself (so that its finalizer holds no reference to it)."""
+
+    def __init__(self, procs: list[BaseProcess], conns: list[mpc.Connection]) -> None:
+        self.procs = procs  # rank r is procs[r - 1]
+        self.conns = conns
+        self.dead: tuple[int, int | None] | None = None  # (rank, exit code) of the first to die unasked
+        self.error: str | None = None  # why the ranks were stopped, once they were
+        self.group: ProcessGroupTP | None = None
+        self.lock = threading.Lock()
+
+    def stop(self, why: str) -> None:
+        """Stop every worker (a stop message, a deadline, then SIGKILL) and leave the group; idempotent."""
+        with self.lock:
+            if self.error is not None:
+                return
+            self.error = why
+        for conn in self.conns:
+            with contextlib.suppress(OSError, ValueError):
+                conn.send_bytes(pickle.dumps(None))
+        for p in self.procs:
+            p.join(STOP_DEADLINE_S)
+            if p.is_alive():
+                log.warning(
+                    "tensor-parallel worker pid %s did not stop in %.0fs: killed", p.pid, STOP_DEADLINE_S
+                )
+                p.kill()
+                p.join()
+        for conn in self.conns:
+            conn.close()
+        if self.group is not None:
+            with contextlib.suppress(Exception):
+                self.group.destroy()
+            self.group = None
+
+
+def _stop(state: _State) -> None:
+    state.stop("the engine was shut down")
+
+
+class EngineRanks:
+    """Rank 0's hold on ranks 1..N-1 (the runner's RankDriver)."""
+
+    def __init__(self, config: EngineConfig, dtype: str) -> None:
+        n = config.tensor_parallel_size
+        self.world_size = n
+        if torch.distributed.is_initialized():
+            raise RuntimeError(
+                "a tensor-parallel engine is already running in this process (one process group each); "
+                "close it first"
+            )
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = mp.get_context("spawn")
+        procs: list[BaseProcess] = []
+        conns: list[mpc.Connection] = []
+        self._state = _State(procs, conns)
+        self._finalizer = weakref.finalize(self, _stop, self._state)
+        threads = max(1, (os.cpu_count() or 1) // n)
+        for rank in range(1, n):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(
+                target=_worker_main,
+                args=(rank, n, init_method, child, config, dtype, threads),
+                name=f"chunkwise-tp-rank{rank}",
+                daemon=True,
+            )
+            p.start()
+            child.close()
+            procs.append(p)
+            conns.append(parent)
+        log.info("tensor parallel: %d ranks, worker pids %s", n, [p.pid for p in procs])
+        torch.set_num_threads(threads)  # the ranks share this machine's cores
+        try:
+            self._state.group = self._join(init_method)
+        except BaseException:
+            self.close()
+            raise
+        threading.Thread(target=self._watch, name="chunkwise-tp-watch", daemon=True).start()
+
+    def _join(self, init_method: str) -> ProcessGroupTP:
+        """Rank 0's rendezvous, in a thread, so that a worker dying before it joins fails the start at once
+        (naming it) instead of after the rendezvous timeout."""
+        joined: list[ProcessGroupTP | BaseException] = []
+
+        def join() -> None:
+            try:
+                joined.append(
+                    init_tp_group(0, self.world_size, init_method=init_method, timeout_s=COLLECTIVE_TIMEOUT_S)
+                )
+            except BaseException as e:
+                joined.append(e)
+
+        thread = threading.Thread(target=join, name="chunkwise-tp-join", daemon=True)
+        thread.start()
+        procs = self._state.procs
+        while thread.is_alive():
+            thread.join(0.1)
+            for r, p in enumerate(procs, start=1):
+                if not p.is_alive() and not joined:
+                    self._state.dead = (r, p.exitcode)
+                    raise RuntimeError(f"{self._dead_message()} before joining the group")
+        if isinstance(joined[0], BaseException):
+            raise joined[0]
+        return joined[0]
+
+    @property
+    def group(self) -> ProcessGroupTP:
+        assert self._state.group is not None
+        return self._state.group
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._state.procs if p.pid is not None]
+
+    def _watch(self) -> None:
+        state = self._state
+        pending = {p.sentinel: r for r, p in enumerate(state.procs, start=1)}
+        while pending:
+            for sentinel in mpc.wait(list(pending)):
+                rank = pending.pop(sentinel)  # type: ignore[arg-type]
+                if state.error is None and state.dead is None:
+                    state.dead = (rank, state.procs[rank - 1].exitcode)
+                    log.error("%s", self._dead_message())
+
+    def _dead_message(self) -> str:
+        assert self._state.dead is not None
+        rank, code = self._state.dead
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        pid = self._state.procs[rank - 1].pid
+        return f"tensor-parallel rank {rank} (pid {pid}) died ({how}); the engine stopped its other ranks"
+
+    def setup(self, sizes: RankSizes) -> None:
+        self._send(sizes)
+
+    def check(self) -> None:
+        state = self._state
+        if state.dead is not None:
+            state.stop(self._dead_message())
+        if state.error is not None:
+            raise RuntimeError(f"tensor parallel: {state.error}")
+
+    def send(self, message: StepMessage) -> None:
+        self._send(message)
+
+    def _send(self, obj: Any) -> None:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        for conn in self._state.conns:
+            conn.send_bytes(data)
+
+    def stop_after(self, error: BaseException) -> None:
+        state = self._state
+        # A rank that died: its sentinel fires within moments of the collective failing on it.
+        alive = [p.sentinel for p in state.procs if p.is_alive()]
+        if alive and state.dead is None:
+            mpc.wait(alive, timeout=2.0)
+        for r, p in enumerate(state.procs, start=1):
+            if state.dead is None and not p.is_alive():
+                state.dead = (r, p.exitcode)
+        if state.dead is not None:
+            message = self._dead_message()
+            state.stop(message)
+            raise RuntimeError(message) from error
+        state.stop(f"a step failed on rank 0 ({type(error).__name__}: {error}); every rank was stopped")
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _set_pdeathsig() -> None:
+    """This process gets SIGKILL when its parent (rank 0) dies (Linux; elsewhere the pipe's EOF ends it)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _worker_main(
+    rank: int,
+    world_size: int,
+    init_method: str,
+    conn: mpc.Connection,
+    config: EngineConfig,
+    dtype_name: str,
+    threads: int,
+) -> None:
+    """A worker rank: join the group, load this rank's shard, build its runner, then follow rank 0's steps
+    until a stop message (or rank 0's end)."""
+    _set_pdeathsig()
+    # Imported here: the builder imports this module.
+    from chunkwise.engine.attention import get_attention_backend
+    from chunkwise.engine.loop.builder import make_runner
+    from chunkwise.engine.model.loader import load_model
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(config.seed)
+    group = init_tp_group(rank, world_size, init_method=init_method, timeout_s=COLLECTIVE_TIMEOUT_S)
+    try:
+        device = torch.device(config.device)
+        backend = get_attention_backend(config.attention_backend, device.type)
+        dtype = getattr(torch, dtype_name)
+        loaded = load_model(config.model, dtype=dtype, device=device, backend=backend, tp_group=group)
+        sizes = _receive(conn)
+        if sizes is None:
+            return
+        assert isinstance(sizes, RankSizes)
+        runner = make_runner(
+            loaded,
+            config,
+            backend,
+            sizes.num_blocks,
+            sizes.num_host_blocks,
+            dtype,
+            device,
+            sizes.max_model_len,
+        )
+        while (message := _receive(conn)) is not None:
+            runner.follow(message)
+    finally:
+        group.destroy()
+
+
+def _receive(conn: mpc.Connection) -> Any:
+    try:
+        return pickle.loads(conn.recv_bytes())
+    except EOFError:
+        return None  # rank 0 is gone
