@@ -98,6 +98,14 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         logger.error("invalid engine arguments: %s", e)
         return 2
+    if config.tensor_parallel_size > 1:
+        # The offline LLM runs ranks; the server's drain and SIGTERM over them are not built yet.
+        logger.error(
+            "--tensor-parallel-size %d: the server does not run tensor parallel yet (issue 33); "
+            "LLM(model, tensor_parallel_size=N) does, offline",
+            config.tensor_parallel_size,
+        )
+        return 2
     app = build_app(
         None,
         served_model_name=args.served_model_name or args.model,

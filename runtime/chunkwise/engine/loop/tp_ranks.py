@@ -79,10 +79,28 @@ class _State:
     def __init__(self, procs: list[BaseProcess], conns: list[mpc.Connection]) -> None:
         self.procs = procs  # rank r is procs[r - 1]
         self.conns = conns
-        self.dead: tuple[int, int | None] | None = None  # (rank, exit code) of the first to die unasked
+        self.dead: int | None = None  # the first rank to die unasked
         self.error: str | None = None  # why the ranks were stopped, once they were
         self.group: ProcessGroupTP | None = None
         self.lock = threading.Lock()
+
+    def dead_message(self) -> str:
+        assert self.dead is not None
+        proc = self.procs[self.dead - 1]
+        proc.join(1.0)  # its sentinel fired: reaped at once, for its exit code
+        code = proc.exitcode
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        return f"tensor-parallel rank {self.dead} (pid {proc.pid}) died ({how}); the engine stopped its other ranks"
+
+    def watch(self) -> None:
+        """The watcher thread: the first worker to exit before a stop is recorded (and logged) at once."""
+        pending = {p.sentinel: r for r, p in enumerate(self.procs, start=1)}
+        while pending:
+            for sentinel in mpc.wait(list(pending)):
+                rank = pending.pop(sentinel)  # type: ignore[arg-type]
+                if self.error is None and self.dead is None:
+                    self.dead = rank
+                    log.error("%s", self.dead_message())
 
     def stop(self, why: str) -> None:
         """Stop every worker (a stop message, a deadline, then SIGKILL) and leave the group; idempotent."""
@@ -150,7 +168,8 @@ class EngineRanks:
         except BaseException:
             self.close()
             raise
-        threading.Thread(target=self._watch, name="chunkwise-tp-watch", daemon=True).start()
+        # The thread holds the state, not self: a dropped engine is still collected (and its ranks stopped).
+        threading.Thread(target=self._state.watch, name="chunkwise-tp-watch", daemon=True).start()
 
     def _join(self, init_method: str) -> ProcessGroupTP:
         """Rank 0's rendezvous, in a thread, so that a worker dying before it joins fails the start at once
@@ -172,8 +191,8 @@ class EngineRanks:
             thread.join(0.1)
             for r, p in enumerate(procs, start=1):
                 if not p.is_alive() and not joined:
-                    self._state.dead = (r, p.exitcode)
-                    raise RuntimeError(f"{self._dead_message()} before joining the group")
+                    self._state.dead = r
+                    raise RuntimeError(f"{self._state.dead_message()} before joining the group")
         if isinstance(joined[0], BaseException):
             raise joined[0]
         return joined[0]
@@ -187,30 +206,13 @@ class EngineRanks:
     def pids(self) -> list[int]:
         return [p.pid for p in self._state.procs if p.pid is not None]
 
-    def _watch(self) -> None:
-        state = self._state
-        pending = {p.sentinel: r for r, p in enumerate(state.procs, start=1)}
-        while pending:
-            for sentinel in mpc.wait(list(pending)):
-                rank = pending.pop(sentinel)  # type: ignore[arg-type]
-                if state.error is None and state.dead is None:
-                    state.dead = (rank, state.procs[rank - 1].exitcode)
-                    log.error("%s", self._dead_message())
-
-    def _dead_message(self) -> str:
-        assert self._state.dead is not None
-        rank, code = self._state.dead
-        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        pid = self._state.procs[rank - 1].pid
-        return f"tensor-parallel rank {rank} (pid {pid}) died ({how}); the engine stopped its other ranks"
-
     def setup(self, sizes: RankSizes) -> None:
         self._send(sizes)
 
     def check(self) -> None:
         state = self._state
         if state.dead is not None:
-            state.stop(self._dead_message())
+            state.stop(self._state.dead_message())
         if state.error is not None:
             raise RuntimeError(f"tensor parallel: {state.error}")
 
@@ -230,9 +232,9 @@ class EngineRanks:
             mpc.wait(alive, timeout=2.0)
         for r, p in enumerate(state.procs, start=1):
             if state.dead is None and not p.is_alive():
-                state.dead = (r, p.exitcode)
+                state.dead = r
         if state.dead is not None:
-            message = self._dead_message()
+            message = state.dead_message()
             state.stop(message)
             raise RuntimeError(message) from error
         state.stop(f"a step failed on rank 0 ({type(error).__name__}: {error}); every rank was stopped")

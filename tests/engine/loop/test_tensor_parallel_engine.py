@@ -1,0 +1,211 @@
+"""The engine over two real gloo ranks (LLM(tensor_parallel_size=2): rank 0 here, one spawned worker rank):
+greedy tokens equal transformers' in float32 on Llama, Qwen2, Qwen3 and Mistral (one KV head for two ranks);
+the same outputs as one rank under chunked prefill, prefix caching, swap and recompute preemption, n > 1,
+n-gram speculation, prompt and sampled log-probs (greedy and seeded sampling); and the ranks' lifecycle: a
+killed worker fails the next step naming it, and no worker outlives the engine (closed, dropped, or its
+process killed); sizes and places tensor parallel does not run are refused before any process starts."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from chunkwise import LLM, SamplingParams
+from chunkwise.cli import main
+from chunkwise.engine.datatypes.config import engine_config_from_kwargs
+from chunkwise.engine.datatypes.outputs import RequestOutput
+from chunkwise.engine.loop.tp_ranks import EngineRanks
+from tests.hf_models import hf_greedy, save_random_family
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _ranks(llm: LLM) -> EngineRanks:
+    ranks = llm.engine.runner.ranks
+    assert isinstance(ranks, EngineRanks)
+    return ranks
+
+
+def _gone(pids: list[int], timeout_s: float = 10.0) -> bool:
+    """Every pid has exited and been reaped (or was never ours)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(Path(f"/proc/{pid}").exists() for pid in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("family", ["llama3-rope", "qwen2-bias-yarn", "qwen3", "mistral"])
+def test_greedy_equals_transformers(family: str, tmp_path: Path) -> None:
+    path = save_random_family(tmp_path, family)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(5, 40))] for _ in range(4)]
+    max_new = [rng.randint(3, 10) for _ in prompts]
+    expected = hf_greedy(path, prompts, max_new)
+    llm = LLM(str(path), dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=16, block_size=4)
+    try:
+        outs = llm.generate(
+            prompts, [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_new]
+        )
+    finally:
+        llm.engine.close()
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def _workload() -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = random.Random(5)
+    shared = [rng.randrange(3, 250) for _ in range(12)]  # three blocks of 4: prefix-cache hits
+    prompts: list[list[int]] = []
+    params: list[SamplingParams] = []
+    for i in range(8):
+        motif = [rng.randrange(3, 250) for _ in range(5)]
+        # Repeated motifs, so that the n-gram proposer finds drafts.
+        prompts.append(shared + motif * 3 + [rng.randrange(3, 250) for _ in range(rng.randint(0, 6))])
+        if i % 4 == 0:
+            params.append(SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, prompt_logprobs=2))
+        elif i % 4 == 1:
+            params.append(SamplingParams(max_tokens=12, temperature=0.8, seed=i, n=2, ignore_eos=True))
+        elif i % 4 == 2:
+            params.append(SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2))
+        else:
+            params.append(
+                SamplingParams(max_tokens=10, temperature=1.0, top_k=20, seed=100 + i, ignore_eos=True)
+            )
+    return prompts, params
+
+
+def _run(tp: int, mode: str) -> tuple[list[RequestOutput], int]:
+    # 24 blocks of 4 tokens for 8 requests of up to 51 tokens each: they preempt one another.
+    llm = LLM(
+        "tiny",
+        dtype="float32",
+        tensor_parallel_size=tp,
+        max_num_batched_tokens=16,
+        block_size=4,
+        num_blocks=24,
+        max_model_len=64,
+        preemption_mode=mode,
+        speculative_method="ngram",
+        num_speculative_tokens=3,
+    )
+    # Admission trusts max_tokens; under-promise so that the running requests outgrow the cache.
+    llm.engine.scheduler.admission.output_estimate = lambda req: 0  # type: ignore[method-assign]
+    try:
+        prompts, params = _workload()
+        outs = llm.generate(prompts, params)
+        stats = llm.engine.stats
+    finally:
+        llm.engine.close()
+    preempted = stats.num_preemptions_swap if mode == "swap" else stats.num_preemptions_recompute
+    return outs, preempted
+
+
+def _summary(outs: list[RequestOutput]) -> list[object]:
+    return [
+        (
+            [(c.index, c.token_ids, c.finish_reason) for c in o.outputs],
+            [(t.token_id, t.rank, [i for i, _ in t.top]) for t in o.prompt_logprobs or []],
+        )
+        for o in outs
+    ]
+
+
+def _logprob_values(outs: list[RequestOutput]) -> list[float]:
+    values = [t.logprob for o in outs for t in o.prompt_logprobs or []]
+    for o in outs:
+        for c in o.outputs:
+            values += [t.logprob for t in c.logprobs or []]
+    return values
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_two_ranks_equal_one(mode: str) -> None:
+    one, preempted_one = _run(1, mode)
+    two, preempted_two = _run(2, mode)
+    assert preempted_one > 0 and preempted_two == preempted_one  # the workload does preempt, by `mode`
+    assert any(o.num_cached_tokens for o in one)  # and hits the prefix cache
+    assert _summary(two) == _summary(one)
+    assert _logprob_values(two) == pytest.approx(_logprob_values(one), abs=1e-4)
+    assert len(_logprob_values(one)) > 50
+
+
+def test_killed_worker_fails_the_next_step_naming_it() -> None:
+    llm = LLM("tiny", dtype="float32", tensor_parallel_size=2)
+    try:
+        pids = _ranks(llm).pids
+        sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        assert len(llm.generate([[5, 6, 7]], sp)[0].outputs[0].token_ids) == 4
+        os.kill(pids[0], signal.SIGKILL)
+        with pytest.raises(RuntimeError, match=rf"rank 1 \(pid {pids[0]}\) died \(killed by signal 9\)"):
+            llm.generate([[5, 6, 7]], sp)
+        assert _gone(pids)
+        with pytest.raises(RuntimeError, match="rank 1"):  # the engine stays stopped
+            llm.generate([[8, 9]], sp)
+    finally:
+        llm.engine.close()
+
+
+def test_closed_or_dropped_engine_leaves_no_process() -> None:
+    llm = LLM("tiny", dtype="float32", tensor_parallel_size=2)
+    pids = _ranks(llm).pids
+    llm.engine.close()
+    assert _gone(pids)
+    llm.engine.close()  # idempotent
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate([[5, 6]], SamplingParams(max_tokens=2))
+    llm = LLM("tiny", dtype="float32", tensor_parallel_size=2)  # a group again, the last one left
+    pids = _ranks(llm).pids
+    del llm
+    gc.collect()
+    assert _gone(pids)
+
+
+def test_workers_die_with_a_killed_rank_0(tmp_path: Path) -> None:
+    script = (
+        "import os, signal\n"
+        "from chunkwise import LLM\n"
+        "if __name__ == '__main__':\n"
+        "    llm = LLM('tiny', dtype='float32', tensor_parallel_size=2)\n"
+        "    print(*llm.engine.runner.ranks.pids, flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    (tmp_path / "rank0.py").write_text(script)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'runtime'}:{ROOT}"}
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "rank0.py")], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) == 1
+    assert _gone(pids)
+
+
+def test_sizes_that_do_not_divide_are_refused_before_any_process_starts() -> None:
+    with pytest.raises(
+        ValueError, match=r"num_attention_heads \(4\) does not divide over tensor_parallel_size 3"
+    ):
+        LLM("tiny", tensor_parallel_size=3)
+    assert multiprocessing.active_children() == []
+    with pytest.raises(ValueError, match="tensor_parallel_size must be positive"):
+        LLM("tiny", tensor_parallel_size=0)
+
+
+def test_what_tensor_parallel_does_not_run_yet_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"on cuda the NCCL path is untested .*issue 33"):
+        engine_config_from_kwargs("tiny", device="cuda", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="speculative_method='draft' is not supported yet"):
+        engine_config_from_kwargs(
+            "tiny", tensor_parallel_size=2, speculative_method="draft", speculative_model="tiny"
+        )
+    assert main(["serve", "--tensor-parallel-size", "2", "--port", "0", "--log-level", "critical"]) == 2
+    assert multiprocessing.active_children() == []
