@@ -84,7 +84,7 @@ def _workload() -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, params
 
 
-def _run(tp: int, mode: str) -> tuple[list[RequestOutput], int]:
+def _run(tp: int, mode: str) -> tuple[list[RequestOutput], tuple[int, int]]:
     # 24 blocks of 4 tokens for 8 requests of up to 51 tokens each: they preempt one another.
     llm = LLM(
         "tiny",
@@ -97,6 +97,7 @@ def _run(tp: int, mode: str) -> tuple[list[RequestOutput], int]:
         preemption_mode=mode,
         speculative_method="ngram",
         num_speculative_tokens=3,
+        adaptive_speculation=False,  # drafts every step, accepted or not
     )
     # Admission trusts max_tokens; under-promise so that the running requests outgrow the cache.
     llm.engine.scheduler.admission.output_estimate = lambda req: 0  # type: ignore[method-assign]
@@ -107,7 +108,7 @@ def _run(tp: int, mode: str) -> tuple[list[RequestOutput], int]:
     finally:
         llm.engine.close()
     preempted = stats.num_preemptions_swap if mode == "swap" else stats.num_preemptions_recompute
-    return outs, preempted
+    return outs, (preempted, stats.spec_num_draft_tokens)
 
 
 def _summary(outs: list[RequestOutput]) -> list[object]:
@@ -130,9 +131,11 @@ def _logprob_values(outs: list[RequestOutput]) -> list[float]:
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_two_ranks_equal_one(mode: str) -> None:
-    one, preempted_one = _run(1, mode)
-    two, preempted_two = _run(2, mode)
-    assert preempted_one > 0 and preempted_two == preempted_one  # the workload does preempt, by `mode`
+    one, (preempted, drafted) = _run(1, mode)
+    two, counts = _run(2, mode)
+    # The workload does preempt, by `mode`, and verifies n-gram drafts; both the same on two ranks.
+    assert preempted > 0 and drafted > 0 and counts == (preempted, drafted)
+    assert all(len(o.outputs) == 2 for o in one[1::4])  # n = 2
     assert any(o.num_cached_tokens for o in one)  # and hits the prefix cache
     assert _summary(two) == _summary(one)
     assert _logprob_values(two) == pytest.approx(_logprob_values(one), abs=1e-4)
