@@ -7,6 +7,7 @@ process killed); sizes and places tensor parallel does not run are refused befor
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing
 import os
@@ -184,13 +185,21 @@ def test_workers_die_with_a_killed_rank_0(tmp_path: Path) -> None:
     )
     (tmp_path / "rank0.py").write_text(script)
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'runtime'}:{ROOT}"}
-    proc = subprocess.run(
-        [sys.executable, str(tmp_path / "rank0.py")], capture_output=True, text=True, env=env, timeout=60
-    )
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
-    pids = [int(p) for p in proc.stdout.split()]
+    out = tmp_path / "out.txt"
+    with out.open("w") as f:  # a file, not a pipe: an orphan holding it would not hold up the run
+        proc = subprocess.run(
+            [sys.executable, str(tmp_path / "rank0.py")], stdout=f, stderr=f, env=env, timeout=60
+        )
+    lines = out.read_text().splitlines()
+    assert proc.returncode == -signal.SIGKILL, lines
+    pids = [int(p) for p in lines[-1].split()]
     assert len(pids) == 1
-    assert _gone(pids)
+    try:
+        assert _gone(pids)
+    finally:
+        for pid in pids:  # an orphan found is a failure, and is not left behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_sizes_that_do_not_divide_are_refused_before_any_process_starts() -> None:
