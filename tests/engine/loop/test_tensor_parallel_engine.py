@@ -1,9 +1,10 @@
 """The engine over two real gloo ranks (LLM(tensor_parallel_size=2): rank 0 here, one spawned worker rank):
 greedy tokens equal transformers' in float32 on Llama, Qwen2, Qwen3 and Mistral (one KV head for two ranks);
 the same outputs as one rank under chunked prefill, prefix caching, swap and recompute preemption, n > 1,
-n-gram speculation, prompt and sampled log-probs (greedy and seeded sampling); and the ranks' lifecycle: a
-killed worker fails the next step naming it, and no worker outlives the engine (closed, dropped, or its
-process killed); sizes and places tensor parallel does not run are refused before any process starts."""
+n-gram speculation, prompt and sampled log-probs (greedy and seeded sampling), structured outputs and static
+batching; and the ranks' lifecycle: a killed worker fails the next step naming it, and no worker outlives
+the engine (closed, dropped, or its process killed); sizes and places tensor parallel does not run are
+refused before any process starts."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from chunkwise import LLM, SamplingParams
 from chunkwise.cli import main
 from chunkwise.engine.datatypes.config import engine_config_from_kwargs
 from chunkwise.engine.datatypes.outputs import RequestOutput
+from chunkwise.engine.datatypes.structured_output import StructuredOutput
 from chunkwise.engine.loop.tp_ranks import EngineRanks
 from tests.hf_models import hf_greedy, save_random_family
 
@@ -221,3 +223,37 @@ def test_what_tensor_parallel_does_not_run_yet_is_refused() -> None:
         )
     assert main(["serve", "--tensor-parallel-size", "2", "--port", "0", "--log-level", "critical"]) == 2
     assert multiprocessing.active_children() == []
+
+
+def _constrained(tp: int, **engine_args: object) -> list[list[int]]:
+    llm = LLM(
+        "tiny",
+        dtype="float32",
+        tensor_parallel_size=tp,
+        max_num_batched_tokens=16,
+        block_size=4,
+        **engine_args,
+    )
+    spec = StructuredOutput.regex(r"(ab|cd)+e")
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.0, structured=spec),
+        SamplingParams(max_tokens=9, temperature=0.7, seed=3, structured=spec),
+        SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+    ]
+    try:
+        outs = llm.generate(["hello there", "xyz", "a longer prompt, its batch's last to finish"], params)
+    finally:
+        llm.engine.close()
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [{"batching": "static"}, {"speculative_method": "ngram", "adaptive_speculation": False}],
+    ids=["static-batching", "ngram"],
+)
+def test_structured_outputs_and_static_batching_on_two_ranks(engine_args: dict[str, object]) -> None:
+    """Grammar masks (and n-gram drafts cut by them) on rank 0 only; static batching's padding rows."""
+    one = _constrained(1, **engine_args)
+    assert one[0][:2] == list(b"ab")  # the grammar did constrain
+    assert _constrained(2, **engine_args) == one

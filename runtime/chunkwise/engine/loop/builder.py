@@ -99,7 +99,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     if config.tensor_parallel_size == 1:
         return _build(config, choice, backend, None)
     check_sizes(config)  # before any process starts
-    ranks = EngineRanks(config, choice.name)  # the other ranks started, and the group joined
+    ranks = EngineRanks(config, choice.name, make_runner)  # the other ranks started, and the group joined
     try:
         return _build(config, choice, backend, ranks)
     except BaseException:

@@ -27,17 +27,27 @@ import socket
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
 
+from chunkwise.engine.attention import get_attention_backend
+from chunkwise.engine.attention.backend import AttentionBackend
 from chunkwise.engine.datatypes.config import EngineConfig, ModelConfig
 from chunkwise.engine.distributed import ProcessGroupTP, TPLayout, init_tp_group
-from chunkwise.engine.model.loader import read_checkpoint, resolve_model_path
+from chunkwise.engine.model.loader import LoadedModel, load_model, read_checkpoint, resolve_model_path
 from chunkwise.engine.model.presets import PRESETS
+from chunkwise.engine.worker.model_runner import ModelRunner
 from chunkwise.engine.worker.tp_stage import StepMessage
+
+# builder.make_runner's signature (loaded, config, backend, num_blocks, num_host_blocks, dtype, device,
+# max_model_len): passed in, since the builder imports this module.
+MakeRunner = Callable[
+    [LoadedModel, EngineConfig, AttentionBackend, int, int, torch.dtype, torch.device, int], ModelRunner
+]
 
 log = logging.getLogger("chunkwise.engine.loop.tp_ranks")
 
@@ -134,7 +144,8 @@ def _stop(state: _State) -> None:
 class EngineRanks:
     """Rank 0's hold on ranks 1..N-1 (the runner's RankDriver)."""
 
-    def __init__(self, config: EngineConfig, dtype: str) -> None:
+    def __init__(self, config: EngineConfig, dtype: str, make_runner: MakeRunner) -> None:
+        """`make_runner`: the builder's (a module-level function: it goes to each worker by name)."""
         n = config.tensor_parallel_size
         self.world_size = n
         if torch.distributed.is_initialized():
@@ -153,7 +164,7 @@ class EngineRanks:
             parent, child = ctx.Pipe()
             p = ctx.Process(
                 target=_worker_main,
-                args=(rank, n, init_method, child, config, dtype, threads),
+                args=(rank, n, init_method, child, config, dtype, threads, make_runner),
                 name=f"chunkwise-tp-rank{rank}",
                 daemon=True,
             )
@@ -258,14 +269,11 @@ def _worker_main(
     config: EngineConfig,
     dtype_name: str,
     threads: int,
+    make_runner: MakeRunner,
 ) -> None:
     """A worker rank: join the group, load this rank's shard, build its runner, then follow rank 0's steps
     until a stop message (or rank 0's end)."""
     _set_pdeathsig()
-    # Imported here: the builder imports this module.
-    from chunkwise.engine.attention import get_attention_backend
-    from chunkwise.engine.loop.builder import make_runner
-    from chunkwise.engine.model.loader import load_model
 
     torch.set_num_threads(threads)
     torch.manual_seed(config.seed)
