@@ -23,7 +23,8 @@ CONFIGS = (EngineConfig, CacheConfig, SchedulerConfig, SpecConfig)
 SECTIONS = {"cache", "scheduler", "spec"}
 
 # A value other than the default for every engine option (num_blocks and kv_cache_memory_bytes exclude
-# each other, so the byte budget gets its own case below).
+# each other, so the byte budget gets its own case below; tensor_parallel_size > 1 excludes a cuda device and
+# a draft model, so it has its own test).
 NOT_DEFAULT: dict[str, object] = {
     "dtype": "float16",
     "device": "cuda:1",
@@ -92,7 +93,7 @@ def test_every_option_field_has_help_text(cls: type) -> None:
 def test_every_option_is_a_kwarg_exactly_once() -> None:
     declared = sum(len(dataclasses.fields(c)) for c in CONFIGS) - len(SECTIONS)
     assert len(engine_args()) == declared
-    assert set(NOT_DEFAULT) | {"model", "kv_cache_memory_bytes"} == set(engine_args())
+    assert set(NOT_DEFAULT) | {"model", "kv_cache_memory_bytes", "tensor_parallel_size"} == set(engine_args())
 
 
 def test_every_option_has_a_serve_flag_and_help_with_its_default() -> None:
@@ -141,6 +142,13 @@ def test_kwargs_and_flags_land_on_their_fields(bytes_instead_of_blocks: bool) ->
     assert engine_config_from_args(ns) == config
     again = {name: value_in(config, name) for name in kwargs}
     assert engine_config_from_kwargs("small", **again) == config
+
+
+def test_tensor_parallel_size_kwarg_and_flag_land_on_its_field() -> None:
+    config = engine_config_from_kwargs("small", tensor_parallel_size=2)
+    assert config.tensor_parallel_size == 2 != engine_args()["tensor_parallel_size"].default
+    ns = serve_parser().parse_args(["--model", "small", "--tensor-parallel-size", "2"])
+    assert engine_config_from_args(ns).tensor_parallel_size == 2
 
 
 def test_flags_not_given_leave_the_defaults() -> None:

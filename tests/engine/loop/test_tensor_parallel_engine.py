@@ -171,6 +171,8 @@ def test_closed_or_dropped_engine_leaves_no_process() -> None:
         llm.generate([[5, 6]], SamplingParams(max_tokens=2))
     llm = LLM("tiny", dtype="float32", tensor_parallel_size=2)  # a group again, the last one left
     pids = _ranks(llm).pids
+    with pytest.raises(RuntimeError, match="a tensor-parallel engine is already running in this process"):
+        LLM("tiny", dtype="float32", tensor_parallel_size=2)
     del llm
     gc.collect()
     assert _gone(pids)
@@ -204,7 +206,13 @@ def test_workers_die_with_a_killed_rank_0(tmp_path: Path) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_sizes_that_do_not_divide_are_refused_before_any_process_starts() -> None:
+def test_sizes_that_do_not_divide_are_refused_before_any_process_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_ranks(*args: object) -> None:
+        raise AssertionError("worker processes were started")
+
+    monkeypatch.setattr("chunkwise.engine.loop.builder.EngineRanks", no_ranks)
     with pytest.raises(
         ValueError, match=r"num_attention_heads \(4\) does not divide over tensor_parallel_size 3"
     ):

@@ -92,6 +92,7 @@ class _State:
         self.dead: int | None = None  # the first rank to die unasked
         self.error: str | None = None  # why the ranks were stopped, once they were
         self.group: ProcessGroupTP | None = None
+        self.threads = 0  # rank 0's torch threads before the ranks split the cores (0: unchanged)
         self.lock = threading.Lock()
 
     def dead_message(self) -> str:
@@ -135,6 +136,8 @@ class _State:
             with contextlib.suppress(Exception):
                 self.group.destroy()
             self.group = None
+        if self.threads:
+            torch.set_num_threads(self.threads)
 
 
 def _stop(state: _State) -> None:
@@ -173,7 +176,8 @@ class EngineRanks:
             procs.append(p)
             conns.append(parent)
         log.info("tensor parallel: %d ranks, worker pids %s", n, [p.pid for p in procs])
-        torch.set_num_threads(threads)  # the ranks share this machine's cores
+        self._state.threads = torch.get_num_threads()
+        torch.set_num_threads(threads)  # the ranks share this machine's cores (restored at stop)
         try:
             self._state.group = self._join(init_method)
         except BaseException:
