@@ -26,10 +26,17 @@ from chunkwise.cli import main
 from chunkwise.engine.datatypes.config import engine_config_from_kwargs
 from chunkwise.engine.datatypes.outputs import RequestOutput
 from chunkwise.engine.datatypes.structured_output import StructuredOutput
+from chunkwise.engine.loop import tp_ranks
 from chunkwise.engine.loop.tp_ranks import EngineRanks
 from tests.hf_models import hf_greedy, save_random_family
 
 ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(autouse=True)
+def short_collective_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's collectives give up after 30 s, not 300: ranks out of step fail a test instead of hanging it."""
+    monkeypatch.setattr(tp_ranks, "COLLECTIVE_TIMEOUT_S", 30.0)
 
 
 def _ranks(llm: LLM) -> EngineRanks:
