@@ -52,6 +52,12 @@ class AsyncEngine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
+        if config.tensor_parallel_size > 1:
+            # Its drain, shutdown and a rank's death under the step thread are not built yet.
+            raise ValueError(
+                f"tensor_parallel_size {config.tensor_parallel_size}: the async engine (the server's) does not "
+                "run tensor parallel yet (issue 33); LLM(model, tensor_parallel_size=N) does, offline"
+            )
         self.core = EngineCore(config)
         # The output thread's: it alone detokenizes and tracks each request's emission state.
         self._outputs = self.core.detach_outputs()
