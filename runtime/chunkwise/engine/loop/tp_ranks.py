@@ -26,6 +26,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -99,6 +100,11 @@ class _State:
         assert self.dead is not None
         proc = self.procs[self.dead - 1]
         proc.join(1.0)  # its sentinel fired: reaped at once, for its exit code
+        # The watcher thread may be reaping it at the same moment: the loser of that race reads no status
+        # until the winner has stored it on the shared Popen.
+        deadline = time.monotonic() + 2.0
+        while proc.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.01)
         code = proc.exitcode
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         return f"tensor-parallel rank {self.dead} (pid {proc.pid}) died ({how}); the engine stopped its other ranks"
