@@ -93,7 +93,8 @@ def test_every_option_field_has_help_text(cls: type) -> None:
 def test_every_option_is_a_kwarg_exactly_once() -> None:
     declared = sum(len(dataclasses.fields(c)) for c in CONFIGS) - len(SECTIONS)
     assert len(engine_args()) == declared
-    assert set(NOT_DEFAULT) | {"model", "kv_cache_memory_bytes", "tensor_parallel_size"} == set(engine_args())
+    parallel = {"tensor_parallel_size", "pipeline_parallel_size"}
+    assert set(NOT_DEFAULT) | {"model", "kv_cache_memory_bytes"} | parallel == set(engine_args())
 
 
 def test_every_option_has_a_serve_flag_and_help_with_its_default() -> None:

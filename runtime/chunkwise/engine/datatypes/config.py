@@ -302,6 +302,12 @@ class EngineConfig:
         1,
         help="ranks the model is sharded over (tensor parallel): one process each, on CPU (gloo)",
     )
+    # vLLM's flag. Stages of consecutive layers, each tensor_parallel_size ranks (in a LeaderWorkerSet, one
+    # pod per stage).
+    pipeline_parallel_size: int = option(
+        1,
+        help="stages the model's layers are split over (pipeline parallel), each of tensor_parallel_size ranks",
+    )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
@@ -309,6 +315,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _one_of("dtype", self.dtype, get_args(Dtype), show=str)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("pipeline_parallel_size", self.pipeline_parallel_size)
+        if self.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"pipeline_parallel_size {self.pipeline_parallel_size}: pipeline parallel is not built yet "
+                "(issue 33)"
+            )
         if self.tensor_parallel_size > 1:
             if not self.device.startswith("cpu"):
                 raise ValueError(
