@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from chunkwise.engine.args import engine_config_from_args
+from chunkwise.engine.worker.tp_stage import RankFailure
 from chunkwise.server.app import build_app
 from chunkwise.server.serving import ServerState
 
@@ -98,14 +99,6 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         logger.error("invalid engine arguments: %s", e)
         return 2
-    if config.tensor_parallel_size > 1:
-        # The offline LLM runs ranks; the server's drain and SIGTERM over them are not built yet.
-        logger.error(
-            "--tensor-parallel-size %d: the server does not run tensor parallel yet (issue 33); "
-            "LLM(model, tensor_parallel_size=N) does, offline",
-            config.tensor_parallel_size,
-        )
-        return 2
     app = build_app(
         None,
         served_model_name=args.served_model_name or args.model,
@@ -125,13 +118,22 @@ def serve(args: argparse.Namespace) -> int:
     server = DrainingServer(uv_config, state, args.drain_timeout_seconds)
     engines: list[AsyncEngine] = []
     load_error: list[BaseException] = []
+    lost_ranks: list[BaseException] = []
+
+    def on_death(error: BaseException) -> None:
+        # A lost tensor-parallel rank cannot be recovered in this process: exit (non-zero) so the pod restarts
+        # as a whole, rather than serve 503s until a probe notices. Other engine deaths keep /health at 503.
+        if isinstance(error, RankFailure):
+            logger.error("the engine lost a rank: %s; the server stops", error)
+            lost_ranks.append(error)
+            server.should_exit = True
 
     def load() -> None:
         from chunkwise.engine import AsyncEngine
 
         try:
             t0 = time.monotonic()
-            engine = AsyncEngine(config)
+            engine = AsyncEngine(config, on_death=on_death)
             engine.start()
             engines.append(engine)
             state.attach(engine)
@@ -150,4 +152,4 @@ def serve(args: argparse.Namespace) -> int:
         loader.join()
         for engine in engines:
             engine.shutdown()
-    return 1 if load_error else 0
+    return 1 if load_error or lost_ranks else 0

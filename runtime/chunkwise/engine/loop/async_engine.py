@@ -24,6 +24,7 @@ from chunkwise.engine.sampling.structured.compiler import GrammarCompiler
 from chunkwise.engine.sched.output import SchedulerStats
 from chunkwise.engine.sched.shedding import LoadSnapshot, Overloaded, ServiceRate, SheddingPolicy, decide
 from chunkwise.engine.tokenizer import Tokenizer
+from chunkwise.engine.worker.tp_stage import RankFailure
 
 # Steps in a row that may fail (each failing its requests) before the engine thread gives up.
 _MAX_CONSECUTIVE_FAILURES = 3
@@ -51,13 +52,10 @@ class AsyncEngine:
     (None for outputs produced between steps, such as aborts), its outputs, and the requests that finished.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
-        if config.tensor_parallel_size > 1:
-            # Its drain, shutdown and a rank's death under the step thread are not built yet.
-            raise ValueError(
-                f"tensor_parallel_size {config.tensor_parallel_size}: the async engine (the server's) does not "
-                "run tensor parallel yet (issue 33); LLM(model, tensor_parallel_size=N) does, offline"
-            )
+    def __init__(self, config: EngineConfig, on_death: Callable[[BaseException], None] | None = None) -> None:
+        """`on_death(error)`: called on the engine thread when it dies (its streams already failed), e.g.
+        for the server to exit when a tensor-parallel rank is lost (RankFailure) rather than wait for a
+        probe to restart it."""
         self.core = EngineCore(config)
         # The output thread's: it alone detokenizes and tracks each request's emission state.
         self._outputs = self.core.detach_outputs()
@@ -77,6 +75,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="chunkwise-engine", daemon=True)
         self._output_thread = threading.Thread(target=self._output_loop, name="chunkwise-output", daemon=True)
         self.error: BaseException | None = None
+        self._on_death = on_death
         self._ids = itertools.count()
         self._consecutive_failures = 0
         self._observers: list[Callable[[StepStats | None, list[RequestOutput], list[Request]], None]] = []
@@ -108,6 +107,8 @@ class AsyncEngine:
             self._output_thread.join(timeout)
         # Whoever still waits on a stream hears that no more output will come.
         self._fail_streams(RuntimeError("the engine was shut down"))
+        if not self._thread.is_alive():  # tensor parallel's other ranks stop once no step can reach them
+            self.core.close()
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -304,7 +305,11 @@ class AsyncEngine:
         the thread dies as before: /health turns 503 and the pod is restarted.
         """
         self._consecutive_failures += 1
-        logging.getLogger(__name__).exception("engine step failed; aborting the requests in flight")
+        # The other ranks are gone: the requests are answered below, then the thread dies (no step can run).
+        fatal = isinstance(error, RankFailure)
+        logging.getLogger(__name__).exception(
+            "engine step failed; aborting the requests in flight%s", " and stopping" if fatal else ""
+        )
         core = self.core
         aborted = core.cancel_all()
         failure = RuntimeError(f"the engine step failed and this request was aborted: {error!r}")
@@ -315,7 +320,7 @@ class AsyncEngine:
         # The output side forgets them (their streams are gone: nothing more is delivered) and observers
         # count them as aborted.
         self._out_q.put(_OutputEvent(aborted=aborted))
-        if not core.all_blocks_free() or self._consecutive_failures >= _MAX_CONSECUTIVE_FAILURES:
+        if fatal or not core.all_blocks_free() or self._consecutive_failures >= _MAX_CONSECUTIVE_FAILURES:
             raise error
 
     def _finish_by_stop(self, req: Request, stop: str) -> None:
@@ -356,6 +361,7 @@ class AsyncEngine:
                 if self._drain_inbox():
                     self._publish()
                 if not self.core.has_unfinished():
+                    self.core.check_ranks()  # a rank lost while idle ends the engine now, not at the next request
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
@@ -375,6 +381,8 @@ class AsyncEngine:
         except BaseException as e:  # the engine thread must not die silently
             self.error = e
             self._fail_streams(RuntimeError(f"engine failed: {e!r}"))
+            if self._on_death is not None:
+                self._on_death(e)
             raise
 
 

@@ -59,6 +59,11 @@ class EngineCore:
         if self.runner.ranks is not None:
             self.runner.ranks.close()
 
+    def check_ranks(self) -> None:
+        """Raise RankFailure if tensor parallel's other ranks are gone (a rank died, or they were stopped)."""
+        if self.runner.ranks is not None:
+            self.runner.ranks.check()
+
     # -- what AsyncEngine reads -------------------------------------------------------------------------
     @property
     def prefill_tokens_per_s(self) -> float:

@@ -7,7 +7,7 @@ worker processes of ranks 1..N-1, started at engine build and stopped with it.
 - Steps: ModelRunner.execute sends each step's StepMessage down a pipe per worker (a pipe, not a gloo
   broadcast: an idle engine waits on it for as long as it likes, where a collective would time out); the
   worker runs it (ModelRunner.follow), the forward's collectives keeping the ranks in step.
-- Failure: workers die with rank 0 (PR_SET_PDEATHSIG, and EOF on their pipe); rank 0 watches their
+- Failure: workers die with rank 0 (a thread watching their parent pid, and EOF on their pipe); rank 0 watches their
   sentinels in a thread; a rank that died makes the next step raise an error naming it and its exit code,
   and the other ranks are stopped. Shutdown (EngineRanks.close, the engine garbage-collected, the process
   exiting) sends each worker a stop, joins under a deadline and kills what is left: no orphan.
@@ -16,7 +16,6 @@ worker processes of ranks 1..N-1, started at engine build and stopped with it.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
@@ -24,7 +23,6 @@ import os
 import pickle
 import signal
 import socket
-import sys
 import threading
 import time
 import weakref
@@ -42,7 +40,7 @@ from chunkwise.engine.distributed import ProcessGroupTP, TPLayout, init_tp_group
 from chunkwise.engine.model.loader import LoadedModel, load_model, read_checkpoint, resolve_model_path
 from chunkwise.engine.model.presets import PRESETS
 from chunkwise.engine.worker.model_runner import ModelRunner
-from chunkwise.engine.worker.tp_stage import StepMessage
+from chunkwise.engine.worker.tp_stage import RankFailure, StepMessage
 
 # builder.make_runner's signature (loaded, config, backend, num_blocks, num_host_blocks, dtype, device,
 # max_model_len): passed in, since the builder imports this module.
@@ -54,7 +52,7 @@ log = logging.getLogger("chunkwise.engine.loop.tp_ranks")
 
 COLLECTIVE_TIMEOUT_S = 300.0  # a collective waiting longer for a peer raises (a peer that hangs)
 STOP_DEADLINE_S = 10.0  # a worker that has not exited this long after its stop message is killed
-PR_SET_PDEATHSIG = 1
+ORPHAN_POLL_S = 0.2  # how often a worker checks that rank 0 is still its parent
 
 
 @dataclass(frozen=True)
@@ -173,7 +171,7 @@ class EngineRanks:
             parent, child = ctx.Pipe()
             p = ctx.Process(
                 target=_worker_main,
-                args=(rank, n, init_method, child, config, dtype, threads, make_runner),
+                args=(rank, n, init_method, child, config, dtype, threads, make_runner, os.getpid()),
                 name=f"chunkwise-tp-rank{rank}",
                 daemon=True,
             )
@@ -235,7 +233,7 @@ class EngineRanks:
         if state.dead is not None:
             state.stop(self._state.dead_message())
         if state.error is not None:
-            raise RuntimeError(f"tensor parallel: {state.error}")
+            raise RankFailure(f"tensor parallel: {state.error}")
 
     def send(self, message: StepMessage) -> None:
         self._send(message)
@@ -257,18 +255,26 @@ class EngineRanks:
         if state.dead is not None:
             message = state.dead_message()
             state.stop(message)
-            raise RuntimeError(message) from error
-        state.stop(f"a step failed on rank 0 ({type(error).__name__}: {error}); every rank was stopped")
+            raise RankFailure(message) from error
+        why = f"a step failed on rank 0 ({type(error).__name__}: {error}); every rank was stopped"
+        state.stop(why)
+        raise RankFailure(f"tensor parallel: {why}") from error
 
     def close(self) -> None:
         self._finalizer()
 
 
-def _set_pdeathsig() -> None:
-    """This process gets SIGKILL when its parent (rank 0) dies (Linux; elsewhere the pipe's EOF ends it)."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+def _die_with(parent: int) -> None:
+    """SIGKILL this worker as soon as rank 0 (`parent`) is gone, even mid-collective. Not PR_SET_PDEATHSIG:
+    that fires when the *thread* that started the worker exits, and the server builds its engine on a thread
+    that ends once the model is loaded."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(ORPHAN_POLL_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="chunkwise-tp-orphan-watch", daemon=True).start()
 
 
 def _worker_main(
@@ -280,10 +286,15 @@ def _worker_main(
     dtype_name: str,
     threads: int,
     make_runner: MakeRunner,
+    parent: int,
 ) -> None:
     """A worker rank: join the group, load this rank's shard, build its runner, then follow rank 0's steps
     until a stop message (or rank 0's end)."""
-    _set_pdeathsig()
+    _die_with(parent)
+    # A terminal's Ctrl-C and a SIGTERM to the whole process group (systemd, `timeout`) reach every rank: only
+    # rank 0 acts on them (the server drains, then stops this rank with a message).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     torch.set_num_threads(threads)
     torch.manual_seed(config.seed)

@@ -31,6 +31,11 @@ class StepMessage:
         return cls(dataclasses.replace(so, scheduled=rows, failed=[]), drafts)
 
 
+class RankFailure(RuntimeError):
+    """The engine's other ranks are gone (one died, or a failed step stopped them all): this engine cannot
+    step again. The server treats it as fatal, where a failed step on one rank is recovered from."""
+
+
 class RankDriver(Protocol):
     """Rank 0's hold on the other ranks (loop/tp_ranks.py)."""
 
@@ -38,7 +43,7 @@ class RankDriver(Protocol):
     def world_size(self) -> int: ...
 
     def check(self) -> None:
-        """Raise, naming the rank, if a rank has died or the ranks were stopped."""
+        """Raise RankFailure, naming the rank, if a rank has died or the ranks were stopped."""
         ...
 
     def send(self, message: StepMessage) -> None:
@@ -46,8 +51,8 @@ class RankDriver(Protocol):
         ...
 
     def stop_after(self, error: BaseException) -> None:
-        """A step failed with `error`: stop every other rank; raise an error naming a rank that died, if
-        one did (else return, and the caller raises `error`)."""
+        """A step failed with `error`: stop every other rank (they are out of step with rank 0) and raise
+        RankFailure from it, naming a rank that died if one did."""
         ...
 
     def close(self) -> None:
