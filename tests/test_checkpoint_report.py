@@ -48,3 +48,29 @@ def test_the_command_prints_the_report_or_the_reason(tmp_path):
     )
     assert out.returncode == 1
     assert "unsupported architecture ['Gemma2ForCausalLM']" in out.stderr
+
+
+def test_tensor_parallel_report_is_one_ranks_share(tmp_path):
+    """Every projection, the embedding and the LM head split over the ranks, the norms are replicated; KV
+    heads split, or are replicated where there are fewer than ranks (Mistral's one KV head here)."""
+    llama = save_random_family(tmp_path / "llama", "llama3-rope")
+    one = inspect_model(str(llama), dtype="float32", max_model_len=256)
+    two = inspect_model(str(llama), dtype="float32", max_model_len=256, tensor_parallel_size=2)
+    norms = 2 * 2 * 64 + 64  # two layers' input and post-attention norms, and the final norm
+    assert two.weight_bytes == (one.weight_bytes - 4 * norms) // 2 + 4 * norms
+    assert two.kv_bytes_per_token == one.kv_bytes_per_token // 2
+    assert two.parameters == one.parameters  # the model's, not a rank's
+    mistral = save_random_family(tmp_path / "mistral", "mistral")
+    one = inspect_model(str(mistral), dtype="float32")
+    assert one.kv_heads == 1
+    assert inspect_model(str(mistral), dtype="float32", tensor_parallel_size=2).kv_bytes_per_token == (
+        one.kv_bytes_per_token
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "chunkwise.cli", "inspect", str(llama), "--tensor-parallel-size", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 1
+    assert "num_attention_heads (4) does not divide over tensor_parallel_size 3" in out.stderr

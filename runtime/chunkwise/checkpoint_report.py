@@ -2,6 +2,7 @@
 memory one replica needs, without loading a weight.
 
     chunkwise inspect /models/Llama-3.1-8B-Instruct --max-model-len 8192 --max-num-seqs 16
+    chunkwise inspect /models/Llama-3.1-70B-Instruct --tensor-parallel-size 4   # what each GPU holds
 """
 
 from __future__ import annotations
@@ -10,7 +11,12 @@ import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from chunkwise.engine.distributed import TPGroup
 
 GIB = 1 << 30
 
@@ -37,6 +43,9 @@ class ModelReport:
     weight_bytes: int
     max_model_len: int
     max_num_seqs: int
+    # Tensor parallel: the two byte counts above are one rank's (its shard of the weights, its KV heads); the
+    # largest rank's where the vocabulary does not split evenly.
+    tensor_parallel_size: int = 1
 
     @property
     def kv_bytes(self) -> int:
@@ -46,6 +55,11 @@ class ModelReport:
         rope = self.rope.get("rope_type", "default")
         extras = ", ".join(
             f"{k}={v}" for k, v in self.rope.items() if k != "rope_type" and v not in (None, ())
+        )
+        per = (
+            f" on each of {self.tensor_parallel_size} tensor-parallel ranks"
+            if self.tensor_parallel_size > 1
+            else ""
         )
         return [
             f"model:          {self.model}",
@@ -58,8 +72,8 @@ class ModelReport:
             + f", context {self.context} tokens",
             f"EOS ids:        {self.eos_token_ids}",
             f"tokenizer:      {self.tokenizer}; chat template: {'yes' if self.chat_template else 'no'}",
-            f"KV per token:   {self.kv_bytes_per_token:,} bytes",
-            f"memory:         weights {self.weight_bytes / GIB:.2f} GiB + KV {self.kv_bytes / GIB:.2f} GiB "
+            f"KV per token:   {self.kv_bytes_per_token:,} bytes{per}",
+            f"{'memory/rank:' if per else 'memory:':<16}weights {self.weight_bytes / GIB:.2f} GiB + KV {self.kv_bytes / GIB:.2f} GiB "
             f"({self.max_num_seqs} x {self.max_model_len} tokens) = {(self.weight_bytes + self.kv_bytes) / GIB:.2f} GiB",
         ]
 
@@ -71,11 +85,14 @@ def inspect_model(
     device: str = "cpu",
     max_model_len: int | None = None,
     max_num_seqs: int = 1,
+    tensor_parallel_size: int = 1,
 ) -> ModelReport:
-    """Raises ValueError with the loader's reason for a checkpoint it refuses."""
+    """Raises ValueError with the loader's reason for a checkpoint it refuses (or for a tensor-parallel size
+    its heads or columns do not divide over, naming the field)."""
     import torch
 
     from chunkwise.engine.attention.torch_ref import TorchAttentionBackend
+    from chunkwise.engine.distributed import SINGLE_RANK, TPLayout
     from chunkwise.engine.hardware import cpu_has_bf16_matmul, resolve_dtype
     from chunkwise.engine.model.bundled import resolve_model_path
     from chunkwise.engine.model.layers import Linear
@@ -112,16 +129,27 @@ def inspect_model(
         # The ids that end generation: the config's and the tokenizer's (LoadedModel.eos_token_ids).
         eos = tuple(dict.fromkeys((*config.eos_token_ids, *tok.eos_token_ids)))
     choice = resolve_dtype(dtype, torch.device(device), checkpoint_dtype(name_or_path))
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config, TorchAttentionBackend())
-    shapes = hf_weight_names(model)
-    parameters = sum(int(torch.Size(slot.shape).numel()) for slot in shapes.values())
     elem = torch.empty((), dtype=choice.dtype).element_size()
-    weight_bytes = parameters * elem
-    if device == "cpu" and choice.dtype != torch.float32 and not cpu_has_bf16_matmul():
-        # Linear weights widened to float32 for the CPU's matmul library (model/layers.Linear).
-        linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, Linear))
-        weight_bytes += linear * (4 - elem)
+    widen = device == "cpu" and choice.dtype != torch.float32 and not cpu_has_bf16_matmul()
+
+    def weights(rank: TPGroup) -> int:
+        """The bytes of weights one rank holds (the whole model at world size 1)."""
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config, TorchAttentionBackend(), rank)
+        nbytes = sum(p.numel() for p in model.parameters()) * elem  # a tied head counted once
+        if widen:
+            # Linear weights widened to float32 for the CPU's matmul library (model/layers.Linear).
+            linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, Linear))
+            nbytes += linear * (4 - elem)
+        return nbytes
+
+    with torch.device("meta"):
+        whole = LlamaForCausalLM(config, TorchAttentionBackend())
+    parameters = sum(int(torch.Size(slot.shape).numel()) for slot in hf_weight_names(whole).values())
+    weight_bytes = weights(SINGLE_RANK)
+    if tensor_parallel_size > 1:
+        TPLayout.of(config, 0, tensor_parallel_size)  # sizes that do not divide: refused, naming the field
+        weight_bytes = max(weights(_ShapeRank(r, tensor_parallel_size)) for r in range(tensor_parallel_size))
     context = config.max_position_embeddings
     rope = {"rope_type": "default"} if config.rope_scaling is None else asdict(config.rope_scaling)
     return ModelReport(
@@ -141,11 +169,27 @@ def inspect_model(
         eos_token_ids=list(eos),
         tokenizer=tokenizer,
         chat_template=chat_template,
-        kv_bytes_per_token=kv_bytes_per_token(config, choice.dtype),
+        kv_bytes_per_token=kv_bytes_per_token(config, choice.dtype, tensor_parallel_size),
         weight_bytes=weight_bytes,
         max_model_len=min(max_model_len or context, context),
         max_num_seqs=max_num_seqs,
+        tensor_parallel_size=tensor_parallel_size,
     )
+
+
+class _ShapeRank:
+    """One of `world_size` ranks, for building a shard's model on the meta device: its layers take their
+    shapes from it; nothing runs, so its collectives are never called."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a shape-only rank runs no collective")
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        raise RuntimeError("a shape-only rank runs no collective")
 
 
 def add_inspect_args(p: argparse.ArgumentParser) -> None:
@@ -158,6 +202,12 @@ def add_inspect_args(p: argparse.ArgumentParser) -> None:
         "--max-model-len", type=int, default=None, help="context to size the KV cache for (the model's)"
     )
     p.add_argument("--max-num-seqs", type=int, default=1, help="requests of that length held at once (1)")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks the model is sharded over: the memory shown is each rank's (GPU's) (1)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -169,6 +219,7 @@ def run_inspect(args: argparse.Namespace) -> int:
             device=args.device,
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
     except (ValueError, OSError, json.JSONDecodeError) as e:
         print(f"chunkwise cannot serve {args.model}: {e}", file=sys.stderr)
