@@ -707,3 +707,35 @@ def test_mode_defaults_fill_only_what_was_not_given(parsed: Any) -> None:
     assert peer.parse_dtypes("float32, bfloat16,float32") == ["float32", "bfloat16"]
     with pytest.raises(ValueError, match="--dtype"):
         peer.parse_dtypes("fp8")
+
+
+def test_a_tensor_parallel_worker_splits_its_cpus_and_gives_one_ranks_tokens(
+    tiny_dir: Path, chunkwise_greedy: list[list[int]], tmp_path: Path
+) -> None:
+    from chunkwise.bench.peer_worker import split_cpus
+
+    assert split_cpus([0, 1, 2, 3], 2) == [[0, 1], [2, 3]] and split_cpus([5], 1) == [[5]]
+    with pytest.raises(ValueError, match="do not split evenly over 2"):
+        split_cpus([0, 1, 2], 2)
+    cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))[:2]))
+    items = [WorkItem(tuple(p), NEW_TOKENS) for p in PROMPTS]
+    workload = tmp_path / "w.jsonl"
+    save_jsonl(items, workload)
+    settings = PeerSettings(
+        model=str(tiny_dir),
+        cpus=cpus,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        tensor_parallel_size=2,
+    )
+    w = WorkerProcess("chunkwise", "float32", settings, tmp_path / "worker.log", start_timeout_s=120)
+    try:
+        assert w.run(workload).tokens == chunkwise_greedy
+    finally:
+        w.close()
+    assert w.proc.returncode == 0
+    with pytest.raises(SystemExit, match="applies to the throughput mode"):
+        main(["bench", "compare", "vllm", "--mode", "convoy", "--tensor-parallel-size", "2"])
+    with pytest.raises(SystemExit, match="do not split evenly over --tensor-parallel-size 2"):
+        main(["bench", "compare", "vllm", "--cpus", CPU, "--tensor-parallel-size", "2"])

@@ -199,6 +199,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     )
     vl.add_argument("--kv-cache-gib", type=positive_float, default=2.0, help="KV cache of each engine (2)")
     vl.add_argument(
+        "--tensor-parallel-size",
+        type=positive_int,
+        default=1,
+        help="ranks each engine shards the model over (throughput mode), the --cpus split evenly between "
+        "them (1)",
+    )
+    vl.add_argument(
         "--max-concurrency",
         type=positive_int,
         default=None,

@@ -61,6 +61,14 @@ def parse_cpus(text: str) -> list[int]:
     return sorted(cpus)
 
 
+def split_cpus(cpus: list[int], parts: int) -> list[list[int]]:
+    """`cpus` in `parts` consecutive equal shares, one per tensor-parallel rank."""
+    if parts < 1 or len(cpus) % parts:
+        raise ValueError(f"{len(cpus)} CPU(s) do not split evenly over {parts} rank(s)")
+    k = len(cpus) // parts
+    return [cpus[i * k : (i + 1) * k] for i in range(parts)]
+
+
 def take_stdout() -> TextIO:
     """The protocol stream: a private copy of fd 1, with fd 1 (and sys.stdout) sent to stderr from now on."""
     sys.stdout.flush()
@@ -104,6 +112,7 @@ def chunkwise_engine(args: argparse.Namespace, threads: int) -> tuple[Generate, 
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
@@ -123,7 +132,10 @@ def vllm_engine(args: argparse.Namespace, threads: int) -> tuple[Generate, dict[
     # vLLM reads these at import. The engine core runs in this process (no multiprocessing), so this
     # process's CPU time is all of the engine's, and its threads are bound to the same cores.
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{args.kv_cache_gib:g}"
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.cpus
+    # One CPU list per rank, "|" between them (vLLM's CPU worker binds rank r's threads to the r-th).
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+        ",".join(map(str, part)) for part in split_cpus(parse_cpus(args.cpus), args.tensor_parallel_size)
+    )
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
@@ -133,6 +145,7 @@ def vllm_engine(args: argparse.Namespace, threads: int) -> tuple[Generate, dict[
 
     llm = LLM(
         model=args.model,
+        tensor_parallel_size=args.tensor_parallel_size,
         skip_tokenizer_init=True,
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
@@ -217,6 +230,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="step token budget (1024)")
     p.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + output (2048)")
     p.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV cache size in GiB (2)")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks the model is sharded over, --cpus split (1)",
+    )
     return p.parse_args(argv)
 
 

@@ -270,3 +270,28 @@ def test_structured_outputs_and_static_batching_on_two_ranks(engine_args: dict[s
     one = _constrained(1, **engine_args)
     assert one[0][:2] == list(b"ab")  # the grammar did constrain
     assert _constrained(2, **engine_args) == one
+
+
+def test_each_rank_steps_on_its_own_share_of_the_cpus() -> None:
+    """Rank 0's stepping thread and each worker are pinned to consecutive equal shares of the CPUs this
+    process may use (all of them, shared, where there are fewer CPUs than ranks); rank 0's mask comes back at
+    close."""
+    import threading
+
+    tid = threading.get_native_id()
+    before = os.sched_getaffinity(tid)
+    cpus = sorted(before)
+    llm = LLM("tiny", dtype="float32", tensor_parallel_size=2)
+    try:
+        (pid,) = _ranks(llm).pids
+        if len(cpus) >= 2:
+            k = len(cpus) // 2
+            assert os.sched_getaffinity(tid) == set(cpus[:k])
+            assert os.sched_getaffinity(pid) == set(cpus[k:])
+        else:
+            assert os.sched_getaffinity(tid) == os.sched_getaffinity(pid) == before
+        sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        assert len(llm.generate([[5, 6, 7]], sp)[0].outputs[0].token_ids) == 3
+    finally:
+        llm.engine.close()
+    assert os.sched_getaffinity(tid) == before

@@ -87,6 +87,8 @@ class PeerSettings:
     max_num_batched_tokens: int = 1024
     max_model_len: int = 2048
     kv_cache_gib: float = 2.0
+    # Ranks each engine shards the model over, each on its own share of `cpus` (the throughput mode).
+    tensor_parallel_size: int = 1
     chunkwise_python: str = sys.executable
     vllm_python: str = sys.executable
 

@@ -158,6 +158,13 @@ def run_from_args(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"--cpus {args.cpus}: CPU(s) {sorted(set(cpus) - set(allowed))} not available (have {allowed})"
         )
+    if args.tensor_parallel_size > 1 and args.mode != "throughput":
+        raise SystemExit("--tensor-parallel-size applies to the throughput mode (chunkwise serves it too)")
+    if len(cpus) % args.tensor_parallel_size:
+        raise SystemExit(
+            f"--cpus {args.cpus}: {len(cpus)} CPU(s) do not split evenly over --tensor-parallel-size "
+            f"{args.tensor_parallel_size}"
+        )
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")
     if args.mode == "convoy" and args.workload != "convoy":
@@ -196,6 +203,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         kv_cache_gib=args.kv_cache_gib,
+        tensor_parallel_size=args.tensor_parallel_size,
         vllm_python=args.vllm_python,
     )
 

@@ -128,6 +128,7 @@ class WorkerProcess(_Process):
             *("--max-num-batched-tokens", str(settings.max_num_batched_tokens)),
             *("--max-model-len", str(settings.max_model_len)),
             *("--kv-cache-gib", str(settings.kv_cache_gib)),
+            *("--tensor-parallel-size", str(settings.tensor_parallel_size)),
         ]
         env = _vllm_env() if engine == "vllm" else _chunkwise_env()
         self._log = open(log_path, "wb")  # noqa: SIM115 (closed in close())

@@ -76,6 +76,16 @@ def check_sizes(config: EngineConfig) -> None:
         TPLayout.of(model_config, 0, config.tensor_parallel_size)
 
 
+def cpu_shares(n: int) -> list[list[int]]:
+    """The CPUs this process may use, in `n` consecutive equal shares (one per rank; the last gets any
+    remainder). Fewer CPUs than ranks: every rank shares them all, with one thread each."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < n:
+        return [cpus] * n
+    k = len(cpus) // n
+    return [cpus[i * k : (i + 1) * k] if i < n - 1 else cpus[i * k :] for i in range(n)]
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -92,6 +102,8 @@ class _State:
         self.error: str | None = None  # why the ranks were stopped, once they were
         self.group: ProcessGroupTP | None = None
         self.threads = 0  # rank 0's torch threads before the ranks split the cores (0: unchanged)
+        # Rank 0's stepping thread (its native id) and its CPUs before it was pinned to its share (None: not).
+        self.pinned: tuple[int, set[int]] | None = None
         self.lock = threading.Lock()
 
     def dead_message(self) -> str:
@@ -142,6 +154,10 @@ class _State:
             self.group = None
         if self.threads:
             torch.set_num_threads(self.threads)
+        if self.pinned is not None:
+            with contextlib.suppress(OSError):  # that thread may be gone
+                os.sched_setaffinity(*self.pinned)
+            self.pinned = None
 
 
 def _stop(state: _State) -> None:
@@ -166,12 +182,24 @@ class EngineRanks:
         conns: list[mpc.Connection] = []
         self._state = _State(procs, conns)
         self._finalizer = weakref.finalize(self, _stop, self._state)
-        threads = max(1, (os.cpu_count() or 1) // n)
+        shares = cpu_shares(n)
+        threads = max(1, len(os.sched_getaffinity(0)) // n)
         for rank in range(1, n):
             parent, child = ctx.Pipe()
             p = ctx.Process(
                 target=_worker_main,
-                args=(rank, n, init_method, child, config, dtype, threads, make_runner, os.getpid()),
+                args=(
+                    rank,
+                    n,
+                    init_method,
+                    child,
+                    config,
+                    dtype,
+                    shares[rank],
+                    threads,
+                    make_runner,
+                    os.getpid(),
+                ),
                 name=f"chunkwise-tp-rank{rank}",
                 daemon=True,
             )
@@ -182,6 +210,11 @@ class EngineRanks:
         log.info("tensor parallel: %d ranks, worker pids %s", n, [p.pid for p in procs])
         self._state.threads = torch.get_num_threads()
         torch.set_num_threads(threads)  # the ranks share this machine's cores (restored at stop)
+        # This thread steps rank 0 (the offline caller's; the server's engine thread is started from it and
+        # inherits the mask): on its own share, as each worker is, so no two ranks' threads share a core.
+        tid = threading.get_native_id()
+        self._state.pinned = (tid, os.sched_getaffinity(tid))
+        os.sched_setaffinity(tid, shares[0])
         try:
             self._state.group = self._join(init_method)
         except BaseException:
@@ -284,6 +317,7 @@ def _worker_main(
     conn: mpc.Connection,
     config: EngineConfig,
     dtype_name: str,
+    cpus: list[int],
     threads: int,
     make_runner: MakeRunner,
     parent: int,
@@ -296,6 +330,7 @@ def _worker_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
+    os.sched_setaffinity(0, cpus)
     torch.set_num_threads(threads)
     torch.manual_seed(config.seed)
     group = init_tp_group(rank, world_size, init_method=init_method, timeout_s=COLLECTIVE_TIMEOUT_S)
