@@ -41,9 +41,10 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("sampling", ["chunkwise.engine.sampling"]),
     ("model", ["chunkwise.engine.model"]),
     ("attention", ["chunkwise.engine.attention"]),
+    # Above the kernels: its shared-memory all-reduce is one of them.
+    ("distributed", ["chunkwise.engine.distributed"]),
     ("kernels", ["chunkwise.engine.kernels"]),
     ("tokenizer", ["chunkwise.engine.tokenizer"]),
-    ("distributed", ["chunkwise.engine.distributed"]),
     ("datatypes", ["chunkwise.engine.datatypes"]),
     ("hardware", ["chunkwise.engine.hardware"]),
     ("shared names", ["chunkwise.metric_names"]),

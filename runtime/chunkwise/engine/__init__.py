@@ -11,10 +11,10 @@ cache/       paged KV blocks: the pool, prefix hashing, per-request block tables
 sampling/    the batched sampler and structured outputs' token masks
 model/       Llama-family models, presets, the checkpoint loader, the bundled checkpoints
 attention/   one backend interface over paged KV: torch reference, CPU kernels, Triton
+distributed/ tensor parallelism's group of ranks (all_reduce, all_gather; none at world size 1; on CPU a
+             shared-memory all-reduce) and what each rank holds of a model (heads, KV heads, MLP columns, vocabulary)
 kernels/     the C++ CPU kernels, built once per machine
 tokenizer/   byte-level and Hugging Face tokenizers, incremental detokenization
-distributed/ tensor parallelism's group of ranks (all_reduce, all_gather; none at world size 1) and what
-             each rank holds of a model (its heads, KV heads, MLP columns, vocabulary rows)
 datatypes/   what crosses layers: Request, SamplingParams, outputs, config dataclasses
 hardware.py  the CPU's kernel and dtype level (CHUNKWISE_CPU_ISA), below everything that chooses by it
 

@@ -13,6 +13,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from chunkwise.engine.distributed.shm import ShmAllReduce
+
 
 class TPGroup(Protocol):
     """What a sharded layer sees of its ranks."""
@@ -56,8 +58,12 @@ def backend_for(device: torch.device) -> str:
 class ProcessGroupTP:
     """The collectives over a torch.distributed process group (None: the default group)."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, timeout_s: float = 300.0) -> None:
         self.group = group
+        self.timeout_s = timeout_s
+        # CPU: the shared-memory all-reduce, set up by the first all-reduce (a collective, so every rank sets
+        # it up at the same point); None: gloo's (or NCCL's), False: not yet asked.
+        self._shm: ShmAllReduce | bool | None = False
         self._rank = dist.get_rank(group)
         self._world_size = dist.get_world_size(group)
 
@@ -76,6 +82,11 @@ class ProcessGroupTP:
             return x
         if not x.is_contiguous():
             x = x.contiguous()
+        if self._shm is False:
+            self._shm = ShmAllReduce.create(self.group, self.timeout_s) if x.device.type == "cpu" else None
+        # Every rank has the same shape and dtype, so every rank takes the same path.
+        if isinstance(self._shm, ShmAllReduce) and self._shm.fits(x):
+            return self._shm.all_reduce(x)
         dist.all_reduce(x, group=self.group)
         return x
 
@@ -112,4 +123,4 @@ def init_tp_group(
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
-    return ProcessGroupTP()
+    return ProcessGroupTP(timeout_s=timeout_s)

@@ -32,10 +32,11 @@ log = logging.getLogger(__name__)
 
 # cpu_ops.cpp: decode attention, norms, rotary, activations, small-row linears, sampling; on AVX512-BF16 (an
 # empty op or a declined call elsewhere) prefill_attention.cpp, bf16 prefill attention, and
-# paged_attention_bf16.cpp, the bf16 case of cpu_ops.cpp's decode attention.
+# paged_attention_bf16.cpp, the bf16 case of cpu_ops.cpp's decode attention; shm_all_reduce.cpp, tensor
+# parallel's all-reduce between processes on one machine.
 SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("cpu_ops.cpp", "prefill_attention.cpp", "paged_attention_bf16.cpp")
+    for name in ("cpu_ops.cpp", "prefill_attention.cpp", "paged_attention_bf16.cpp", "shm_all_reduce.cpp")
 )
 # Included by the sources: part of what a build is keyed by.
 HEADERS = (Path(__file__).parent / "csrc" / "avx512_math.h",)
