@@ -79,3 +79,26 @@ def test_a_rank_that_does_not_arrive_is_named_after_the_timeout(tmp_path: Path) 
     assert (tmp_path / "rank1-away").exists()
     message = (tmp_path / "rank0-error").read_text()
     assert "rank 0 waited 2.0" in message and "for rank 1 at call 2" in message
+
+
+def _aborted_while_waiting(group: ProcessGroupTP, out: Path) -> None:
+    import threading
+    import time
+
+    shm = ShmAllReduce.create(group.group, timeout_s=60.0)
+    assert shm is not None
+    if group.rank == 1:
+        return  # never arrives: rank 0 waits until its abort
+    threading.Timer(0.5, shm.abort).start()
+    t0 = time.monotonic()
+    try:
+        shm.all_reduce(torch.ones(8))
+    except RuntimeError as e:
+        (out / "rank0-error").write_text(f"{time.monotonic() - t0:.2f} {e}")
+
+
+def test_an_abort_ends_the_wait_at_once_not_at_the_timeout(tmp_path: Path) -> None:
+    run_ranks(_aborted_while_waiting, 2, tmp_path, timeout_s=60.0)
+    seconds, message = (tmp_path / "rank0-error").read_text().split(" ", 1)
+    assert "aborted while rank 0 waited for rank 1 (a rank died)" in message
+    assert float(seconds) < 10.0  # the timeout was 60 s

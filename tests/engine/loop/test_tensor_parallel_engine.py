@@ -167,6 +167,25 @@ def test_killed_worker_fails_the_next_step_naming_it() -> None:
         llm.engine.close()
 
 
+def test_a_worker_killed_mid_step_fails_the_step_at_once() -> None:
+    """Rank 0 waits for the dead rank inside a step's all-reduce: its watcher aborts the wait, so the step
+    fails within moments, not after the collective timeout (30 s here)."""
+    import threading
+
+    llm = LLM("tiny", dtype="float32", tensor_parallel_size=2)
+    try:
+        (pid,) = _ranks(llm).pids
+        threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
+        sp = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=rf"rank 1 \(pid {pid}\) died \(killed by signal 9\)"):
+            llm.generate([[5, 6, 7]] * 8, sp)  # far longer than a second
+        assert time.monotonic() - t0 < 15.0
+        assert _gone([pid])
+    finally:
+        llm.engine.close()
+
+
 def test_closed_or_dropped_engine_leaves_no_process() -> None:
     llm = LLM("tiny", dtype="float32", tensor_parallel_size=2)
     pids = _ranks(llm).pids

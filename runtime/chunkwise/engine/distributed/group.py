@@ -97,6 +97,12 @@ class ProcessGroupTP:
             dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=dim)
 
+    def abort(self) -> None:
+        """A rank died: every rank waiting in (or later entering) a shared-memory all-reduce raises at once
+        rather than at the timeout. gloo's collectives fail on their own once the peer's socket closes."""
+        if isinstance(self._shm, ShmAllReduce):
+            self._shm.abort()
+
     def destroy(self) -> None:
         """Leave the group (the default one: the process's torch.distributed state with it)."""
         dist.destroy_process_group(self.group)

@@ -42,7 +42,10 @@ class ShmAllReduce:
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
-        self.slot_bytes = (segment.numel() - world_size * COUNTER_BYTES) // (2 * world_size) // 64 * 64
+        header = (world_size + 1) * COUNTER_BYTES
+        self.slot_bytes = (segment.numel() - header) // (2 * world_size) // 64 * 64
+        # The abort word (csrc/shm_all_reduce.cpp): non-zero ends every rank's wait with an error.
+        self._abort = segment[world_size * COUNTER_BYTES : world_size * COUNTER_BYTES + 8].view(torch.int64)
         self._seq = 0
 
     def fits(self, x: torch.Tensor) -> bool:
@@ -60,13 +63,19 @@ class ShmAllReduce:
         )
         return x
 
+    def abort(self) -> None:
+        """End every rank's current and future waits with an error: a rank died, and those waiting for it
+        would otherwise spin until the timeout. Safe from any thread."""
+        with torch.inference_mode():  # the segment was mapped inside a forward's inference mode
+            self._abort.fill_(1)
+
     @classmethod
     def create(
         cls, group: dist.ProcessGroup | None, timeout_s: float, slot_bytes: int = SLOT_BYTES
     ) -> ShmAllReduce | None:
         """Collective over `group`: the segment every rank mapped, or None (gloo stays) with the reason logged."""
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        nbytes = world * COUNTER_BYTES + 2 * world * slot_bytes
+        nbytes = (world + 1) * COUNTER_BYTES + 2 * world * slot_bytes
         path = [str(_segment_dir() / f"chunkwise-tp-{uuid.uuid4().hex}") if rank == 0 else ""]
         why = ""
         if rank == 0:

@@ -127,6 +127,8 @@ class _State:
                 rank = pending.pop(sentinel)  # type: ignore[arg-type]
                 if self.error is None and self.dead is None:
                     self.dead = rank
+                    if self.group is not None:
+                        self.group.abort()  # a step waiting in an all-reduce for it fails now
                     log.error("%s", self.dead_message())
 
     def stop(self, why: str) -> None:

@@ -3,7 +3,8 @@
 // (0.5-0.7 ms for 64-128 KB here, twice per layer); this one is two memory copies and a spin on a counter.
 //
 // The segment (a uint8 tensor every rank maps): `world` counters of 64 bytes each (one cache line per rank),
-// then two banks of `world` slots. Call `seq` (1, 2, ...: the same on every rank) uses bank seq % 2:
+// an abort word on a line of its own (set by whoever learns that a rank died: the waits end at once), then
+// two banks of `world` slots. Call `seq` (1, 2, ...: the same on every rank) uses bank seq % 2:
 //   1. copy x into this rank's slot of that bank, then publish seq in this rank's counter (release);
 //   2. wait until every counter reaches seq (acquire);
 //   3. x = the sum of the bank's slots in rank order, so every rank computes the same bits.
@@ -65,11 +66,13 @@ void shm_all_reduce(at::Tensor& x, const at::Tensor& segment, int64_t rank, int6
   TORCH_CHECK(x.is_contiguous() && x.device().is_cpu(), "shm_all_reduce: x must be a contiguous CPU tensor");
   TORCH_CHECK(segment.scalar_type() == at::kByte && segment.is_contiguous(), "shm_all_reduce: a uint8 segment");
   TORCH_CHECK(world >= 1 && rank >= 0 && rank < world && seq >= 1, "shm_all_reduce: bad rank, world or seq");
-  const int64_t slot_bytes = (segment.numel() - world * kCounterBytes) / (2 * world) / 64 * 64;
+  const int64_t header = (world + 1) * kCounterBytes;
+  const int64_t slot_bytes = (segment.numel() - header) / (2 * world) / 64 * 64;
   const int64_t nbytes = x.numel() * x.element_size();
   TORCH_CHECK(nbytes <= slot_bytes, "shm_all_reduce: ", nbytes, " bytes do not fit a slot of ", slot_bytes);
   uint8_t* base = segment.data_ptr<uint8_t>();
-  uint8_t* bank = base + world * kCounterBytes + (seq % 2) * world * slot_bytes;
+  uint8_t* bank = base + header + (seq % 2) * world * slot_bytes;
+  auto* aborted = counter(base, world);
 
   std::memcpy(bank + rank * slot_bytes, x.data_ptr(), nbytes);
   counter(base, rank)->store(seq, std::memory_order_release);
@@ -79,7 +82,13 @@ void shm_all_reduce(at::Tensor& x, const at::Tensor& segment, int64_t rank, int6
     auto* c = counter(base, peer);
     for (int64_t spins = 1; c->load(std::memory_order_acquire) < seq; ++spins) {
       CW_PAUSE();
-      if (spins % 256 == 0) sched_yield();  // more ranks than cores: let the one we wait for run
+      if (spins % 256 == 0) {
+        sched_yield();  // more ranks than cores: let the one we wait for run
+        if (aborted->load(std::memory_order_relaxed) != 0) {
+          throw std::runtime_error("shared-memory all-reduce: aborted while rank " + std::to_string(rank) +
+                                   " waited for rank " + std::to_string(peer) + " (a rank died)");
+        }
+      }
       if (spins % 4096 == 0 && std::chrono::steady_clock::now() > deadline) {
         throw std::runtime_error("shared-memory all-reduce: rank " + std::to_string(rank) + " waited " +
                                  std::to_string(timeout_s) + " s for rank " + std::to_string(peer) +
