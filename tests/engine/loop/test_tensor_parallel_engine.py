@@ -250,11 +250,38 @@ def test_sizes_that_do_not_divide_are_refused_before_any_process_starts(
 def test_what_tensor_parallel_does_not_run_yet_is_refused() -> None:
     with pytest.raises(ValueError, match=r"on cuda the NCCL path is untested .*issue 33"):
         engine_config_from_kwargs("tiny", device="cuda", tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="speculative_method='draft' is not supported yet"):
-        engine_config_from_kwargs(
-            "tiny", tensor_parallel_size=2, speculative_method="draft", speculative_model="tiny"
-        )
     assert multiprocessing.active_children() == []
+
+
+def _drafted(tp: int) -> tuple[list[list[int]], int]:
+    llm = LLM(
+        "tiny",
+        dtype="float32",
+        tensor_parallel_size=tp,
+        speculative_method="draft",
+        speculative_model="tiny",
+        num_speculative_tokens=3,
+        max_num_batched_tokens=32,
+        block_size=4,
+    )
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0.8, seed=7, ignore_eos=True),
+    ]
+    try:
+        outs = llm.generate([[5, 6, 7, 8, 5, 6, 7, 8], [9, 10, 11]], params)
+        accepted = llm.engine.scheduler.stats.spec_num_accepted_tokens
+    finally:
+        llm.engine.close()
+    return [o.outputs[0].token_ids for o in outs], accepted
+
+
+def test_a_draft_model_proposes_on_rank_0_and_every_rank_verifies() -> None:
+    """The draft model runs whole on rank 0 (its proposals travel in the step message); the target's
+    verification rows run sharded on every rank. Greedy and seeded rows equal one rank's."""
+    two, accepted = _drafted(2)
+    assert accepted > 0
+    assert two == _drafted(1)[0]
 
 
 def _constrained(tp: int, **engine_args: object) -> list[list[int]]:

@@ -327,11 +327,6 @@ class EngineConfig:
                     f"tensor_parallel_size {self.tensor_parallel_size} runs on CPU (gloo) only: on "
                     f"{self.device} the NCCL path is untested (no multi-GPU machine yet; issue 33)"
                 )
-            if self.spec.method == "draft":
-                raise ValueError(
-                    "tensor_parallel_size > 1 with speculative_method='draft' is not supported yet (the "
-                    "draft model is not sharded; issue 33): use speculative_method='ngram' or one rank"
-                )
 
 
 @dataclass(frozen=True)
