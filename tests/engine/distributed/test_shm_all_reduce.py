@@ -102,3 +102,31 @@ def test_an_abort_ends_the_wait_at_once_not_at_the_timeout(tmp_path: Path) -> No
     seconds, message = (tmp_path / "rank0-error").read_text().split(" ", 1)
     assert "aborted while rank 0 waited for rank 1 (a rank died)" in message
     assert float(seconds) < 10.0  # the timeout was 60 s
+
+
+def _gathers(group: ProcessGroupTP, out: Path) -> None:
+    rank = group.rank
+    group.all_reduce(torch.ones(4))  # sets the segment up
+    results = []
+    for call in range(12):
+        x = torch.full((3 + call, 5), float(10 * rank + call))
+        if call % 2:
+            results.append(group.all_reduce(x.clone()))  # sums and gathers share the banks' alternation
+        results.append(group.all_gather(x, dim=-1 if call % 3 else 0))
+    assert isinstance(group._shm, ShmAllReduce)
+    torch.save(results, out / f"rank{rank}.pt")
+
+
+def test_all_gather_concatenates_every_ranks_part_in_rank_order(tmp_path: Path) -> None:
+    run_ranks(_gathers, 3, tmp_path, timeout_s=120.0)
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
+    expected = []
+    for call in range(12):
+        parts = [torch.full((3 + call, 5), float(10 * r + call)) for r in range(3)]
+        if call % 2:
+            expected.append(sum(parts[1:], parts[0]))
+        expected.append(torch.cat(parts, dim=-1 if call % 3 else 0))
+    for r in range(3):
+        assert len(got[r]) == len(expected)
+        for g, e in zip(got[r], expected):
+            assert torch.equal(g, e)

@@ -321,12 +321,11 @@ class EngineConfig:
                 f"pipeline_parallel_size {self.pipeline_parallel_size}: pipeline parallel is not built yet "
                 "(issue 33)"
             )
-        if self.tensor_parallel_size > 1:
-            if not self.device.startswith("cpu"):
-                raise ValueError(
-                    f"tensor_parallel_size {self.tensor_parallel_size} runs on CPU (gloo) only: on "
-                    f"{self.device} the NCCL path is untested (no multi-GPU machine yet; issue 33)"
-                )
+        if self.tensor_parallel_size > 1 and not self.device.startswith("cpu"):
+            raise ValueError(
+                f"tensor_parallel_size {self.tensor_parallel_size} runs on CPU (gloo) only: on "
+                f"{self.device} the NCCL path is untested (no multi-GPU machine yet; issue 33)"
+            )
 
 
 @dataclass(frozen=True)

@@ -42,11 +42,12 @@ class ShmAllReduce:
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
-        header = (world_size + 1) * COUNTER_BYTES
+        self.header = header = (world_size + 1) * COUNTER_BYTES
         self.slot_bytes = (segment.numel() - header) // (2 * world_size) // 64 * 64
         # The abort word (csrc/shm_all_reduce.cpp): non-zero ends every rank's wait with an error.
         self._abort = segment[world_size * COUNTER_BYTES : world_size * COUNTER_BYTES + 8].view(torch.int64)
         self._seq = 0
+        self._barrier_arg = torch.empty(0)  # an all-reduce of nothing: publish, then wait for every rank
 
     def fits(self, x: torch.Tensor) -> bool:
         return (
@@ -62,6 +63,25 @@ class ShmAllReduce:
             x, self.segment, self.rank, self.world_size, self._seq, self.timeout_s
         )
         return x
+
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's `x` (each the same shape, `fits`) concatenated along `dim` in rank order: each rank
+        writes its slot of the call's bank, then the op's publish-and-wait with nothing to sum is the barrier
+        after which every slot is read. The same two-bank rule as the sum's makes reuse safe."""
+        self._seq += 1
+        bank = self.header + (self._seq % 2) * self.world_size * self.slot_bytes
+        nbytes = x.numel() * x.element_size()
+        with torch.inference_mode():  # the segment may have been mapped inside a forward's inference mode
+
+            def slot(r: int) -> torch.Tensor:
+                start = bank + r * self.slot_bytes
+                return self.segment[start : start + nbytes].view(x.dtype).view(x.shape)
+
+            slot(self.rank).copy_(x)
+            torch.ops.chunkwise.shm_all_reduce(
+                self._barrier_arg, self.segment, self.rank, self.world_size, self._seq, self.timeout_s
+            )
+            return torch.cat([slot(r) for r in range(self.world_size)], dim=dim)
 
     def abort(self) -> None:
         """End every rank's current and future waits with an error: a rank died, and those waiting for it
