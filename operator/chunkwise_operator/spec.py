@@ -34,6 +34,11 @@ URI_SCHEMES = ("hf", "s3", "gs", "http", "https", "pvc")
 # asked to move (reconcile.UPGRADE_RUNTIME_ANNOTATION; docs/operator.md, "Upgrading").
 DEFAULT_IMAGE = "chunkwise/runtime:0.1.0"
 DEFAULT_SHM_SIZE = "1Gi"
+# /dev/shm per tensor-parallel rank on a GPU pod of several ranks or of a pipeline group, when spec.pod.shmSize
+# is not given: NCCL's shared-memory transport and torch's shared tensors live there. LeaderWorkerSet's vLLM
+# example gives 15Gi to an 8-GPU pod; 2Gi a rank is as much. A cap, not a reservation: only what is written
+# counts against the memory limit.
+GPU_SHM_PER_RANK_GIB = 2
 GIB = 2**30
 # The extended resource a GPU replica asks for; AMD (amd.com/gpu) and MIG slices (nvidia.com/mig-1g.10gb)
 # are other names for the same one device the engine drives with --device cuda (ROCm's torch calls it cuda).
@@ -280,6 +285,7 @@ class PodOverrides:
     topology_spread_constraints: tuple[Mapping[str, Any], ...] = ()
     volumes: tuple[Mapping[str, Any], ...] = ()
     volume_mounts: tuple[Mapping[str, Any], ...] = ()
+    # Resolved by parse(): DEFAULT_SHM_SIZE, or default_shm_size's for a multi-rank GPU pod.
     shm_size: str = DEFAULT_SHM_SIZE
     # A RuntimeClass for the runtime pods (e.g. `nvidia` where the NVIDIA container runtime is not the
     # node's default).
@@ -624,6 +630,13 @@ def default_memory(gpu: int, model_bytes: int | None) -> str:
     return f"{math.ceil((model_bytes + GPU_MEMORY_HEADROOM) / GIB)}Gi"
 
 
+def default_shm_size(gpu: int, engine: EngineSpec) -> str:
+    """spec.pod.shmSize when the spec leaves it out (see GPU_SHM_PER_RANK_GIB)."""
+    if gpu and (engine.tensor_parallel_size > 1 or engine.pipeline_parallel_size > 1):
+        return f"{GPU_SHM_PER_RANK_GIB * engine.tensor_parallel_size}Gi"
+    return DEFAULT_SHM_SIZE
+
+
 def default_cache_size(model: ModelSpec, gpu: int) -> str:
     """The per-pod model cache's sizeLimit (and ephemeral-storage request) when the spec leaves it out."""
     if model.size_bytes is None:
@@ -863,7 +876,7 @@ def _gateway(spec: Mapping[str, Any], router: RouterSpec) -> GatewaySpec:
     return result
 
 
-def _pod(spec: Mapping[str, Any]) -> PodOverrides:
+def _pod(spec: Mapping[str, Any], default_shm: str = DEFAULT_SHM_SIZE) -> PodOverrides:
     reason = "InvalidPodOverrides"
     p = "spec.pod."
     data = _section(spec, "pod", "spec.", reason)
@@ -961,7 +974,7 @@ def _pod(spec: Mapping[str, Any]) -> PodOverrides:
         ),
         volumes=tuple(_frozen(v) for v in volumes),
         volume_mounts=tuple(_frozen(m) for m in mounts),
-        shm_size=_quantity(data, "shmSize", p, reason, DEFAULT_SHM_SIZE),
+        shm_size=_quantity(data, "shmSize", p, reason, default_shm),
         runtime_class_name=_str(
             data, "runtimeClassName", p, reason, None, pattern=DNS_SUBDOMAIN_PATTERN, max_length=253
         ),
@@ -1025,7 +1038,7 @@ def parse(spec: Mapping[str, Any] | None, pinned_image: str | None = None) -> Se
         autoscaling=autoscaling,
         router=router,
         gateway=_gateway(spec, router),
-        pod=_pod(spec),
+        pod=_pod(spec, default_shm_size(resources.gpu, engine)),
     )
 
 

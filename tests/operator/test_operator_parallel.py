@@ -83,10 +83,33 @@ def test_gpu_n_is_tensor_parallel_n_unless_the_spec_says_otherwise(
     kubernetes_validate.validate(dep, "1.30.0", strict=True)
 
 
+@pytest.mark.parametrize(
+    ("resources", "engine", "pod", "size"),
+    [
+        ({"gpu": 4}, {}, {}, "8Gi"),  # 2Gi a rank
+        ({"gpu": 4}, {"tensorParallelSize": 2}, {}, "4Gi"),
+        ({"gpu": 1}, {"pipelineParallelSize": 2}, {}, "2Gi"),  # a pipeline stage of one rank
+        ({"gpu": 1}, {}, {}, "1Gi"),
+        ({"gpu": 0}, {"tensorParallelSize": 4}, {}, "1Gi"),  # gloo on CPU: no NCCL
+        ({"gpu": 4}, {}, {"shmSize": "512Mi"}, "512Mi"),  # the spec's own wins
+    ],
+)
+def test_shared_memory_grows_with_the_ranks_of_a_gpu_pod(
+    resources: dict[str, Any], engine: dict[str, Any], pod: dict[str, Any], size: str
+) -> None:
+    data = with_(TINY, resources=resources, engine=engine, pod=pod)
+    assert crd_errors(data) == []
+    template = manifests.runtime_workload("s", "ml", parse(data))["spec"]
+    template = template.get("template") or template["leaderWorkerTemplate"]["leaderTemplate"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": size}} in template["spec"][
+        "volumes"
+    ]
+
+
 def test_a_multi_gpu_deployment_gets_shared_memory_for_nccl() -> None:
     dep = manifests.runtime_deployment("s", "ml", parse(with_(TINY, resources={"gpu": 4})))
     pod = dep["spec"]["template"]["spec"]
-    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}} in pod["volumes"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}} in pod["volumes"]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in engine_of(dep["spec"]["template"])["volumeMounts"]
     # Replaced in place: a surge pod would need 4 more free GPUs.
     assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
@@ -258,11 +281,10 @@ def test_the_leader_worker_set_exactly() -> None:
         k: v for k, v in leader["spec"].items() if k != "containers"
     }
     assert "annotations" not in worker["metadata"]
-    # /dev/shm on every pod of the group: NCCL between a pod's ranks, torch's shared tensors.
+    # /dev/shm on every pod of the group, 2Gi for each of its 2 ranks: NCCL between them, torch's tensors.
+    dshm = {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "4Gi"}}
     for template in (leader, worker):
-        assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}} in template["spec"][
-            "volumes"
-        ]
+        assert dshm in template["spec"]["volumes"]
         assert {"name": "dshm", "mountPath": "/dev/shm"} in engine_of(template)["volumeMounts"]
         assert restricted_violations(template["spec"]) == []
         # The pod templates as Kubernetes 1.30 reads them (kubernetes-validate knows no LeaderWorkerSet).
