@@ -61,8 +61,9 @@ LWS_VERSION = "v1"
 LWS_API_VERSION = f"{LWS_GROUP}/{LWS_VERSION}"
 LWS_KIND = "LeaderWorkerSet"
 LWS_PLURAL = "leaderworkersets"
-# The release whose install the status names when the API is missing; its v1 fields used here are those of
-# every release since v0.3.0.
+# The release whose install the status names when the API is missing. The v1 fields used here (size,
+# restartPolicy, leaderTemplate, workerTemplate, startupPolicy, rolloutStrategy's maxUnavailable and
+# maxSurge) are in its API (api/leaderworkerset/v1/leaderworkerset_types.go); older releases may lack some.
 LWS_RELEASE = "v0.7.0"
 LWS_INSTALL_HINT = (
     f"kubectl apply --server-side -f https://github.com/kubernetes-sigs/lws/releases/download/{LWS_RELEASE}/"

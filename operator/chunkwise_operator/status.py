@@ -184,8 +184,8 @@ def _seen(deployment: Mapping[str, Any]) -> bool:
     """The Deployment controller has seen the latest template: its counts and conditions are about it.
 
     A LeaderWorkerSet (the runtime with pipeline stages) is read through the same counts (spec.replicas,
-    status.replicas, readyReplicas, updatedReplicas: groups); LWS releases before v0.6 publish no
-    observedGeneration, and there its counts are taken as they are.
+    status.replicas, readyReplicas, updatedReplicas: groups); observedGeneration is optional in its status
+    (a release or a moment may leave it out), and without it the counts are taken as they are.
     """
     generation = (deployment.get("metadata") or {}).get("generation")
     observed = (deployment.get("status") or {}).get("observedGeneration")
