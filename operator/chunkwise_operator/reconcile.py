@@ -443,6 +443,10 @@ class Reconciler:
 
         previous = current.get("status") or {}
         pods = self.kube.list_pods(namespace, manifests.match_labels(name, manifests.RUNTIME))
+        if isinstance(parsed, ServiceSpec) and manifests.pipeline_parallel(parsed):
+            # A stage worker that cannot start keeps its whole group unready: why counts as much as a
+            # leader's (only the status reads workers; the scrape and every selector see leaders only).
+            pods += self.kube.list_pods(namespace, manifests.match_labels(name, manifests.RUNTIME_WORKER))
         new = status.compute_status(
             name=name,
             namespace=namespace,

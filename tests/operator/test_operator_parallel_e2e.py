@@ -236,3 +236,43 @@ async def test_without_the_lws_crd_the_service_says_what_to_install_and_creates_
             lambda: "Created LeaderWorkerSet chat" in events(cluster, "Created"), what="the event"
         )
         assert operator.failures() == []
+
+
+async def test_a_stage_worker_that_cannot_start_reaches_the_status(
+    fast_status: None, cluster: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker pod (no HTTP, not selected by the Service) that crash-loops holds its group unready: the
+    status names it, as it would a leader."""
+    async with running_operator(cluster, caplog):
+        await cluster.create_isvc("chat", PIPELINE)
+        await eventually(lambda: lws(cluster), what="the LeaderWorkerSet")
+        worker = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "chat-0-1", "labels": manifests.labels("chat", manifests.RUNTIME_WORKER)},
+            "status": {
+                "phase": "Running",
+                "containerStatuses": [
+                    {
+                        "name": "engine",
+                        "image": "chunkwise:dev",
+                        "imageID": "",
+                        "ready": False,
+                        "restartCount": 4,
+                        "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 1m0s"}},
+                        "lastState": {
+                            "terminated": {
+                                "exitCode": 1,
+                                "reason": "Error",
+                                "message": "rendezvous timed out",
+                            }
+                        },
+                    }
+                ],
+            },
+        }
+        await asyncio.to_thread(cluster.create_pod, worker)
+        await eventually(lambda: reason(cluster, "Ready") == ("False", "EngineFailing"), what="Ready")
+        message = (condition(cluster, "Ready") or {})["message"]
+        assert "chat-0-1" in message and "rendezvous timed out" in message
+        assert reason(cluster, "Degraded") == ("True", "EngineFailing")
