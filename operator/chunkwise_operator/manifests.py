@@ -645,16 +645,29 @@ def runtime_service(name: str, namespace: str) -> Manifest:
     }
 
 
-def pod_disruption_budget(name: str, namespace: str, component: str = RUNTIME) -> Manifest:
+def pod_disruption_budget(
+    name: str, namespace: str, component: str = RUNTIME, groups: bool = False
+) -> Manifest:
     """One pod of the component evicted at a time (the runtime's, or with ROUTER the router's).
 
-    maxUnavailable rather than minAvailable: a one-replica service must still let nodes drain.
+    maxUnavailable rather than minAvailable: a one-replica service must still let nodes drain. With `groups`
+    (the runtime is a LeaderWorkerSet) the budget covers the stage workers too: evicting any pod of a group
+    restarts the whole group (RecreateGroupOnPodRestart), so a worker counts as much as its leader, and one
+    pod at a time keeps a drain from taking down two groups at once.
     """
+    selector: Manifest = {"matchLabels": match_labels(name, component)}
+    if groups:
+        selector = {
+            "matchLabels": {LABEL_SERVICE: name},
+            "matchExpressions": [
+                {"key": LABEL_COMPONENT, "operator": "In", "values": [RUNTIME, RUNTIME_WORKER]}
+            ],
+        }
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": _metadata(name, namespace, component),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": match_labels(name, component)}},
+        "spec": {"maxUnavailable": 1, "selector": selector},
     }
 
 
@@ -812,7 +825,7 @@ def children(name: str, namespace: str, spec: ServiceSpec) -> list[Manifest]:
     result = [
         runtime_workload(name, namespace, spec),
         runtime_service(name, namespace),
-        pod_disruption_budget(name, namespace),
+        pod_disruption_budget(name, namespace, groups=pipeline_parallel(spec)),
     ]
     if spec.router.enabled:
         result += [

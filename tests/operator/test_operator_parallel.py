@@ -307,7 +307,6 @@ def test_only_leaders_are_selected_by_the_service_the_router_the_pool_and_scale(
     children = {(c["kind"], c["metadata"]["name"]): c for c in manifests.children("llm", "ml", parsed)}
     selectors = {
         "Service": children["Service", "llm"]["spec"]["selector"],
-        "PodDisruptionBudget": children["PodDisruptionBudget", "llm"]["spec"]["selector"]["matchLabels"],
         "InferencePool": children["InferencePool", "llm"]["spec"]["selector"]["matchLabels"],
         # /scale's status.selector (HPA, KEDA) and the pods the autoscaler and the status read.
         "scale": dict(kv.split("=") for kv in manifests.selector_string("llm").split(",")),
@@ -317,6 +316,26 @@ def test_only_leaders_are_selected_by_the_service_the_router_the_pool_and_scale(
         assert not selects(selector, worker_labels), what
     assert worker_labels["app.kubernetes.io/component"] == "runtime-worker"
     assert worker_labels["app.kubernetes.io/managed-by"] == "chunkwise-operator"
+
+    # The disruption budget is the exception: evicting a worker restarts its group as a leader would.
+    budget = children["PodDisruptionBudget", "llm"]
+    kubernetes_validate.validate(budget, "1.30.0", strict=True)
+    assert budget["spec"]["maxUnavailable"] == 1
+
+    def matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+        return selects(selector.get("matchLabels", {}), labels) and all(
+            labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", [])
+        )
+
+    assert matches(budget["spec"]["selector"], leader_labels)
+    assert matches(budget["spec"]["selector"], worker_labels)
+    # ...and only this service's pods: not another service's group, not its router.
+    other = manifests.runtime_leader_worker_set("llm2", "ml", parsed)["spec"]["leaderWorkerTemplate"]
+    assert not matches(budget["spec"]["selector"], other["workerTemplate"]["metadata"]["labels"])
+    assert not matches(budget["spec"]["selector"], manifests.labels("llm", manifests.ROUTER))
+    # A one-stage service keeps the budget it always had.
+    one = parse(with_(PIPELINE, engine={}))
+    assert manifests.children("llm", "ml", one)[2] == manifests.pod_disruption_budget("llm", "ml")
 
 
 def test_a_cpu_group_surges_and_a_one_stage_service_keeps_its_deployment() -> None:
