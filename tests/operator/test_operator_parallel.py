@@ -364,6 +364,34 @@ def test_a_fetched_model_is_fetched_by_every_stage() -> None:
         assert fetch["args"][:2] == ["fetch-model", "hf://org/m"]
 
 
+def test_the_pipeline_network_policy_admits_a_groups_pods_to_each_other_and_nothing_else() -> None:
+    (policy,) = yaml.safe_load_all(
+        (ROOT / "manifests" / "examples" / "pipeline-networkpolicy.yaml").read_text()
+    )
+    kubernetes_validate.validate(policy, "1.30.0", strict=True)
+    group = manifests.runtime_leader_worker_set("llm", "ml", parse(PIPELINE))["spec"]["leaderWorkerTemplate"]
+    leader = group["leaderTemplate"]["metadata"]["labels"]
+    worker = group["workerTemplate"]["metadata"]["labels"]
+    router = manifests.labels("llm", manifests.ROUTER)
+
+    def matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+        wanted = selector.get("matchLabels", {}).items() <= labels.items()
+        return wanted and all(
+            labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", [])
+        )
+
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"]
+    assert matches(spec["podSelector"], leader) and matches(spec["podSelector"], worker)
+    assert not matches(spec["podSelector"], router)
+    (rule,) = spec["ingress"]
+    assert "ports" not in rule  # torch.distributed picks ports beyond the rendezvous one
+    (peer,) = rule["from"]
+    assert set(peer) == {"podSelector"}  # this namespace only
+    assert matches(peer["podSelector"], leader) and matches(peer["podSelector"], worker)
+    assert not matches(peer["podSelector"], router)
+
+
 # ------------------------------------------------------------------------------------------------- render
 
 

@@ -58,6 +58,7 @@ def test_the_expected_files_exist() -> None:
         "manifests/examples/hpa.yaml",
         "manifests/examples/keda-scaledobject.yaml",
         "manifests/examples/metrics-networkpolicy.yaml",
+        "manifests/examples/pipeline-networkpolicy.yaml",
         "manifests/examples/pipeline-service.yaml",
         "manifests/examples/service.yaml",
         "manifests/kustomization.yaml",
