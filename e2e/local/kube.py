@@ -20,6 +20,8 @@ import kmock as km
 VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
 # Declared by default; a test of a cluster without GAIE's CRDs deletes it from `emulator.resources`.
 INFERENCE_POOLS = "inference.networking.k8s.io/v1/inferencepools"
+# LeaderWorkerSet (kubernetes-sigs/lws): a pipeline-parallel runtime, where the cluster has LWS installed.
+LEADER_WORKER_SETS = "leaderworkerset.x-k8s.io/v1/leaderworkersets"
 T = TypeVar("T")
 
 
@@ -105,6 +107,8 @@ def declare(emulator: km.KubernetesEmulator) -> None:
         ("keda.sh/v1alpha1/scaledobjects", "ScaledObject", set()),
         # The Gateway API Inference Extension's CRD, as a cluster with GAIE installed serves it.
         (INFERENCE_POOLS, "InferencePool", {"status"}),
+        # LWS's CRD, as a cluster with LeaderWorkerSet installed serves it.
+        (LEADER_WORKER_SETS, "LeaderWorkerSet", {"status", "scale"}),
     ):
         r[key] = km.ResourceInfo(kind=kind, namespaced=True, verbs=VERBS, subresources=sub)
     # Kopf's peering (several operator replicas): cluster-wide and per namespace.

@@ -24,7 +24,7 @@ import kubernetes
 import urllib3
 from kubernetes.utils.quantity import parse_quantity
 
-from chunkwise_operator import gateway
+from chunkwise_operator import gateway, manifests
 from chunkwise_operator.spec import GROUP, PLURAL, VERSION
 
 FIELD_MANAGER = "chunkwise-operator"
@@ -82,9 +82,12 @@ CHILD_KINDS = (
     ),
     # Served only where GAIE's CRDs are installed: Kopf watches it once it is, and `serves` tells.
     ChildKind(gateway.GROUP, gateway.VERSION, gateway.PLURAL, gateway.KIND),
+    # A pipeline-parallel runtime (manifests.runtime_leader_worker_set); served only where LWS is installed.
+    ChildKind(manifests.LWS_GROUP, manifests.LWS_VERSION, manifests.LWS_PLURAL, manifests.LWS_KIND),
 )
 _APIS = {(c.api_version, c.kind): c for c in CHILD_KINDS}
 INFERENCE_POOL = _APIS[(gateway.API_VERSION, gateway.KIND)]
+LEADER_WORKER_SET = _APIS[(manifests.LWS_API_VERSION, manifests.LWS_KIND)]
 
 # (group, version, plural, kind) of the scalers that may target an InferenceService's /scale: HPA and KEDA.
 SCALER_KINDS = (

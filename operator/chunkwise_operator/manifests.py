@@ -49,6 +49,30 @@ STARTUP_PERIOD_SECONDS = 5
 # and the model fetch before it. At Kubernetes' default (600 s, no more than the startup budget) a model
 # that loads slowly but well would read as ProgressDeadlineExceeded in the status.
 PULL_AND_FETCH_SECONDS = 900
+# Pipeline parallel: every pod of a group runs the same `chunkwise serve`; the LWS_WORKER_INDEX 0 pod leads
+# (serves HTTP) and the others rendezvous with it at LWS_LEADER_ADDRESS (both set by LeaderWorkerSet) on this
+# port, torch.distributed's customary MASTER_PORT. Declared on every pod of the group, so a NetworkPolicy or a
+# reader of the pod can name it.
+PP_RENDEZVOUS_PORT = 29500
+PP_RENDEZVOUS_PORT_NAME = "pp-rendezvous"
+# LeaderWorkerSet (kubernetes-sigs/lws), the API a pipeline-parallel replica group is written in.
+LWS_GROUP = "leaderworkerset.x-k8s.io"
+LWS_VERSION = "v1"
+LWS_API_VERSION = f"{LWS_GROUP}/{LWS_VERSION}"
+LWS_KIND = "LeaderWorkerSet"
+LWS_PLURAL = "leaderworkersets"
+# The release whose install the status names when the API is missing. The v1 fields used here (size,
+# restartPolicy, leaderTemplate, workerTemplate, startupPolicy, rolloutStrategy's maxUnavailable and
+# maxSurge) are in its API (api/leaderworkerset/v1/leaderworkerset_types.go); older releases may lack some.
+LWS_RELEASE = "v0.7.0"
+LWS_INSTALL_HINT = (
+    f"kubectl apply --server-side -f https://github.com/kubernetes-sigs/lws/releases/download/{LWS_RELEASE}/"
+    "manifests.yaml"
+)
+# A stage's failure leaves its group unable to step (the other stages wait on it): recreate the whole group.
+LWS_RESTART_POLICY = "RecreateGroupOnPodRestart"
+# Workers start with the leader, not after it is ready: the leader is ready only once every stage has joined.
+LWS_STARTUP_POLICY = "LeaderCreated"
 # The router's tokenizer emptyDir: tokenizer.json and its configs, tens of megabytes.
 ROUTER_TOKENIZER_CACHE_SIZE = "1Gi"
 
@@ -59,6 +83,10 @@ LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_SERVICE = f"{GROUP}/inferenceservice"
 RUNTIME = "runtime"
+# A pipeline stage worker of a LeaderWorkerSet group (index > 0): no HTTP, so its component differs from the
+# leader's and every runtime selector (the Service, the router, the InferencePool, /scale, the scrape)
+# matches leaders only.
+RUNTIME_WORKER = "runtime-worker"
 ROUTER = "router"
 # Before issue 31 the routers shared a ClusterRole `chunkwise-router` (shipped in crds/), which let every router
 # patch the /scale of every InferenceService in its namespace. Each router now gets a Role of its own, naming
@@ -169,6 +197,11 @@ def engine_command(spec: ServiceSpec) -> list[str]:
         "--drain-timeout-seconds",
         str(e.drain_grace_seconds),
     ]
+    # Only above the engine's default of 1, so a one-rank service's command is what it always was.
+    if e.tensor_parallel_size > 1:
+        argv += ["--tensor-parallel-size", str(e.tensor_parallel_size)]
+    if e.pipeline_parallel_size > 1:
+        argv += ["--pipeline-parallel-size", str(e.pipeline_parallel_size)]
     # Last, so the runtime's own parser is the judge of them (a bad one becomes the pod's termination message).
     return argv + list(e.extra_args)
 
@@ -418,47 +451,85 @@ def _triton_cache(spec: ServiceSpec) -> bool:
     return bool(spec.resources.gpu) and spec.model.source == "uri"
 
 
-def runtime_deployment(name: str, namespace: str, spec: ServiceSpec) -> Manifest:
-    component = RUNTIME
+def pipeline_parallel(spec: ServiceSpec) -> bool:
+    """Whether a replica is a LeaderWorkerSet group of pipeline stages rather than one Deployment pod."""
+    return spec.engine.pipeline_parallel_size > 1
+
+
+def runtime_kind(spec: ServiceSpec) -> tuple[str, str]:
+    """(apiVersion, kind) of the runtime's workload: a Deployment, or a LeaderWorkerSet for pipeline stages."""
+    return (LWS_API_VERSION, LWS_KIND) if pipeline_parallel(spec) else ("apps/v1", "Deployment")
+
+
+def _runtime_pod_template(name: str, spec: ServiceSpec, worker: bool = False) -> Manifest:
+    """The runtime pod: a Deployment's, an LWS group's leader, or (`worker`) a pipeline stage worker.
+
+    A worker runs the same container and command (the engine tells its role from LWS_WORKER_INDEX) with
+    the same resources and volumes, but serves no HTTP: no http port, no probes (a probe of a port nobody
+    listens on would restart it), no preStop (it is no endpoint), no scrape annotations.
+    """
     drain = spec.engine.drain_grace_seconds
     argv = engine_command(spec)
     volumes, mounts = _model_volumes(spec)
-    # /dev/shm as a memory emptyDir: the runtime's default 64Mi is too small for torch's shared tensors.
+    # /dev/shm as a memory emptyDir: the runtime's default 64Mi is too small for torch's shared tensors and
+    # for NCCL's shared-memory transport between the ranks of a tensor-parallel pod.
     volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.pod.shm_size}})
     mounts.append({"name": "dshm", "mountPath": SHM_MOUNT_PATH})
     volumes += [dict(v) for v in spec.pod.volumes]
     mounts += [dict(m) for m in spec.pod.volume_mounts]
+    ports: list[Manifest] = []
+    if not worker:
+        ports.append({"name": "http", "containerPort": RUNTIME_PORT, "protocol": "TCP"})
+    if pipeline_parallel(spec):
+        ports.append(
+            {"name": PP_RENDEZVOUS_PORT_NAME, "containerPort": PP_RENDEZVOUS_PORT, "protocol": "TCP"}
+        )
     container: Manifest = {
         "name": "engine",
         "image": spec.image,
         "command": argv[:1],
         "args": argv[1:],
-        "ports": [{"name": "http", "containerPort": RUNTIME_PORT, "protocol": "TCP"}],
+        "ports": ports,
         "resources": _runtime_resources(spec),
-        "startupProbe": _http_probe("http", STARTUP_PERIOD_SECONDS, 2, startup_failure_threshold(spec)),
-        # /health answers 503 while draining: readiness drops the replica from endpoints at once.
-        "readinessProbe": _http_probe("http", 5, 2, 2),
-        # Liveness must outlast a full drain of 503s, or the kubelet kills a replica mid-drain.
-        "livenessProbe": _http_probe(
-            "http", LIVENESS_PERIOD_SECONDS, 5, 3 + math.ceil(drain / LIVENESS_PERIOD_SECONDS)
-        ),
-        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
-        # A flag the engine refuses (engine.extraArgs) exits with the reason here; the status reports it.
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-        "securityContext": container_security_context(),
-        "volumeMounts": mounts,
     }
+    if not worker:
+        container.update(
+            {
+                "startupProbe": _http_probe(
+                    "http", STARTUP_PERIOD_SECONDS, 2, startup_failure_threshold(spec)
+                ),
+                # /health answers 503 while draining: readiness drops the replica from endpoints at once.
+                "readinessProbe": _http_probe("http", 5, 2, 2),
+                # Liveness must outlast a full drain of 503s, or the kubelet kills a replica mid-drain.
+                "livenessProbe": _http_probe(
+                    "http", LIVENESS_PERIOD_SECONDS, 5, 3 + math.ceil(drain / LIVENESS_PERIOD_SECONDS)
+                ),
+                "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
+            }
+        )
+    container.update(
+        {
+            # A flag the engine refuses (engine.extraArgs) exits with the reason here; the status reports it.
+            "terminationMessagePolicy": "FallbackToLogsOnError",
+            "securityContext": container_security_context(),
+            "volumeMounts": mounts,
+        }
+    )
     if spec.image_pull_policy is not None:
         container["imagePullPolicy"] = spec.image_pull_policy
     env = _env(spec, triton_cache=_triton_cache(spec))
     if env:
         container["env"] = env
 
-    annotations = {
-        "prometheus.io/scrape": "true",
-        "prometheus.io/port": str(RUNTIME_PORT),
-        "prometheus.io/path": METRICS_PATH,
-    }
+    annotations: dict[str, str] = {}
+    if not worker:
+        annotations.update(
+            {
+                "prometheus.io/scrape": "true",
+                "prometheus.io/port": str(RUNTIME_PORT),
+                "prometheus.io/path": METRICS_PATH,
+            }
+        )
     annotations.update(dict(spec.pod.annotations))
 
     pod: Manifest = {
@@ -479,7 +550,14 @@ def runtime_deployment(name: str, namespace: str, spec: ServiceSpec) -> Manifest
     tolerations = _tolerations(spec)
     if tolerations:
         pod["tolerations"] = tolerations
+    metadata: Manifest = {"labels": labels(name, RUNTIME_WORKER if worker else RUNTIME)}
+    if annotations:
+        metadata["annotations"] = annotations
+    return {"metadata": metadata, "spec": pod}
 
+
+def runtime_deployment(name: str, namespace: str, spec: ServiceSpec) -> Manifest:
+    component = RUNTIME
     # A surge pod needs a free accelerator, which GPU pools rarely have: replace in place instead.
     if spec.resources.gpu:
         rolling = {"maxSurge": 0, "maxUnavailable": 1}
@@ -496,12 +574,46 @@ def runtime_deployment(name: str, namespace: str, spec: ServiceSpec) -> Manifest
             "selector": {"matchLabels": match_labels(name, component)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling},
             "progressDeadlineSeconds": progress_deadline_seconds(spec),
-            "template": {
-                "metadata": {"labels": labels(name, component), "annotations": annotations},
-                "spec": pod,
+            "template": _runtime_pod_template(name, spec),
+        },
+    }
+
+
+def runtime_leader_worker_set(name: str, namespace: str, spec: ServiceSpec) -> Manifest:
+    """A pipeline-parallel runtime: spec.replicas groups of pipelineParallelSize pods, one stage each.
+
+    The leader is the Deployment's pod (probes, metrics, the http port) and the only pod the runtime
+    selectors match; workers carry RUNTIME_WORKER. Rollouts replace a group at a time, as the Deployment
+    does its pods: in place on GPUs (no spare accelerators for a surge group), surging on CPU.
+    """
+    if spec.resources.gpu:
+        rolling = {"maxUnavailable": 1, "maxSurge": 0}
+    else:
+        rolling = {"maxUnavailable": 0, "maxSurge": 1}
+    return {
+        "apiVersion": LWS_API_VERSION,
+        "kind": LWS_KIND,
+        "metadata": _metadata(name, namespace, RUNTIME),
+        "spec": {
+            # As for the Deployment: the CR's spec.replicas (groups) is the count's one source.
+            "replicas": spec.replicas,
+            "startupPolicy": LWS_STARTUP_POLICY,
+            "rolloutStrategy": {"type": "RollingUpdate", "rollingUpdateConfiguration": rolling},
+            "leaderWorkerTemplate": {
+                "size": spec.engine.pipeline_parallel_size,
+                "restartPolicy": LWS_RESTART_POLICY,
+                "leaderTemplate": _runtime_pod_template(name, spec),
+                "workerTemplate": _runtime_pod_template(name, spec, worker=True),
             },
         },
     }
+
+
+def runtime_workload(name: str, namespace: str, spec: ServiceSpec) -> Manifest:
+    """The runtime's workload for `spec`: a Deployment, or a LeaderWorkerSet with pipeline parallelism."""
+    if pipeline_parallel(spec):
+        return runtime_leader_worker_set(name, namespace, spec)
+    return runtime_deployment(name, namespace, spec)
 
 
 def _pod_overrides(pod: Manifest, spec: ServiceSpec) -> None:
@@ -533,16 +645,29 @@ def runtime_service(name: str, namespace: str) -> Manifest:
     }
 
 
-def pod_disruption_budget(name: str, namespace: str, component: str = RUNTIME) -> Manifest:
+def pod_disruption_budget(
+    name: str, namespace: str, component: str = RUNTIME, groups: bool = False
+) -> Manifest:
     """One pod of the component evicted at a time (the runtime's, or with ROUTER the router's).
 
-    maxUnavailable rather than minAvailable: a one-replica service must still let nodes drain.
+    maxUnavailable rather than minAvailable: a one-replica service must still let nodes drain. With `groups`
+    (the runtime is a LeaderWorkerSet) the budget covers the stage workers too: evicting any pod of a group
+    restarts the whole group (RecreateGroupOnPodRestart), so a worker counts as much as its leader, and one
+    pod at a time keeps a drain from taking down two groups at once.
     """
+    selector: Manifest = {"matchLabels": match_labels(name, component)}
+    if groups:
+        selector = {
+            "matchLabels": {LABEL_SERVICE: name},
+            "matchExpressions": [
+                {"key": LABEL_COMPONENT, "operator": "In", "values": [RUNTIME, RUNTIME_WORKER]}
+            ],
+        }
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": _metadata(name, namespace, component),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": match_labels(name, component)}},
+        "spec": {"maxUnavailable": 1, "selector": selector},
     }
 
 
@@ -698,9 +823,9 @@ def inference_pool(name: str, namespace: str) -> Manifest:
 def children(name: str, namespace: str, spec: ServiceSpec) -> list[Manifest]:
     """Every object the service should have, in creation order (a router's account before its pods)."""
     result = [
-        runtime_deployment(name, namespace, spec),
+        runtime_workload(name, namespace, spec),
         runtime_service(name, namespace),
-        pod_disruption_budget(name, namespace),
+        pod_disruption_budget(name, namespace, groups=pipeline_parallel(spec)),
     ]
     if spec.router.enabled:
         result += [
@@ -734,7 +859,17 @@ def inference_pool_ref(name: str) -> tuple[str, str, str]:
     return (gateway.API_VERSION, gateway.KIND, runtime_name(name))
 
 
+def leader_worker_set_ref(name: str) -> tuple[str, str, str]:
+    return (LWS_API_VERSION, LWS_KIND, runtime_name(name))
+
+
 def stale_children(name: str, spec: ServiceSpec) -> list[tuple[str, str, str]]:
-    """What must not exist for `spec`: the pool first, since it names the router's Service."""
+    """What must not exist for `spec`: the pool first, since it names the router's Service; then the runtime
+    workload of the other shape (a Deployment after pipelineParallelSize went above 1, an LWS after it fell
+    back to 1), removed once its successor has been applied."""
     result = [] if spec.gateway.inference_pool else [inference_pool_ref(name)]
+    if pipeline_parallel(spec):
+        result.append(("apps/v1", "Deployment", runtime_name(name)))
+    else:
+        result.append(leader_worker_set_ref(name))
     return result + ([] if spec.router.enabled else router_children_refs(name))

@@ -40,6 +40,7 @@ from chunkwise_operator import autoscale, gateway, manifests, prometheus, scrape
 from chunkwise_operator.kube import (
     DEFAULT_API_TIMEOUT_S,
     INFERENCE_POOL,
+    LEADER_WORKER_SET,
     ApiException,
     ApiUnreachable,
     ChildConflict,
@@ -164,7 +165,7 @@ class Reconciler:
             return
         self._pin_runtime_image(body, namespace, name, logger)
         try:
-            pool = self._apply_children(body, name, namespace, uid, parsed, logger)
+            pool, missing = self._apply_children(body, name, namespace, uid, parsed, logger)
         except ChildConflict as e:
             self._fail(body, namespace, name, parsed, generation, status.CHILD_CONFLICT, str(e), logger)
             raise kopf.TemporaryError(str(e), delay=60) from e
@@ -182,7 +183,7 @@ class Reconciler:
                 raise kopf.PermanentError(message) from e
             self._fail(body, namespace, name, parsed, generation, status.API_ERROR, message, logger)
             raise kopf.TemporaryError(message, delay=15) from e
-        self._refresh(namespace, name, parsed=parsed, generation=generation, failure=None, pool=pool)
+        self._refresh(namespace, name, parsed=parsed, generation=generation, failure=missing, pool=pool)
 
     def _pin_runtime_image(self, body: Mapping[str, Any], namespace: str, name: str, logger: Any) -> None:
         """Record the default runtime image the children are about to get, before they get it.
@@ -200,24 +201,63 @@ class Reconciler:
 
     def _apply_children(
         self, body: Mapping[str, Any], name: str, namespace: str, uid: str, parsed: ServiceSpec, logger: Any
-    ) -> status.PoolState | status.Keep:
-        """Apply every child and delete the stale ones; what became of the InferencePool, if one is wanted."""
+    ) -> tuple[status.PoolState | status.Keep, status.Failure | None]:
+        """Apply every child and delete the stale ones. Returns what became of the InferencePool, if one is
+        wanted, and the failure to report when the runtime's LeaderWorkerSet cannot be created (no LWS API).
+        """
         pool: status.PoolState | status.Keep = status.KEEP
+        missing: status.Failure | None = None
         for child in manifests.children(name, namespace, parsed):
             if child["kind"] == gateway.KIND:
                 pool = self._apply_pool(body, child, uid, logger)
+            elif child["kind"] == manifests.LWS_KIND:
+                missing = self._apply_group(body, child, uid, parsed, logger)
             else:
                 self._apply_one(body, child, uid, logger)
         for api_version, kind, child_name in manifests.stale_children(name, parsed):
             pool_kind = (api_version, kind) == (gateway.API_VERSION, gateway.KIND)
-            # Where GAIE is not installed there is no pool to delete, and no read of one to send.
+            lws_kind = (api_version, kind) == (manifests.LWS_API_VERSION, manifests.LWS_KIND)
+            # Where GAIE (or LWS) is not installed there is no such child to delete, and no read of one to send.
             if pool_kind and not self.kube.serves(INFERENCE_POOL):
                 continue
+            if lws_kind and not self.kube.serves(LEADER_WORKER_SET):
+                continue
+            if missing is not None and kind == "Deployment" and child_name == manifests.runtime_name(name):
+                # The replicas keep serving as a Deployment until their LeaderWorkerSet can be created.
+                continue
             if self.kube.delete_owned(api_version, kind, namespace, child_name, uid):
-                why = "spec.gateway.inferencePool is off" if pool_kind else "the router is disabled"
+                if pool_kind:
+                    why = "spec.gateway.inferencePool is off"
+                elif child_name == manifests.runtime_name(name):
+                    why = f"the runtime is now a {manifests.runtime_kind(parsed)[1]}"
+                else:
+                    why = "the router is disabled"
                 logger.info(f"Deleted {kind} {child_name}: {why}")
                 _event(body, NORMAL, "Deleted", f"Deleted {kind} {child_name}")
-        return pool
+        return pool, missing
+
+    def _apply_group(
+        self,
+        owner: Mapping[str, Any],
+        group: dict[str, Any],
+        uid: str,
+        parsed: ServiceSpec,
+        logger: Any,
+        warn: bool = True,
+    ) -> status.Failure | None:
+        """Apply the runtime's LeaderWorkerSet if the cluster serves its API; else the failure to report.
+
+        As for the InferencePool, a missing CRD is the cluster's state: no retry loop through Kopf (which would
+        only repeat the discovery), one Warning event, and the status refresh creates the group once served.
+        """
+        if not self.kube.serves(LEADER_WORKER_SET):
+            message = status.lws_not_installed_message(parsed.engine.pipeline_parallel_size)
+            if warn:
+                logger.warning(f"LeaderWorkerSet {group['metadata']['name']} not created: {message}")
+                _event(owner, WARNING, status.LWS_NOT_INSTALLED, message)
+            return status.Failure(status.LWS_NOT_INSTALLED, message)
+        self._apply_one(owner, group, uid, logger)
+        return None
 
     def _apply_pool(
         self, owner: Mapping[str, Any], pool: dict[str, Any], uid: str, logger: Any, warn: bool = True
@@ -325,8 +365,8 @@ class Reconciler:
                     self._apply_one(owner, desired, uid, logger, drift=True)
                 except (ApiException, ChildConflict) as e:
                     logger.warning(f"Could not restore {kind} {child_name}: {e}")
-        if kind != "Deployment":
-            return  # the status reads only Deployments and pods
+        if kind not in ("Deployment", manifests.LWS_KIND):
+            return  # the status reads only the workloads (Deployments, the LeaderWorkerSet) and pods
         self._refresh(namespace, owner_name, parsed=parsed, generation=status.KEEP, failure=status.KEEP)
 
     def refresh_status(self, namespace: str, name: str, logger: Any) -> None:
@@ -341,11 +381,33 @@ class Reconciler:
                 raise ServiceGone(f"{namespace}/{name}")
             parsed = parse_service(name, current)
             pool: status.PoolState | status.Keep = status.KEEP
+            failure: status.Failure | status.Keep | None = status.KEEP
             if isinstance(parsed, ServiceSpec) and parsed.gateway.inference_pool and _awaits_crd(current):
                 pool = self._retry_pool(current, namespace, name, logger)
-            self._refresh(
-                namespace, name, parsed=parsed, generation=status.KEEP, failure=status.KEEP, pool=pool
+            if (
+                isinstance(parsed, ServiceSpec)
+                and manifests.pipeline_parallel(parsed)
+                and _awaits_lws(current)
+            ):
+                failure = self._retry_group(current, namespace, name, parsed, logger)
+            self._refresh(namespace, name, parsed=parsed, generation=status.KEEP, failure=failure, pool=pool)
+
+    def _retry_group(
+        self, owner: Mapping[str, Any], namespace: str, name: str, parsed: ServiceSpec, logger: Any
+    ) -> status.Failure | status.Keep | None:
+        """The LeaderWorkerSet a reconcile could not create for want of its API, tried again: once the API is
+        served, the whole reconcile (the group, then the Deployment it replaces removed)."""
+        if not self.kube.serves(LEADER_WORKER_SET):
+            return status.KEEP
+        try:
+            _, missing = self._apply_children(
+                owner, name, namespace, owner["metadata"]["uid"], parsed, logger
             )
+        except (ApiException, ChildConflict) as e:
+            # Best effort: the next reconcile (a spec change, a restart) reports such a failure in Degraded.
+            logger.warning(f"Could not create LeaderWorkerSet {manifests.runtime_name(name)}: {e}")
+            return status.KEEP
+        return missing
 
     def _retry_pool(
         self, owner: Mapping[str, Any], namespace: str, name: str, logger: Any
@@ -373,17 +435,23 @@ class Reconciler:
             return
         uid = current["metadata"].get("uid", "")
 
-        def owned_deployment(child_name: str) -> dict[str, Any] | None:
-            obj = self.kube.get("apps/v1", "Deployment", namespace, child_name)
+        def owned_deployment(child_name: str, kind: tuple[str, str] = ("apps/v1", "Deployment")) -> Any:
+            obj = self.kube.get(*kind, namespace, child_name)
             return obj if obj is not None and owned_by(obj, uid) else None
+
+        runtime = self._runtime_workload(namespace, name, parsed, owned_deployment)
 
         previous = current.get("status") or {}
         pods = self.kube.list_pods(namespace, manifests.match_labels(name, manifests.RUNTIME))
+        if isinstance(parsed, ServiceSpec) and manifests.pipeline_parallel(parsed):
+            # A stage worker that cannot start keeps its whole group unready: why counts as much as a
+            # leader's (only the status reads workers; the scrape and every selector see leaders only).
+            pods += self.kube.list_pods(namespace, manifests.match_labels(name, manifests.RUNTIME_WORKER))
         new = status.compute_status(
             name=name,
             namespace=namespace,
             parsed=parsed,
-            runtime=owned_deployment(manifests.runtime_name(name)),
+            runtime=runtime,
             router=owned_deployment(manifests.router_name(name)),
             previous=previous,
             now=self._clock(),
@@ -398,6 +466,27 @@ class Reconciler:
             self.kube.patch_inference_service_status(namespace, name, patch)
         if (fight := status.replicas_fight_began(previous, new)) is not None:
             _event(current, "Warning", status.REPLICAS_FIGHT_SCALER, fight)
+
+    def _runtime_workload(
+        self,
+        namespace: str,
+        name: str,
+        parsed: ServiceSpec | SpecError,
+        read: Callable[[str, tuple[str, str]], Any],
+    ) -> dict[str, Any] | None:
+        """The runtime's workload as the status reads it: the kind `parsed` wants (a LeaderWorkerSet is read
+        only where its API is served); with an invalid spec, whichever of the two exists."""
+        runtime = manifests.runtime_name(name)
+        if isinstance(parsed, ServiceSpec):
+            kind = manifests.runtime_kind(parsed)
+            if kind[1] == manifests.LWS_KIND and not self.kube.serves(LEADER_WORKER_SET):
+                return None
+            result: dict[str, Any] | None = read(runtime, kind)
+            return result
+        found = read(runtime, ("apps/v1", "Deployment"))
+        if found is None and self.kube.serves(LEADER_WORKER_SET):
+            found = read(runtime, (manifests.LWS_API_VERSION, manifests.LWS_KIND))
+        return found
 
     # -- the autoscaler ------------------------------------------------------------------------------------
     async def evaluate_autoscaler(
@@ -429,7 +518,11 @@ class Reconciler:
         )
         unready_since = autoscale.not_ready_since(pods, now)
         deployment = await asyncio.to_thread(
-            self.kube.get, "apps/v1", "Deployment", namespace, manifests.runtime_name(name)
+            self._runtime_workload,
+            namespace,
+            name,
+            parsed,
+            lambda child, kind: self.kube.get(*kind, namespace, child),
         )
         creation_failing = status.deployment_failure(deployment) is not None
         if self._prometheus_url is not None:
@@ -611,6 +704,17 @@ def _awaits_crd(body: Mapping[str, Any]) -> bool:
         isinstance(c, Mapping)
         and c.get("type") == gateway.CONDITION
         and c.get("reason") == gateway.CRD_NOT_INSTALLED
+        for c in conditions
+    )
+
+
+def _awaits_lws(body: Mapping[str, Any]) -> bool:
+    """The last attempt found the LeaderWorkerSet API missing (Degraded says LeaderWorkerSetNotInstalled)."""
+    conditions = (body.get("status") or {}).get("conditions") or []
+    return any(
+        isinstance(c, Mapping)
+        and c.get("type") == status.DEGRADED
+        and c.get("reason") == status.LWS_NOT_INSTALLED
         for c in conditions
     )
 

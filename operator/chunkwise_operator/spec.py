@@ -34,13 +34,23 @@ URI_SCHEMES = ("hf", "s3", "gs", "http", "https", "pvc")
 # asked to move (reconcile.UPGRADE_RUNTIME_ANNOTATION; docs/operator.md, "Upgrading").
 DEFAULT_IMAGE = "chunkwise/runtime:0.1.0"
 DEFAULT_SHM_SIZE = "1Gi"
+# /dev/shm per tensor-parallel rank on a GPU pod of several ranks or of a pipeline group, when spec.pod.shmSize
+# is not given: NCCL's shared-memory transport and torch's shared tensors live there. LeaderWorkerSet's vLLM
+# example gives 15Gi to an 8-GPU pod; 2Gi a rank is as much. A cap, not a reservation: only what is written
+# counts against the memory limit.
+GPU_SHM_PER_RANK_GIB = 2
 GIB = 2**30
 # The extended resource a GPU replica asks for; AMD (amd.com/gpu) and MIG slices (nvidia.com/mig-1g.10gb)
 # are other names for the same one device the engine drives with --device cuda (ROCm's torch calls it cuda).
 DEFAULT_ACCELERATOR = "nvidia.com/gpu"
-# The engine drives one device per replica until tensor parallelism lands (issue 33): a second GPU in the
-# pod would be allocated, paid for, and sit idle.
-MAX_GPUS = 1
+# GPUs per pod: the engine shards a replica over them with tensor parallelism (issue 33), one rank per GPU
+# (spec.engine.tensorParallelSize, default spec.resources.gpu). 16: the largest node GPU count in common
+# offerings (8 on most, 16 on a few), the cap this field had before tensor parallelism was declared.
+MAX_GPUS = 16
+# Ranks a CPU replica may shard over (gloo, one process each): well past the cores a useful split needs.
+MAX_CPU_TENSOR_PARALLEL = 64
+# Pipeline stages of a replica, one pod each (a LeaderWorkerSet group of this size).
+MAX_PIPELINE_PARALLEL = 64
 # Cold start: how long the startup probe waits for /health. The CPU default is what the probe always had
 # (10 minutes; the built-in models start in seconds). A GPU replica loads gigabytes of weights, then
 # compiles Triton kernels and captures CUDA graphs: 30 minutes, as KubeAI and KServe allow for large models.
@@ -168,6 +178,11 @@ class EngineSpec:
     startup_timeout_seconds: int = DEFAULT_STARTUP_TIMEOUT_SECONDS
     # Flags the CRD does not model, appended to `chunkwise serve`; the runtime validates them at start.
     extra_args: tuple[str, ...] = ()
+    # --tensor-parallel-size: ranks per pod. Resolved by parse(): spec.engine.tensorParallelSize, else
+    # spec.resources.gpu on a GPU replica (one rank per GPU), else 1.
+    tensor_parallel_size: int = 1
+    # --pipeline-parallel-size: pods per replica. Above 1 the replica is a LeaderWorkerSet group.
+    pipeline_parallel_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -270,6 +285,7 @@ class PodOverrides:
     topology_spread_constraints: tuple[Mapping[str, Any], ...] = ()
     volumes: tuple[Mapping[str, Any], ...] = ()
     volume_mounts: tuple[Mapping[str, Any], ...] = ()
+    # Resolved by parse(): DEFAULT_SHM_SIZE, or default_shm_size's for a multi-rank GPU pod.
     shm_size: str = DEFAULT_SHM_SIZE
     # A RuntimeClass for the runtime pods (e.g. `nvidia` where the NVIDIA container runtime is not the
     # node's default).
@@ -580,13 +596,6 @@ def _resources(spec: Mapping[str, Any], model: ModelSpec) -> Resources:
     p = "spec.resources."
     data = _section(spec, "resources", "spec.", reason)
     d = Resources()
-    raw_gpu = data.get("gpu")
-    if isinstance(raw_gpu, int) and not isinstance(raw_gpu, bool) and raw_gpu > MAX_GPUS:
-        raise SpecError(
-            reason,
-            f"{p}gpu is {raw_gpu}, but the engine uses one GPU per replica until tensor parallelism lands "
-            f"(issue 33): the others would sit idle. Set {p}gpu to 1 and raise spec.replicas instead",
-        )
     gpu = _req_int(data, "gpu", p, reason, d.gpu, 0, MAX_GPUS)
     accelerator = _str(
         data, "accelerator", p, reason, d.accelerator, pattern=EXTENDED_RESOURCE_PATTERN, max_length=317
@@ -619,6 +628,13 @@ def default_memory(gpu: int, model_bytes: int | None) -> str:
     if model_bytes is None:
         return DEFAULT_GPU_MEMORY
     return f"{math.ceil((model_bytes + GPU_MEMORY_HEADROOM) / GIB)}Gi"
+
+
+def default_shm_size(gpu: int, engine: EngineSpec) -> str:
+    """spec.pod.shmSize when the spec leaves it out (see GPU_SHM_PER_RANK_GIB)."""
+    if gpu and (engine.tensor_parallel_size > 1 or engine.pipeline_parallel_size > 1):
+        return f"{GPU_SHM_PER_RANK_GIB * engine.tensor_parallel_size}Gi"
+    return DEFAULT_SHM_SIZE
 
 
 def default_cache_size(model: ModelSpec, gpu: int) -> str:
@@ -678,7 +694,30 @@ def _engine(spec: Mapping[str, Any], gpu: int) -> EngineSpec:
             30,
             86400,
         ),
+        tensor_parallel_size=_tensor_parallel_size(data, p, reason, gpu),
+        pipeline_parallel_size=_req_int(
+            data, "pipelineParallelSize", p, reason, d.pipeline_parallel_size, 1, MAX_PIPELINE_PARALLEL
+        ),
     )
+
+
+def _tensor_parallel_size(data: Mapping[str, Any], p: str, reason: str, gpu: int) -> int:
+    """spec.engine.tensorParallelSize, else one rank per GPU (`gpu: N` means --tensor-parallel-size N).
+
+    On a GPU replica it must divide spec.resources.gpu (the CRD's CEL rule says the same): the pod's GPUs
+    are whole tensor-parallel groups, never a group split across a GPU it does not have. On CPU (gpu 0) it
+    is the engine's gloo ranks, passed as given.
+    """
+    if not gpu:
+        return _req_int(data, "tensorParallelSize", p, reason, 1, 1, MAX_CPU_TENSOR_PARALLEL)
+    tp = _req_int(data, "tensorParallelSize", p, reason, gpu, 1, MAX_GPUS)
+    if gpu % tp:
+        raise SpecError(
+            reason,
+            f"{p}tensorParallelSize ({tp}) must divide spec.resources.gpu ({gpu}): each rank drives one of "
+            f"the pod's GPUs; leave tensorParallelSize out to shard over all {gpu}",
+        )
+    return tp
 
 
 # Flags the operator derives from the spec: given again in extraArgs they would fight the field (argparse
@@ -701,6 +740,8 @@ MODELED_FLAGS = {
     "--num-speculative-tokens": "spec.engine.speculation.numTokens",
     "--queue-delay-slo-seconds": "spec.engine.queueDelaySloSeconds",
     "--drain-timeout-seconds": "spec.engine.drainGraceSeconds",
+    "--tensor-parallel-size": "spec.engine.tensorParallelSize",
+    "--pipeline-parallel-size": "spec.engine.pipelineParallelSize",
 }
 
 
@@ -835,7 +876,7 @@ def _gateway(spec: Mapping[str, Any], router: RouterSpec) -> GatewaySpec:
     return result
 
 
-def _pod(spec: Mapping[str, Any]) -> PodOverrides:
+def _pod(spec: Mapping[str, Any], default_shm: str = DEFAULT_SHM_SIZE) -> PodOverrides:
     reason = "InvalidPodOverrides"
     p = "spec.pod."
     data = _section(spec, "pod", "spec.", reason)
@@ -933,7 +974,7 @@ def _pod(spec: Mapping[str, Any]) -> PodOverrides:
         ),
         volumes=tuple(_frozen(v) for v in volumes),
         volume_mounts=tuple(_frozen(m) for m in mounts),
-        shm_size=_quantity(data, "shmSize", p, reason, DEFAULT_SHM_SIZE),
+        shm_size=_quantity(data, "shmSize", p, reason, default_shm),
         runtime_class_name=_str(
             data, "runtimeClassName", p, reason, None, pattern=DNS_SUBDOMAIN_PATTERN, max_length=253
         ),
@@ -997,7 +1038,7 @@ def parse(spec: Mapping[str, Any] | None, pinned_image: str | None = None) -> Se
         autoscaling=autoscaling,
         router=router,
         gateway=_gateway(spec, router),
-        pod=_pod(spec),
+        pod=_pod(spec, default_shm_size(resources.gpu, engine)),
     )
 
 

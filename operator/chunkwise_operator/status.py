@@ -62,7 +62,20 @@ CHILD_CONFLICT = "ChildConflict"
 FORBIDDEN = "Forbidden"
 CHILD_REJECTED = "ChildRejected"
 API_ERROR = "ApiError"
-FAILURE_REASONS = frozenset({CHILD_CONFLICT, FORBIDDEN, CHILD_REJECTED, API_ERROR})
+# spec.engine.pipelineParallelSize above 1 where the cluster does not serve LeaderWorkerSet: the other
+# children stand, the runtime cannot exist; the status refresh creates it once the API is served.
+LWS_NOT_INSTALLED = "LeaderWorkerSetNotInstalled"
+FAILURE_REASONS = frozenset({CHILD_CONFLICT, FORBIDDEN, CHILD_REJECTED, API_ERROR, LWS_NOT_INSTALLED})
+
+
+def lws_not_installed_message(pipeline_parallel_size: int) -> str:
+    return (
+        f"spec.engine.pipelineParallelSize {pipeline_parallel_size} runs each replica as a LeaderWorkerSet "
+        f"group, but the API server does not serve {manifests.LWS_PLURAL}.{manifests.LWS_GROUP}/"
+        f"{manifests.LWS_VERSION}: install LeaderWorkerSet ({manifests.LWS_INSTALL_HINT}); the operator "
+        "checks again every status refresh and creates the group then"
+    )
+
 
 # Why runtime pods fail to start, read from their container statuses.
 ENGINE_ARGS_REJECTED = "EngineArgsRejected"
@@ -168,9 +181,16 @@ class DeploymentState:
 
 
 def _seen(deployment: Mapping[str, Any]) -> bool:
-    """The Deployment controller has seen the latest template: its counts and conditions are about it."""
+    """The Deployment controller has seen the latest template: its counts and conditions are about it.
+
+    A LeaderWorkerSet (the runtime with pipeline stages) is read through the same counts (spec.replicas,
+    status.replicas, readyReplicas, updatedReplicas: groups); observedGeneration is optional in its status
+    (a release or a moment may leave it out), and without it the counts are taken as they are.
+    """
     generation = (deployment.get("metadata") or {}).get("generation")
     observed = (deployment.get("status") or {}).get("observedGeneration")
+    if observed is None and deployment.get("kind") == manifests.LWS_KIND:
+        return True
     return generation is None or (observed is not None and observed >= generation)
 
 
@@ -212,6 +232,10 @@ def _tail(text: Any) -> str:
 def _deployment_condition(deployment: Mapping[str, Any] | None, ctype: str) -> Mapping[str, Any] | None:
     if deployment is None or not _seen(deployment):
         return None  # a verdict on an older template (a new one restarts the progress deadline)
+    if deployment.get("kind") == manifests.LWS_KIND:
+        # An LWS's Progressing goes False once every group is ready: not the Deployment's verdict of a
+        # stalled rollout, and it has no ReplicaFailure. Its groups' troubles show on the leaders' pods.
+        return None
     for cond in (deployment.get("status") or {}).get("conditions") or []:
         if isinstance(cond, Mapping) and cond.get("type") == ctype:
             return cond
@@ -455,7 +479,9 @@ def compute_status(
     router_expected = parsed.router.enabled if isinstance(parsed, ServiceSpec) else rtr.exists
     desired = parsed.replicas if isinstance(parsed, ServiceSpec) else run.desired
 
-    if not run.exists:
+    if not run.exists and isinstance(failure, Failure) and failure.reason == LWS_NOT_INSTALLED:
+        ready = (False, failure.reason, failure.message)
+    elif not run.exists:
         ready = (False, "NoRuntime", "the runtime Deployment does not exist yet")
     elif desired == 0:
         ready = (False, "ScaledToZero", "spec.replicas is 0")
@@ -483,6 +509,12 @@ def compute_status(
 
     if not valid:
         progressing = (False, "InvalidSpec", "the spec is invalid; see the Degraded condition")
+    elif ready[1] == LWS_NOT_INSTALLED:
+        progressing = (
+            False,
+            LWS_NOT_INSTALLED,
+            "waiting for the LeaderWorkerSet API; see the Degraded condition",
+        )
     elif not run.exists or (router_expected and not rtr.exists):
         progressing = (True, "Creating", "creating the runtime" + (" and router" if router_expected else ""))
     elif stalled is not None:

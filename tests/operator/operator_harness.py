@@ -27,7 +27,7 @@ import kopf
 import kubernetes
 import pytest
 import yaml
-from e2e.local.kube import INFERENCE_POOLS, Emulator
+from e2e.local.kube import INFERENCE_POOLS, LEADER_WORKER_SETS, Emulator
 from kubernetes.utils.quantity import parse_quantity
 
 from chunkwise_operator.spec import GROUP, PLURAL, VERSION
@@ -256,6 +256,8 @@ class Cluster:
     # A child too, but served only where GAIE's CRDs are (declared unless a test removes it): children()
     # leaves it out, so that counts of children mean the same with and without it.
     POOLS = km.resource(INFERENCE_POOLS)
+    # Likewise LeaderWorkerSets (a pipeline-parallel runtime): served unless a test removes it, not in children().
+    LWS = km.resource(LEADER_WORKER_SETS)
 
     def __init__(self, emulator: ApiServer, url: str) -> None:
         self.k = emulator
@@ -549,8 +551,7 @@ async def running_operator(
         else:
             # Objects created before Kopf's watch starts would be seen twice (list, then watch).
             watched = [Cluster.ISVCS, *Cluster.CHILD_RESOURCES]
-            if cluster.serves(Cluster.POOLS):
-                watched.append(Cluster.POOLS)
+            watched += [r for r in (Cluster.POOLS, Cluster.LWS) if cluster.serves(r)]
             await eventually(
                 lambda: not kopf_thread.running or all(cluster.watching(r) for r in watched),
                 what="Kopf watching",

@@ -112,6 +112,12 @@ REFUSED = [
         "spec.pod.env",
         id="env-value-and-from",
     ),
+    # Issue 33: a rule across two sections, so at spec's level (its message names the field as engine.*).
+    pytest.param(
+        with_(resources={"gpu": 4}, engine={"tensorParallelSize": 3}),
+        "engine.tensorParallelSize",
+        id="tp-not-dividing-gpu",
+    ),
 ]
 
 
@@ -150,6 +156,8 @@ ACCEPTED = [
     with_(model={"uri": "pvc://models/llama/v..2"}),
     with_(model={"pvc": {"claimName": "m", "path": "a/b..c"}}),
     with_(pod={"env": [{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}),
+    with_(resources={"gpu": 4}, engine={"tensorParallelSize": 2}),
+    with_(resources={"gpu": 0}, engine={"tensorParallelSize": 3, "pipelineParallelSize": 2}),
 ]
 
 

@@ -202,7 +202,7 @@ def test_without_the_field_there_is_no_pool_and_no_epp() -> None:
         "chat", parsed
     )
     with_pool = manifests.stale_children("chat", parse(ROUTED_POOL))
-    assert with_pool == []
+    assert with_pool == [("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "chat")]
 
 
 def test_every_builtin_child_with_a_pool_validates_for_kubernetes_1_30() -> None:

@@ -369,7 +369,8 @@ def test_children_and_stale_children_follow_router_enabled() -> None:
     ]
     # No spec.gateway.inferencePool: a pool of this name would be stale (the operator deletes it if it owns it).
     assert manifests.stale_children("llama", spec(GPU_ROUTER)) == [
-        ("inference.networking.k8s.io/v1", "InferencePool", "llama")
+        ("inference.networking.k8s.io/v1", "InferencePool", "llama"),
+        ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "llama"),
     ]
     without = manifests.children("tiny", "default", spec(MINIMAL))
     assert [(c["kind"], c["metadata"]["name"]) for c in without] == [
@@ -379,6 +380,7 @@ def test_children_and_stale_children_follow_router_enabled() -> None:
     ]
     assert manifests.stale_children("tiny", spec(MINIMAL)) == [
         ("inference.networking.k8s.io/v1", "InferencePool", "tiny"),
+        ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "tiny"),
         ("policy/v1", "PodDisruptionBudget", "tiny-router"),
         ("v1", "Service", "tiny-router"),
         ("apps/v1", "Deployment", "tiny-router"),

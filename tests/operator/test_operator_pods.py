@@ -485,15 +485,18 @@ def test_an_accelerator_that_is_no_extended_resource_is_refused(accelerator: str
         assert not crd_accepts(data)
 
 
-def test_more_than_one_gpu_is_refused_until_tensor_parallelism() -> None:
-    """Issue 31, point 10: gpu accepted up to 16, but the engine drives one device (no tensor parallelism)."""
-    data = {**HF_GPU, "resources": {"gpu": 2}}
+def test_up_to_16_gpus_a_pod_each_a_tensor_parallel_rank() -> None:
+    """Issue 33: gpu: N is N tensor-parallel ranks (tests/operator/test_operator_parallel.py has the rest);
+    the cap is 16, in the operator and in the schema alike."""
+    data = {**HF_GPU, "resources": {"gpu": 16}}
+    assert parse(data).engine.tensor_parallel_size == 16
+    assert crd_accepts(data)
+    over = {**HF_GPU, "resources": {"gpu": 17}}
     with pytest.raises(SpecError) as caught:
-        parse(data)
+        parse(over)
     assert caught.value.reason == "InvalidResources"
-    assert "the engine uses one GPU per replica until tensor parallelism lands" in caught.value.message
-    assert not crd_accepts(data)
-    assert crd_accepts({**HF_GPU, "resources": {"gpu": 1}})
+    assert caught.value.message == "spec.resources.gpu must be an integer in [0, 16], got 17"
+    assert not crd_accepts(over)
 
 
 def test_a_runtime_class_for_the_engine_only() -> None:

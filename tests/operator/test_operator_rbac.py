@@ -87,8 +87,8 @@ def granted(rule_list: Iterable[Mapping[str, Any]]) -> set[tuple[str, str, str]]
 
 
 async def exercise(cluster: Cluster) -> None:
-    """Create (router, autoscaler, InferencePool), correct a deleted child, then remove the router's children
-    and the pool."""
+    """Create (router, autoscaler, InferencePool), correct a deleted child, remove the router's children and
+    the pool, then turn the runtime into a LeaderWorkerSet (pipeline stages), correct it and turn it back."""
     await cluster.create_isvc("chat", SPEC)
     await eventually(lambda: len(cluster.children()) == 8, what="8 children")
     await eventually(lambda: cluster.pool("chat"), what="the InferencePool")
@@ -106,6 +106,18 @@ async def exercise(cluster: Cluster) -> None:
     )
     await eventually(lambda: len(cluster.children()) == 3, what="router children removed")
     await eventually(lambda: cluster.pool("chat") is None, what="the InferencePool removed")
+    # Pipeline stages: the runtime becomes a LeaderWorkerSet (created, corrected, deleted going back).
+    await cluster.patch_isvc("chat", {"spec": {"engine": {"pipelineParallelSize": 2}}})
+    await eventually(lambda: cluster.get(Cluster.LWS, "chat"), what="the LeaderWorkerSet")
+    await eventually(lambda: cluster.get(Cluster.DEPLOYMENTS, "chat") is None, what="the Deployment removed")
+    await cluster.patch(Cluster.LWS, "chat", {"spec": {"leaderWorkerTemplate": {"size": 5}}})
+    await eventually(
+        lambda: (cluster.get(Cluster.LWS, "chat") or {})["spec"]["leaderWorkerTemplate"]["size"] == 2,
+        what="the LeaderWorkerSet restored",
+    )
+    await cluster.patch_isvc("chat", {"spec": {"engine": {"pipelineParallelSize": 1}}})
+    await eventually(lambda: cluster.get(Cluster.LWS, "chat") is None, what="the LeaderWorkerSet removed")
+    await eventually(lambda: cluster.get(Cluster.DEPLOYMENTS, "chat"), what="the Deployment back")
 
 
 def check(calls: set[Call], rule_list: list[Mapping[str, Any]], cluster: Cluster) -> None:

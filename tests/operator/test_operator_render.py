@@ -145,7 +145,7 @@ def test_an_invalid_spec_exits_non_zero_naming_the_field(tmp_path: Path) -> None
     assert result.stdout == ""
     assert result.stderr.strip() == (
         f"error: {bad}: document 1 (InferenceService default/llama): InvalidResources: "
-        "spec.resources.gpu must be an integer in [0, 1], got -3"
+        "spec.resources.gpu must be an integer in [0, 16], got -3"
     )
 
 

@@ -358,7 +358,7 @@ INVALID = [
     (
         with_(MINIMAL, resources={"gpu": -3}),
         "InvalidResources",
-        "spec.resources.gpu must be an integer in [0, 1], got -3",
+        "spec.resources.gpu must be an integer in [0, 16], got -3",
         True,
     ),
     (
@@ -492,8 +492,7 @@ INVALID = [
     (
         with_(MINIMAL, resources={"gpu": 17}),
         "InvalidResources",
-        "spec.resources.gpu is 17, but the engine uses one GPU per replica until tensor parallelism lands "
-        "(issue 33): the others would sit idle. Set spec.resources.gpu to 1 and raise spec.replicas instead",
+        "spec.resources.gpu must be an integer in [0, 16], got 17",
         True,
     ),
     (

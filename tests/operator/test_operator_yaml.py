@@ -58,6 +58,8 @@ def test_the_expected_files_exist() -> None:
         "manifests/examples/hpa.yaml",
         "manifests/examples/keda-scaledobject.yaml",
         "manifests/examples/metrics-networkpolicy.yaml",
+        "manifests/examples/pipeline-networkpolicy.yaml",
+        "manifests/examples/pipeline-service.yaml",
         "manifests/examples/service.yaml",
         "manifests/kustomization.yaml",
         "manifests/monitoring/kustomization.yaml",
@@ -176,7 +178,9 @@ def test_status_written_by_the_operator_fits_the_crd() -> None:
         assert set(cond) <= set(declared["conditions"]["items"]["properties"])
 
 
-@pytest.mark.parametrize("name", ["service.yaml", "gpu-service.yaml", "gateway-service.yaml"])
+@pytest.mark.parametrize(
+    "name", ["service.yaml", "gpu-service.yaml", "gateway-service.yaml", "pipeline-service.yaml"]
+)
 def test_inference_service_examples_match_the_crd_schema(name: str) -> None:
     (doc,) = documents(ROOT / "manifests" / "examples" / name)
     assert (doc["apiVersion"], doc["kind"]) == (API_VERSION, KIND)
