@@ -302,8 +302,8 @@ class EngineConfig:
         1,
         help="ranks the model is sharded over (tensor parallel): one process each, on CPU (gloo)",
     )
-    # vLLM's flag. Stages of consecutive layers, each tensor_parallel_size ranks (in a LeaderWorkerSet, one
-    # pod per stage).
+    # vLLM's flag. Stages of consecutive layers, each tensor_parallel_size ranks, every rank a process of this
+    # machine (loop/tp_ranks.py); one pod per stage (a LeaderWorkerSet) is not built yet.
     pipeline_parallel_size: int = option(
         1,
         help="stages the model's layers are split over (pipeline parallel), each of tensor_parallel_size ranks",
@@ -316,22 +316,28 @@ class EngineConfig:
         _one_of("dtype", self.dtype, get_args(Dtype), show=str)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         _positive("pipeline_parallel_size", self.pipeline_parallel_size)
-        if self.pipeline_parallel_size > 1:
-            raise ValueError(
-                f"pipeline_parallel_size {self.pipeline_parallel_size}: pipeline parallel is not built yet "
-                "(issue 33)"
+        if self.world_size > 1:
+            # Named by the field that asked for more than one rank (tensor parallel's first: its wording).
+            name, size = (
+                ("tensor_parallel_size", self.tensor_parallel_size)
+                if self.tensor_parallel_size > 1
+                else ("pipeline_parallel_size", self.pipeline_parallel_size)
             )
-        if self.tensor_parallel_size > 1:
             if not self.device.startswith("cpu"):
                 raise ValueError(
-                    f"tensor_parallel_size {self.tensor_parallel_size} runs on CPU (gloo) only: on "
+                    f"{name} {size} runs on CPU (gloo) only: on "
                     f"{self.device} the NCCL path is untested (no multi-GPU machine yet; issue 33)"
                 )
             if self.spec.method == "draft":
                 raise ValueError(
-                    "tensor_parallel_size > 1 with speculative_method='draft' is not supported yet (the "
+                    f"{name} > 1 with speculative_method='draft' is not supported yet (the "
                     "draft model is not sharded; issue 33): use speculative_method='ngram' or one rank"
                 )
+
+    @property
+    def world_size(self) -> int:
+        """The engine's ranks: tensor_parallel_size ranks in each of pipeline_parallel_size stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)

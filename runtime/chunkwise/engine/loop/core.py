@@ -32,7 +32,16 @@ __all__ = ["EngineCore", "ModelInfo"]
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, offline: bool = False) -> None:
+        """`offline`: built by LLM, whose caller's thread runs every step, the one owner pipeline parallel
+        runs under so far: the async engine's drain, shutdown and a rank's death under its step thread are
+        not built for it (its own check refuses tensor parallel; this one, pipeline parallel)."""
+        if config.pipeline_parallel_size > 1 and not offline:
+            raise ValueError(
+                f"pipeline_parallel_size {config.pipeline_parallel_size}: only the offline engine "
+                "(LLM(model, pipeline_parallel_size=N)) runs pipeline parallel yet; the async engine (the "
+                "server's) does not (issue 33)"
+            )
         parts = build_engine(config)  # loop/builder.py: model, KV cache, runner, probes, scheduler
         self.loaded: LoadedModel = parts.loaded
         # Resolved: the real dtype and max_model_len, so that what reads the config later sees them.
@@ -54,7 +63,7 @@ class EngineCore:
         self.model_info: ModelInfo = parts.model_info
 
     def close(self) -> None:
-        """Stop the engine's other processes (tensor parallel's worker ranks; none at one rank). Idempotent;
+        """Stop the engine's other processes (tensor and pipeline parallel's worker ranks; none at one rank). Idempotent;
         an engine garbage-collected or a process exiting does the same."""
         if self.runner.ranks is not None:
             self.runner.ranks.close()

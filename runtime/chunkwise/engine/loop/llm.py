@@ -37,7 +37,7 @@ class LLM:
     """The offline API: `LLM(model="tiny", **engine_args).generate(prompts, sampling_params)`."""
 
     def __init__(self, model: str = "tiny", **engine_args: object) -> None:
-        self.engine = EngineCore(engine_config_from_kwargs(model, **engine_args))
+        self.engine = EngineCore(engine_config_from_kwargs(model, **engine_args), offline=True)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:

@@ -1,12 +1,17 @@
-"""Tensor parallel's ranks, seen from rank 0 (the caller's process, which keeps the whole EngineCore): the
-worker processes of ranks 1..N-1, started at engine build and stopped with it.
+"""Tensor and pipeline parallel's ranks, seen from rank 0 (the caller's process, which keeps the whole
+EngineCore): the worker processes of ranks 1..N-1 (N = tensor_parallel_size * pipeline_parallel_size,
+global rank = stage * tensor_parallel_size + tensor-parallel rank), started at engine build and stopped
+with it.
 
 - Start: each worker is a spawned process; every rank joins one gloo group (tcp rendezvous on 127.0.0.1, a
-  port rank 0 picks; COLLECTIVE_TIMEOUT_S on each collective) and loads its shard; rank 0 then sends the KV
-  sizes it worked out (num_blocks, host blocks, max_model_len), so every rank's cache has the same blocks.
+  port rank 0 picks; COLLECTIVE_TIMEOUT_S on each collective and point-to-point receive), and its stage's
+  tensor-parallel subgroup (distributed/world.py), and loads its shard of its stage's layers; rank 0 then
+  sends the KV sizes it worked out (num_blocks, host blocks, max_model_len), so every rank's cache has the
+  same blocks (each over its own layers).
 - Steps: ModelRunner.execute sends each step's StepMessage down a pipe per worker (a pipe, not a gloo
   broadcast: an idle engine waits on it for as long as it likes, where a collective would time out); the
-  worker runs it (ModelRunner.follow), the forward's collectives keeping the ranks in step.
+  worker runs it (ModelRunner.follow), the forward's collectives and the stages' sends keeping the ranks in
+  step.
 - Failure: workers die with rank 0 (PR_SET_PDEATHSIG, and EOF on their pipe); rank 0 watches their
   sentinels in a thread; a rank that died makes the next step raise an error naming it and its exit code,
   and the other ranks are stopped. Shutdown (EngineRanks.close, the engine garbage-collected, the process
@@ -38,7 +43,7 @@ import torch
 from chunkwise.engine.attention import get_attention_backend
 from chunkwise.engine.attention.backend import AttentionBackend
 from chunkwise.engine.datatypes.config import EngineConfig, ModelConfig
-from chunkwise.engine.distributed import ProcessGroupTP, TPLayout, init_tp_group
+from chunkwise.engine.distributed import RankGroups, TPLayout, join_world, stage_layers
 from chunkwise.engine.model.loader import LoadedModel, load_model, read_checkpoint, resolve_model_path
 from chunkwise.engine.model.presets import PRESETS
 from chunkwise.engine.worker.model_runner import ModelRunner
@@ -66,16 +71,35 @@ class RankSizes:
     max_model_len: int
 
 
-def check_sizes(config: EngineConfig) -> None:
-    """Refuse a tensor-parallel size the model's heads or columns do not divide over, before any process
-    starts (a model that cannot be read here is left to load_model to refuse)."""
+# A LeaderWorkerSet's variables (one pod per pipeline stage): multi-pod rendezvous is not built yet.
+LWS_GROUP_SIZE = "LWS_GROUP_SIZE"
+
+
+def check_sizes(config: EngineConfig) -> int | None:
+    """Refuse a tensor-parallel size the model's heads or columns do not divide over, or a pipeline size
+    above its layer count, before any process starts; returns the model's layer count (None where the model
+    cannot be read here: load_model refuses it; pipeline parallel needs it, and refuses at once)."""
+    pp = config.pipeline_parallel_size
+    if pp > 1 and int(os.environ.get(LWS_GROUP_SIZE, "1") or "1") > 1:
+        raise ValueError(
+            f"pipeline_parallel_size {pp} in a LeaderWorkerSet ({LWS_GROUP_SIZE}="
+            f"{os.environ[LWS_GROUP_SIZE]}): one pod per stage is not built yet (issue 33); pipeline "
+            "parallel runs every stage's ranks as processes of one machine"
+        )
     model_config: ModelConfig | None = PRESETS.get(config.model)
     if model_config is None:
         path = resolve_model_path(config.model)
         if path.is_dir():
             model_config = read_checkpoint(path)[0]
-    if model_config is not None:
-        TPLayout.of(model_config, 0, config.tensor_parallel_size)
+    if model_config is None:
+        if pp > 1:
+            raise ValueError(
+                f"model {config.model!r} is neither a built-in preset nor an existing model directory"
+            )
+        return None
+    TPLayout.of(model_config, 0, config.tensor_parallel_size)
+    stage_layers(model_config.num_hidden_layers, pp)
+    return model_config.num_hidden_layers
 
 
 def _free_port() -> int:
@@ -87,12 +111,16 @@ def _free_port() -> int:
 class _State:
     """What shutdown needs, apart from EngineRanks itself (so that its finalizer holds no reference to it)."""
 
-    def __init__(self, procs: list[BaseProcess], conns: list[mpc.Connection]) -> None:
+    def __init__(
+        self, procs: list[BaseProcess], conns: list[mpc.Connection], tp_size: int, pp_size: int
+    ) -> None:
         self.procs = procs  # rank r is procs[r - 1]
         self.conns = conns
+        self.tp_size = tp_size
+        self.pp_size = pp_size
         self.dead: int | None = None  # the first rank to die unasked
         self.error: str | None = None  # why the ranks were stopped, once they were
-        self.group: ProcessGroupTP | None = None
+        self.group: RankGroups | None = None
         self.threads = 0  # rank 0's torch threads before the ranks split the cores (0: unchanged)
         self.lock = threading.Lock()
 
@@ -107,7 +135,13 @@ class _State:
             time.sleep(0.01)
         code = proc.exitcode
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        return f"tensor-parallel rank {self.dead} (pid {proc.pid}) died ({how}); the engine stopped its other ranks"
+        return f"{self.describe(self.dead)} (pid {proc.pid}) died ({how}); the engine stopped its other ranks"
+
+    def describe(self, rank: int) -> str:
+        """A rank as its messages name it: its global rank, and its stage under pipeline parallel."""
+        if self.pp_size == 1:
+            return f"tensor-parallel rank {rank}"
+        return f"pipeline stage {rank // self.tp_size}'s rank {rank}"
 
     def watch(self) -> None:
         """The watcher thread: the first worker to exit before a stop is recorded (and logged) at once."""
@@ -131,9 +165,7 @@ class _State:
         for p in self.procs:
             p.join(STOP_DEADLINE_S)
             if p.is_alive():
-                log.warning(
-                    "tensor-parallel worker pid %s did not stop in %.0fs: killed", p.pid, STOP_DEADLINE_S
-                )
+                log.warning("worker rank pid %s did not stop in %.0fs: killed", p.pid, STOP_DEADLINE_S)
                 p.kill()
                 p.join()
         for conn in self.conns:
@@ -155,33 +187,38 @@ class EngineRanks:
 
     def __init__(self, config: EngineConfig, dtype: str, make_runner: MakeRunner) -> None:
         """`make_runner`: the builder's (a module-level function: it goes to each worker by name)."""
-        n = config.tensor_parallel_size
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        n = tp * pp
         self.world_size = n
+        # How errors name what stopped (check()'s prefix).
+        self.kind = "tensor parallel" if pp == 1 else "pipeline parallel"
         if torch.distributed.is_initialized():
             raise RuntimeError(
-                "a tensor-parallel engine is already running in this process (one process group each); "
-                "close it first"
+                "a tensor-parallel or pipeline-parallel engine is already running in this process (one "
+                "process group each); close it first"
             )
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
         procs: list[BaseProcess] = []
         conns: list[mpc.Connection] = []
-        self._state = _State(procs, conns)
+        self._state = _State(procs, conns, tp, pp)
         self._finalizer = weakref.finalize(self, _stop, self._state)
         threads = max(1, (os.cpu_count() or 1) // n)
         for rank in range(1, n):
             parent, child = ctx.Pipe()
             p = ctx.Process(
                 target=_worker_main,
-                args=(rank, n, init_method, child, config, dtype, threads, make_runner),
-                name=f"chunkwise-tp-rank{rank}",
+                args=(rank, tp, pp, init_method, child, config, dtype, threads, make_runner),
+                name=f"chunkwise-rank{rank}",
                 daemon=True,
             )
             p.start()
             child.close()
             procs.append(p)
             conns.append(parent)
-        log.info("tensor parallel: %d ranks, worker pids %s", n, [p.pid for p in procs])
+        log.info(
+            "%s: %d ranks (%d stages of %d), worker pids %s", self.kind, n, pp, tp, [p.pid for p in procs]
+        )
         self._state.threads = torch.get_num_threads()
         torch.set_num_threads(threads)  # the ranks share this machine's cores (restored at stop)
         try:
@@ -192,15 +229,22 @@ class EngineRanks:
         # The thread holds the state, not self: a dropped engine is still collected (and its ranks stopped).
         threading.Thread(target=self._state.watch, name="chunkwise-tp-watch", daemon=True).start()
 
-    def _join(self, init_method: str) -> ProcessGroupTP:
+    def _join(self, init_method: str) -> RankGroups:
         """Rank 0's rendezvous, in a thread, so that a worker dying before it joins fails the start at once
         (naming it) instead of after the rendezvous timeout."""
-        joined: list[ProcessGroupTP | BaseException] = []
+        joined: list[RankGroups | BaseException] = []
+        state = self._state
 
         def join() -> None:
             try:
                 joined.append(
-                    init_tp_group(0, self.world_size, init_method=init_method, timeout_s=COLLECTIVE_TIMEOUT_S)
+                    join_world(
+                        0,
+                        state.tp_size,
+                        state.pp_size,
+                        init_method=init_method,
+                        timeout_s=COLLECTIVE_TIMEOUT_S,
+                    )
                 )
             except BaseException as e:
                 joined.append(e)
@@ -219,7 +263,8 @@ class EngineRanks:
         return joined[0]
 
     @property
-    def group(self) -> ProcessGroupTP:
+    def groups(self) -> RankGroups:
+        """Rank 0's place: its tensor-parallel group, and its pipeline stage (RankGroups.stage)."""
         assert self._state.group is not None
         return self._state.group
 
@@ -235,7 +280,7 @@ class EngineRanks:
         if state.dead is not None:
             state.stop(self._state.dead_message())
         if state.error is not None:
-            raise RuntimeError(f"tensor parallel: {state.error}")
+            raise RuntimeError(f"{self.kind}: {state.error}")
 
     def send(self, message: StepMessage) -> None:
         self._send(message)
@@ -273,7 +318,8 @@ def _set_pdeathsig() -> None:
 
 def _worker_main(
     rank: int,
-    world_size: int,
+    tp_size: int,
+    pp_size: int,
     init_method: str,
     conn: mpc.Connection,
     config: EngineConfig,
@@ -281,18 +327,22 @@ def _worker_main(
     threads: int,
     make_runner: MakeRunner,
 ) -> None:
-    """A worker rank: join the group, load this rank's shard, build its runner, then follow rank 0's steps
-    until a stop message (or rank 0's end)."""
+    """A worker rank: join the groups, load this rank's shard of its stage, build its runner, then follow
+    rank 0's steps until a stop message (or rank 0's end)."""
     _set_pdeathsig()
 
     torch.set_num_threads(threads)
     torch.manual_seed(config.seed)
-    group = init_tp_group(rank, world_size, init_method=init_method, timeout_s=COLLECTIVE_TIMEOUT_S)
+    groups = join_world(rank, tp_size, pp_size, init_method=init_method, timeout_s=COLLECTIVE_TIMEOUT_S)
     try:
         device = torch.device(config.device)
         backend = get_attention_backend(config.attention_backend, device.type)
         dtype = getattr(torch, dtype_name)
-        loaded = load_model(config.model, dtype=dtype, device=device, backend=backend, tp_group=group)
+        num_layers = check_sizes(config)  # None only where the model cannot be read: one stage, refused below
+        stage = groups.stage(num_layers) if num_layers is not None else None
+        loaded = load_model(
+            config.model, dtype=dtype, device=device, backend=backend, tp_group=groups.tp, pp_stage=stage
+        )
         sizes = _receive(conn)
         if sizes is None:
             return
@@ -310,7 +360,7 @@ def _worker_main(
         while (message := _receive(conn)) is not None:
             runner.follow(message)
     finally:
-        group.destroy()
+        groups.destroy()
 
 
 def _receive(conn: mpc.Connection) -> Any:
