@@ -292,13 +292,14 @@ class EngineRanks:
 
     def stop_after(self, error: BaseException) -> None:
         state = self._state
-        # A rank that died: its sentinel fires within moments of the collective failing on it.
-        alive = [p.sentinel for p in state.procs if p.is_alive()]
-        if alive and state.dead is None:
-            mpc.wait(alive, timeout=2.0)
-        for r, p in enumerate(state.procs, start=1):
-            if state.dead is None and not p.is_alive():
-                state.dead = r
+        # A rank that died: its sentinel fires within moments of the collective (or receive) failing on it.
+        # The sentinel, not is_alive(): a dying process closes its sockets and its sentinel a moment before
+        # it can be reaped, and is_alive() in that moment says True (the error would then name no rank).
+        sentinels = {p.sentinel: r for r, p in enumerate(state.procs, start=1)}
+        if state.dead is None:
+            ready = mpc.wait(list(sentinels), timeout=2.0)
+            if ready and state.dead is None:
+                state.dead = min(sentinels[s] for s in ready)  # type: ignore[index]
         if state.dead is not None:
             message = state.dead_message()
             state.stop(message)
