@@ -157,12 +157,18 @@ def test_fewer_layers_than_stages_and_the_server_engine_are_refused_before_any_p
     assert multiprocessing.active_children() == []
 
 
-def test_a_leader_worker_set_is_refused_until_one_pod_per_stage_is_built(
+def test_a_leader_worker_set_of_another_size_or_an_engine_in_a_worker_pod_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setenv("LWS_LEADER_ADDRESS", "127.0.0.1")
+    monkeypatch.setenv("LWS_GROUP_SIZE", "3")
+    monkeypatch.setenv("LWS_WORKER_INDEX", "0")
+    with pytest.raises(ValueError, match=r"LWS_GROUP_SIZE=3 pods .* pipeline_parallel_size must be 3, not 2"):
+        LLM("tiny", pipeline_parallel_size=2)
     monkeypatch.setenv("LWS_GROUP_SIZE", "2")
+    monkeypatch.setenv("LWS_WORKER_INDEX", "1")
     with pytest.raises(
-        ValueError, match=r"LeaderWorkerSet \(LWS_GROUP_SIZE=2\): one pod per stage is not built"
+        ValueError, match=r"this pod is LeaderWorkerSet worker 1: it runs pipeline stage 1's ranks"
     ):
         LLM("tiny", pipeline_parallel_size=2)
     assert multiprocessing.active_children() == []

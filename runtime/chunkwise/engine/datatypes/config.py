@@ -303,10 +303,18 @@ class EngineConfig:
         help="ranks the model is sharded over (tensor parallel): one process each, on CPU (gloo)",
     )
     # vLLM's flag. Stages of consecutive layers, each tensor_parallel_size ranks, every rank a process of this
-    # machine (loop/tp_ranks.py); one pod per stage (a LeaderWorkerSet) is not built yet.
+    # machine (loop/tp_ranks.py), or one pod per stage in a LeaderWorkerSet (loop/stage_worker.py).
     pipeline_parallel_size: int = option(
         1,
         help="stages the model's layers are split over (pipeline parallel), each of tensor_parallel_size ranks",
+    )
+    # torch's default MASTER_PORT. Only a LeaderWorkerSet group (one pod per stage) uses it: one machine's
+    # ranks meet on a free loopback port rank 0 picks.
+    distributed_port: int = option(
+        29500,
+        help="the port the leader pod's rank 0 listens on for the other pods' ranks (pipeline parallel in a "
+        "LeaderWorkerSet, one pod per stage; LWS_LEADER_ADDRESS the address): the process group's "
+        "rendezvous there, each step's message on the next port",
     )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -316,6 +324,10 @@ class EngineConfig:
         _one_of("dtype", self.dtype, get_args(Dtype), show=str)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         _positive("pipeline_parallel_size", self.pipeline_parallel_size)
+        if not 0 < self.distributed_port < 65535:
+            raise ValueError(
+                f"distributed_port must be a port below 65535 (two are used), got {self.distributed_port}"
+            )
         if self.world_size > 1:
             # Named by the field that asked for more than one rank (tensor parallel's first: its wording).
             name, size = (
