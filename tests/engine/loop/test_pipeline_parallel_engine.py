@@ -1,7 +1,7 @@
 """The engine over real gloo ranks in pipeline stages (LLM(pipeline_parallel_size=2), with and without
 tensor_parallel_size=2: rank 0 here, the other ranks spawned): greedy tokens equal transformers' in float32
 on Llama (an uneven layer split), Qwen3 (a tied LM head on the last stage, and two tensor-parallel ranks per
-stage) and Mistral (one KV head); the same
+stage) and Mistral (one KV head, three stages: a middle one); the same
 outputs as one rank under chunked prefill, prefix caching, swap and recompute preemption, n > 1, n-gram
 speculation, prompt and sampled log-probs and structured outputs; each stage holds only its layers' KV; a
 killed rank fails the next step naming it and leaves no process; fewer layers than stages, and the server's
@@ -40,14 +40,14 @@ def short_collective_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(
-    ("family", "layers", "tp"),
+    ("family", "layers", "pp", "tp"),
     [
-        ("llama3-rope", 3, 1),  # stages of 2 and 1 layers (vLLM's split: the last stage the lighter)
-        ("qwen3", 2, 2),  # tied embeddings: the last stage's LM head is its embedding shard, over 2 ranks
-        ("mistral", 2, 1),
+        ("llama3-rope", 3, 2, 1),  # stages of 2 and 1 layers (vLLM's split: the last stage the lighter)
+        ("qwen3", 2, 2, 2),  # tied embeddings: the last stage's LM head is its embedding shard, over 2 ranks
+        ("mistral", 3, 3, 1),  # a middle stage: it receives hidden states and sends them on
     ],
 )
-def test_greedy_equals_transformers(family: str, layers: int, tp: int, tmp_path: Path) -> None:
+def test_greedy_equals_transformers(family: str, layers: int, pp: int, tp: int, tmp_path: Path) -> None:
     path = save_random_family(tmp_path, family, num_hidden_layers=layers)
     rng = random.Random(13)
     prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(5, 40))] for _ in range(3)]
@@ -56,14 +56,15 @@ def test_greedy_equals_transformers(family: str, layers: int, tp: int, tmp_path:
     llm = LLM(
         str(path),
         dtype="float32",
-        pipeline_parallel_size=2,
+        pipeline_parallel_size=pp,
         tensor_parallel_size=tp,
         max_num_batched_tokens=16,
         block_size=4,
     )
     try:
         # Rank 0 (stage 0) holds the first stage's layers' KV only.
-        assert len(llm.engine.runner.kv_caches) == (2 if layers == 3 else 1)
+        assert len(llm.engine.runner.kv_caches) == (2 if (layers, pp) == (3, 2) else 1)
+
         outs = llm.generate(
             prompts, [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_new]
         )
