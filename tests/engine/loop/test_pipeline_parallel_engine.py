@@ -1,11 +1,11 @@
-"""The engine over real gloo ranks in pipeline stages (LLM(pipeline_parallel_size=2), with and without
+"""The engine over real gloo ranks in pipeline stages (LLM(pipeline_parallel_size=P), with and without
 tensor_parallel_size=2: rank 0 here, the other ranks spawned): greedy tokens equal transformers' in float32
 on Llama (an uneven layer split), Qwen3 (a tied LM head on the last stage, and two tensor-parallel ranks per
-stage) and Mistral (one KV head, three stages: a middle one); the same
-outputs as one rank under chunked prefill, prefix caching, swap and recompute preemption, n > 1, n-gram
-speculation, prompt and sampled log-probs and structured outputs; each stage holds only its layers' KV; a
-killed rank fails the next step naming it and leaves no process; fewer layers than stages, and the server's
-engine, are refused before any process starts."""
+stage) and Mistral (one KV head, three stages: a middle one); the same outputs as one rank under chunked
+prefill, prefix caching, swap and recompute preemption, n > 1, n-gram speculation, prompt and sampled
+log-probs and structured outputs; each stage holds only its layers' KV; a killed rank fails
+the next step naming it and leaves no process; fewer layers than stages, a LeaderWorkerSet of another size,
+an engine in a worker pod, and the server's engine are refused before any process starts."""
 
 from __future__ import annotations
 
@@ -118,6 +118,7 @@ def test_stages_equal_one_rank(tp: int, mode: str) -> None:
 
 
 def test_structured_outputs_with_ngram_on_two_stages() -> None:
+    """Grammar masks (and n-gram drafts cut by them) on rank 0, over the last stage's logits."""
     engine_args = {"speculative_method": "ngram", "adaptive_speculation": False}
     one = _constrained(1, **engine_args)
     assert one[0][:2] == list(b"ab")  # the grammar did constrain
