@@ -118,7 +118,9 @@ FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {
 }
 
 
-def save_random_family(path: Path, name: str, seed: int = 0, vocab_size: int = 320) -> Path:
+def save_random_family(
+    path: Path, name: str, seed: int = 0, vocab_size: int = 320, num_hidden_layers: int = 2
+) -> Path:
     """A random checkpoint of one of FAMILIES, saved with save_pretrained. Norms and biases are randomised too
     (so loading them is tested), and q/k are sharpened as the built-in presets are: with transformers' init
     attention is nearly uniform and the rotation (and any scaling of it) would not change a greedy token."""
@@ -130,7 +132,7 @@ def save_random_family(path: Path, name: str, seed: int = 0, vocab_size: int = 3
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=num_hidden_layers,
         max_position_embeddings=512,
         bos_token_id=1,
         eos_token_id=2,

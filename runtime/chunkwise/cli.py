@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from chunkwise.engine.distributed.lws import LWSPlace
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "serve":
+        from chunkwise.engine.distributed.lws import LWSPlace
+
+        # A LeaderWorkerSet worker pod (LWS_WORKER_INDEX > 0) runs its pipeline stage's ranks, no server.
+        try:
+            place = LWSPlace.from_env()
+        except ValueError as e:
+            print(f"chunkwise serve: {e}", file=sys.stderr)
+            return 2
+        if place is not None and place.worker_index > 0:
+            return _serve_stage(args, place)
         from chunkwise.server.run import serve
 
         return serve(args)
@@ -81,6 +95,27 @@ def main(argv: list[str] | None = None) -> int:
         return run_replay_cli(args)
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def _serve_stage(args: argparse.Namespace, place: LWSPlace) -> int:
+    """`chunkwise serve` in a LeaderWorkerSet worker pod: its pipeline stage's ranks with the engine options
+    given (every stage runs the leader's config; its tensor and pipeline sizes must be these), until the
+    leader goes."""
+    import logging
+
+    from chunkwise.engine.args import engine_config_from_args
+    from chunkwise.engine.loop.stage_worker import run_stage_worker
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = engine_config_from_args(args)
+        place.check(config.pipeline_parallel_size)
+    except ValueError as e:
+        logging.getLogger("chunkwise.cli").error("invalid engine arguments for a worker pod: %s", e)
+        return 2
+    return run_stage_worker(config, place)
 
 
 if __name__ == "__main__":

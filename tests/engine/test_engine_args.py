@@ -57,6 +57,7 @@ NOT_DEFAULT: dict[str, object] = {
     "num_speculative_tokens": 2,
     "adaptive_speculation": False,
     "speculative_model": "small",
+    "distributed_port": 29600,
 }
 
 

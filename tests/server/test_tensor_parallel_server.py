@@ -1,6 +1,6 @@
 """`chunkwise serve --tensor-parallel-size 2` as a real process (rank 0 serving, one spawned worker rank, gloo):
 the official client's greedy tokens equal transformers' in float32 (Mistral with one KV head for two ranks,
-Qwen3 with its per-head q/k norms); SIGTERM drains a stream in flight, exits 0 and leaves no rank behind; a
+Qwen3 with its per-head q/k norms; and `--pipeline-parallel-size 2` over a 3-layer Llama); SIGTERM drains a stream in flight, exits 0 and leaves no rank behind; a
 worker rank killed while the server idles takes the server down at once (exit 1, the rank and its signal
 named, no orphan); a size the heads do not divide over fails the start, naming the field."""
 
@@ -41,7 +41,7 @@ class Served:
         return self.log.read_text()
 
     def worker_pids(self) -> list[int]:
-        found = re.search(r"tensor parallel: 2 ranks, worker pids \[([\d, ]+)\]", self.output())
+        found = re.search(r"parallel: \d+ ranks \(.*\), worker pids \[([\d, ]+)\]", self.output())
         assert found, self.output()
         return [int(p) for p in found.group(1).split(",")]
 
@@ -71,10 +71,12 @@ def _gone(pids: list[int], timeout_s: float = 15.0) -> bool:
     return False
 
 
-def _start(model: str, log: Path, *extra: str) -> Served:
+def _start(
+    model: str, log: Path, *extra: str, parallel: tuple[str, ...] = ("--tensor-parallel-size", "2")
+) -> Served:
     port = _free_port()
     cmd = [sys.executable, "-m", "chunkwise.cli", "serve", "--model", model, "--port", str(port)]
-    cmd += ["--host", "127.0.0.1", "--dtype", "float32", "--tensor-parallel-size", "2", "--log-level", "info"]
+    cmd += ["--host", "127.0.0.1", "--dtype", "float32", *parallel, "--log-level", "info"]
     cmd += ["--max-model-len", "256", "--num-blocks", "64", "--block-size", "4", "--swap-space-bytes", "0"]
     cmd += ["--max-num-batched-tokens", "16", *extra]
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'runtime'}:{ROOT}"}
@@ -88,8 +90,14 @@ def _start(model: str, log: Path, *extra: str) -> Served:
 
 @pytest.fixture
 def served_family(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Served]:
-    path = save_random_family(tmp_path / "ckpt", request.param)
-    served = _start(str(path), tmp_path / "serve.log")
+    """request.param: a family, or (family, layers, the parallel flags)."""
+    family, layers, parallel = (
+        request.param
+        if isinstance(request.param, tuple)
+        else (request.param, 2, ("--tensor-parallel-size", "2"))
+    )
+    path = save_random_family(tmp_path / "ckpt", family, num_hidden_layers=layers)
+    served = _start(str(path), tmp_path / "serve.log", parallel=parallel)
     try:
         assert served.proc.poll() is None, served.output()
         yield served
@@ -105,7 +113,12 @@ def served_family(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Se
                 os.kill(pid, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("served_family", ["mistral", "qwen3"], indirect=True)
+@pytest.mark.parametrize(
+    "served_family",
+    ["mistral", "qwen3", ("llama3-rope", 3, ("--pipeline-parallel-size", "2"))],
+    ids=["mistral-tp2", "qwen3-tp2", "llama3-pp2"],
+    indirect=True,
+)
 def test_greedy_equals_transformers_then_sigterm_drains_and_stops_every_rank(served_family: Served) -> None:
     served = served_family
     rng = random.Random(3)
@@ -127,6 +140,7 @@ def test_greedy_equals_transformers_then_sigterm_drains_and_stops_every_rank(ser
 
     # SIGTERM while a stream is in flight: it still gets every token, then the server and its rank exit.
     pids = served.worker_pids()
+    assert len(pids) == 1
     stream = client.completions.create(
         model=served.model,
         prompt=prompts[0],

@@ -40,6 +40,7 @@ def _many_calls(group: ProcessGroupTP, out: Path) -> None:
         mine = _inputs(call, world)[rank].clone()
         results.append(group.all_reduce(mine))
     assert isinstance(group._shm, ShmAllReduce), "the group did not set up the shared-memory all-reduce"
+    (out / f"segment{rank}").write_text(group._shm.path)
     big = torch.full((SLOT_BYTES // 4 + 1,), float(rank + 1))  # a float more than a slot: gloo's path
     results.append(group.all_reduce(big))
     torch.save(results, out / f"rank{rank}.pt")
@@ -48,7 +49,6 @@ def _many_calls(group: ProcessGroupTP, out: Path) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_rank_gets_the_same_bits_the_sum_in_rank_order(world: int, tmp_path: Path) -> None:
     assert kernels.available(), "the CPU kernels must build on the test machines"
-    before = set(_segment_dir().glob("chunkwise-tp-*"))
     run_ranks(_many_calls, world, tmp_path, timeout_s=120.0)
     got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     for call in range(CALLS):
@@ -57,7 +57,10 @@ def test_every_rank_gets_the_same_bits_the_sum_in_rank_order(world: int, tmp_pat
             assert torch.equal(got[r][call], expected), (call, r)
     for r in range(world):
         assert torch.equal(got[r][CALLS], torch.full((SLOT_BYTES // 4 + 1,), float(sum(range(1, world + 1)))))
-    assert set(_segment_dir().glob("chunkwise-tp-*")) == before  # unlinked once every rank had mapped it
+    paths = {(tmp_path / f"segment{r}").read_text() for r in range(world)}
+    (path,) = paths  # one segment, every rank's
+    assert Path(path).parent == _segment_dir()
+    assert not Path(path).exists()  # unlinked once every rank had mapped it
 
 
 def _one_rank_stays_away(group: ProcessGroupTP, out: Path) -> None:

@@ -196,7 +196,9 @@ def test_closed_or_dropped_engine_leaves_no_process() -> None:
         llm.generate([[5, 6]], SamplingParams(max_tokens=2))
     llm = LLM("tiny", dtype="float32", tensor_parallel_size=2)  # a group again, the last one left
     pids = _ranks(llm).pids
-    with pytest.raises(RuntimeError, match="a tensor-parallel engine is already running in this process"):
+    with pytest.raises(
+        RuntimeError, match="a tensor-parallel or pipeline-parallel engine is already running in this process"
+    ):
         LLM("tiny", dtype="float32", tensor_parallel_size=2)
     del llm
     gc.collect()

@@ -302,11 +302,19 @@ class EngineConfig:
         1,
         help="ranks the model is sharded over (tensor parallel): one process each, on CPU (gloo)",
     )
-    # vLLM's flag. Stages of consecutive layers, each tensor_parallel_size ranks (in a LeaderWorkerSet, one
-    # pod per stage).
+    # vLLM's flag. Stages of consecutive layers, each tensor_parallel_size ranks, every rank a process of this
+    # machine (loop/tp_ranks.py), or one pod per stage in a LeaderWorkerSet (loop/stage_worker.py).
     pipeline_parallel_size: int = option(
         1,
         help="stages the model's layers are split over (pipeline parallel), each of tensor_parallel_size ranks",
+    )
+    # torch's default MASTER_PORT. Only a LeaderWorkerSet group (one pod per stage) uses it: one machine's
+    # ranks meet on a free loopback port rank 0 picks.
+    distributed_port: int = option(
+        29500,
+        help="the port the leader pod's rank 0 listens on for the other pods' ranks (pipeline parallel in a "
+        "LeaderWorkerSet, one pod per stage; LWS_LEADER_ADDRESS the address): the process group's "
+        "rendezvous there, each step's message on the next port",
     )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -316,16 +324,33 @@ class EngineConfig:
         _one_of("dtype", self.dtype, get_args(Dtype), show=str)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         _positive("pipeline_parallel_size", self.pipeline_parallel_size)
-        if self.pipeline_parallel_size > 1:
+        if not 0 < self.distributed_port < 65535:
             raise ValueError(
-                f"pipeline_parallel_size {self.pipeline_parallel_size}: pipeline parallel is not built yet "
-                "(issue 33)"
+                f"distributed_port must be a port below 65535 (two are used), got {self.distributed_port}"
             )
-        if self.tensor_parallel_size > 1 and not self.device.startswith("cpu"):
-            raise ValueError(
-                f"tensor_parallel_size {self.tensor_parallel_size} runs on CPU (gloo) only: on "
-                f"{self.device} the NCCL path is untested (no multi-GPU machine yet; issue 33)"
+        if self.world_size > 1:
+            # Named by the field that asked for more than one rank (tensor parallel's first: its wording).
+            name, size = (
+                ("tensor_parallel_size", self.tensor_parallel_size)
+                if self.tensor_parallel_size > 1
+                else ("pipeline_parallel_size", self.pipeline_parallel_size)
             )
+            if not self.device.startswith("cpu"):
+                raise ValueError(
+                    f"{name} {size} runs on CPU (gloo) only: on "
+                    f"{self.device} the NCCL path is untested (no multi-GPU machine yet; issue 33)"
+                )
+            if self.spec.method == "draft" and self.pipeline_parallel_size > 1:
+                # Under tensor parallel alone the draft runs whole on rank 0 (tested); not across stages yet.
+                raise ValueError(
+                    "pipeline_parallel_size > 1 with speculative_method='draft' is not supported yet "
+                    "(issue 33): use speculative_method='ngram' or one stage"
+                )
+
+    @property
+    def world_size(self) -> int:
+        """The engine's ranks: tensor_parallel_size ranks in each of pipeline_parallel_size stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,11 @@ def _segment_dir() -> Path:
 class ShmAllReduce:
     """The sum over a group's ranks of a contiguous CPU tensor, in place, every rank the same bits."""
 
-    def __init__(self, segment: torch.Tensor, rank: int, world_size: int, timeout_s: float) -> None:
+    def __init__(
+        self, segment: torch.Tensor, rank: int, world_size: int, timeout_s: float, path: str = ""
+    ) -> None:
         self.segment = segment
+        self.path = path  # where it was created (unlinked once every rank had mapped it)
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
@@ -135,4 +138,4 @@ class ShmAllReduce:
             world,
             slot_bytes >> 20,
         )
-        return cls(segment, rank, world, timeout_s)
+        return cls(segment, rank, world, timeout_s, path[0])

@@ -21,7 +21,7 @@ from chunkwise.engine.attention.backend import AttentionBackend
 from chunkwise.engine.cache.events import KVEventLog
 from chunkwise.engine.cache.kv_cache_manager import KVCacheManager
 from chunkwise.engine.datatypes.config import Dtype, EngineConfig
-from chunkwise.engine.distributed import SINGLE_RANK
+from chunkwise.engine.distributed import SINGLE_RANK, stage_layers
 from chunkwise.engine.hardware import DtypeChoice, cpu_has_bf16_matmul, cpu_isa, resolve_dtype
 from chunkwise.engine.loop.calibration import (
     DEFAULT_CPU_KV_BYTES,
@@ -96,7 +96,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
         )
     backend = get_attention_backend(config.attention_backend, device.type)
     log.info("attention backend %s", backend.name)
-    if config.tensor_parallel_size == 1:
+    if config.tensor_parallel_size == 1 and config.pipeline_parallel_size == 1:
         return _build(config, choice, backend, None)
     check_sizes(config)  # before any process starts
     ranks = EngineRanks(config, choice.name, make_runner)  # the other ranks started, and the group joined
@@ -110,16 +110,23 @@ def build_engine(config: EngineConfig) -> EngineParts:
 def _build(
     config: EngineConfig, choice: DtypeChoice, backend: AttentionBackend, ranks: EngineRanks | None
 ) -> EngineParts:
-    """The rest of build_engine, on rank 0 of `ranks` when tensor parallel."""
+    """The rest of build_engine, on rank 0 of `ranks` when tensor or pipeline parallel."""
     device = torch.device(config.device)
     dtype = choice.dtype
-    tp_group = ranks.group if ranks is not None else SINGLE_RANK
-    loaded = load_model(config.model, dtype=dtype, device=device, backend=backend, tp_group=tp_group)
+    tp_group = ranks.groups.tp if ranks is not None else SINGLE_RANK
+    num_layers = check_sizes(config) if config.pipeline_parallel_size > 1 else None
+    stage = ranks.groups.stage(num_layers) if ranks is not None and num_layers is not None else None
+    loaded = load_model(
+        config.model, dtype=dtype, device=device, backend=backend, tp_group=tp_group, pp_stage=stage
+    )
     mcfg = loaded.config
     cache = config.cache
     # Loaded before the KV cache is sized: its weights and its KV blocks take device memory too.
     draft = _load_draft(config, loaded, dtype, device, backend)
-    per_token = kv_bytes_per_token(mcfg, dtype, config.tensor_parallel_size)  # on each rank
+    # On each rank, over its stage's layers; every rank has the same number of blocks (the block ids the
+    # scheduler hands out are every rank's), so the largest stage's size them.
+    stage_layers_max = max(map(len, stage_layers(mcfg.num_hidden_layers, config.pipeline_parallel_size)))
+    per_token = kv_bytes_per_token(mcfg, dtype, config.tensor_parallel_size, stage_layers_max)
     block_bytes = per_token * cache.block_size
     sched_cfg = config.scheduler
     if cache.num_blocks is not None:

@@ -54,7 +54,7 @@ class EngineCore:
         self.model_info: ModelInfo = parts.model_info
 
     def close(self) -> None:
-        """Stop the engine's other processes (tensor parallel's worker ranks; none at one rank). Idempotent;
+        """Stop the engine's other processes (tensor and pipeline parallel's worker ranks; none at one rank). Idempotent;
         an engine garbage-collected or a process exiting does the same."""
         if self.runner.ranks is not None:
             self.runner.ranks.close()

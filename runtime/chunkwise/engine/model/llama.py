@@ -10,6 +10,14 @@ ranks) and of gate/up, o_proj's and down_proj's matching input columns, and its 
 layer sums o_proj's and down_proj's partial outputs over the ranks (one all_reduce each), the embedding sums
 its shards' rows, and the logits are the ranks' shards gathered. At world size 1 (the default) none of that
 communicates: the model is the unsharded one.
+
+Pipeline parallel (a PipelineStage of more than one stage, distributed/pipeline.py): a stage holds its
+consecutive layers (the others are MissingLayer placeholders, so that parameter names stay Hugging Face's),
+the first stage the embedding, the last the final norm and the LM head (and the embedding too when the LM
+head is tied to it: the tied tensor is the embedding's). A stage after the first receives the hidden states
+and residual stream of the one before; a stage before the last sends them on and returns a placeholder with
+no features, one row per row the model would have returned; on global rank 0 compute_logits receives the
+logits the last stage computed for those rows (in the same order: every rank makes the same calls).
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from torch import nn
 
 from chunkwise.engine.attention.backend import AttentionBackend, AttentionMetadata, AttentionPlan
 from chunkwise.engine.datatypes.config import ModelConfig
-from chunkwise.engine.distributed import SINGLE_RANK, TPGroup, TPLayout
+from chunkwise.engine.distributed import SINGLE_RANK, PipelineStage, TPGroup, TPLayout, single_stage
 from chunkwise.engine.model.layers import Linear, Part, RMSNorm, Rope, RotaryEmbedding, SiluAndMul
 from chunkwise.engine.model.parallel import VocabParallelEmbedding
 
@@ -148,21 +156,43 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+class MissingLayer(nn.Module):
+    """Another pipeline stage's layer: no parameters, never called (it keeps the layer indices, and so the
+    parameter names, of the layers this stage holds)."""
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TPGroup = SINGLE_RANK) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        tp: TPGroup = SINGLE_RANK,
+        pp: PipelineStage | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.backend = backend
         # What this rank holds; refuses (ValueError naming the field) sizes that do not divide.
         self.layout = layout = TPLayout.of(config, tp.rank, tp.world_size)
+        self.pp = pp = pp if pp is not None else single_stage(config.num_hidden_layers)
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        self.embed_tokens = VocabParallelEmbedding(layout, config.hidden_size, tp)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, self.rotary, layout, tp) for _ in range(config.num_hidden_layers)
+        holds_embedding = pp.is_first or (pp.is_last and config.tie_word_embeddings)
+        self.embed_tokens = (
+            VocabParallelEmbedding(layout, config.hidden_size, tp) if holds_embedding else None
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, backend, self.rotary, layout, tp) if i in pp.layers else MissingLayer()
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last else None
+
+    def first_layer(self) -> DecoderLayer:
+        """This stage's first layer (its weights have the model's dtype and device)."""
+        layer = self.layers[self.pp.layers.start]
+        assert isinstance(layer, DecoderLayer)
+        return layer
 
     def forward(
         self,
@@ -177,43 +207,72 @@ class LlamaModel(nn.Module):
 
         Only the rows a step samples or scores need the last layer's output; the rest of a prefill chunk
         needs only its keys and values in the cache. With `keep`, the last layer computes its output
-        projection and MLP for those rows alone: most of a layer's work for a prompt token."""
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"expected {len(self.layers)} KV caches (one per layer), got {len(kv_caches)}")
+        projection and MLP for those rows alone: most of a layer's work for a prompt token.
+
+        A pipeline stage before the last returns a [rows, 0] placeholder (see the module's docstring)."""
+        own = self.pp.layers
+        if len(kv_caches) != len(own):
+            raise ValueError(
+                f"expected {len(own)} KV caches (one per layer of this stage), got {len(kv_caches)}"
+            )
         # The backend plans the step once (which rows take which path, their index tensors); every layer
         # reuses the plan. A runner may have built it already, outside a captured graph.
         if plan is None:
             heads = self.layout
             plan = self.backend.plan(meta, heads.num_heads, heads.num_kv_heads, self.config.head_dim)
-        x = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        if self.pp.is_first:
+            assert self.embed_tokens is not None
+            x = self.embed_tokens(input_ids)
+        else:
+            like = self.first_layer().input_layernorm.weight
+            x, residual = self.pp.recv_hidden(
+                input_ids.shape[0], self.config.hidden_size, like.dtype, like.device
+            )
         rope = self.rotary.lookup(positions, x.dtype)
-        last = len(self.layers) - 1
-        residual = None
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            x, residual = layer(x, residual, rope, kv_cache, plan, keep if i == last else None)
-        assert residual is not None  # a model has a layer
+        last = self.config.num_hidden_layers - 1
+        for i, kv_cache in zip(own, kv_caches):
+            x, residual = self.layers[i](x, residual, rope, kv_cache, plan, keep if i == last else None)
+        assert residual is not None  # a stage has a layer
+        if self.norm is None:
+            self.pp.send_hidden(x, residual)
+            return x.new_empty((x.shape[0] if keep is None else keep.shape[0], 0))
         return self.norm.add(x, residual)[1]
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, tp: TPGroup = SINGLE_RANK) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        tp: TPGroup = SINGLE_RANK,
+        pp: PipelineStage | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.tp = tp
-        self.model = LlamaModel(config, backend, tp)
+        self.model = LlamaModel(config, backend, tp, pp)
+        # This rank's stage: its layers (all of them at pipeline size 1), its KV caches one per layer.
+        self.pp = self.model.pp
         # This rank's heads and shares (everything at world size 1): its KV cache holds layout.num_kv_heads.
         self.layout = layout = self.model.layout
-        # Column parallel over the vocabulary, its rows the embedding's (so tying shares the shard).
-        self.lm_head = Linear(
-            config.hidden_size,
-            layout.vocab_shard,
-            parts=(Part("", layout.vocab_rows, layout.vocab_start, config.vocab_size),),
+        # Column parallel over the vocabulary, its rows the embedding's (so tying shares the shard); the last
+        # pipeline stage's only.
+        self.lm_head = (
+            Linear(
+                config.hidden_size,
+                layout.vocab_shard,
+                parts=(Part("", layout.vocab_rows, layout.vocab_start, config.vocab_size),),
+            )
+            if self.pp.is_last
+            else None
         )
         self.tie_weights()
 
     def tie_weights(self) -> None:
         """Share the embedding with the output projection when the config says so (again after loading)."""
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and self.lm_head is not None:
+            assert self.model.embed_tokens is not None  # the last stage holds it when tied
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def prepare(self, widen_half_on_cpu: bool, triton_layers: bool = True) -> None:
@@ -222,7 +281,7 @@ class LlamaForCausalLM(nn.Module):
         Triton norms and rotation on CUDA unless `triton_layers` is False (the torch reference's model: a
         reference that ran the same kernels could not catch them out).
         A tied lm_head keeps sharing the embedding unless it is widened (then it gets its own fp32 copy)."""
-        like = self.model.embed_tokens.weight
+        like = self.model.first_layer().input_layernorm.weight
         self.model.rotary.prepare(like, triton_layers)
         for module in self.modules():
             if isinstance(module, Linear):
@@ -249,10 +308,15 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # The projection runs in the model's dtype (upcasting a large vocab's weight every step is a real
         # cost); the sampler gets fp32. Tensor parallel: every rank gets every rank's shard of the logits,
-        # the last one's padding cut off.
+        # the last one's padding cut off. Pipeline parallel: the last stage's, sent to (and received by)
+        # global rank 0.
+        if self.lm_head is None:
+            return self.pp.recv_logits(hidden.shape[0], self.config.vocab_size, hidden.device)
         logits = self.lm_head(hidden)
         if self.tp.world_size > 1:
             logits = self.tp.all_gather(logits, dim=-1)
             if logits.shape[-1] != self.config.vocab_size:
                 logits = logits[:, : self.config.vocab_size].contiguous()
-        return logits.float()
+        logits = logits.float()
+        self.pp.send_logits(logits)
+        return logits

@@ -5,14 +5,16 @@ mismatch between what the config describes and what the weights hold is an error
 a wrong checkpoint fails at start-up rather than serving noise. What config.json means is hf_config.py's.
 
 Given a tensor-parallel group, each rank builds only its shard of the model and reads only its shard of each
-tensor from the checkpoint (safetensors slices; model/parallel.py says which).
+tensor from the checkpoint (safetensors slices; model/parallel.py says which). Given a pipeline stage, it
+builds and reads only that stage's layers (and the embedding, final norm and LM head where the stage holds
+them); the other stages' tensors in the checkpoint are skipped, not refused.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ import torch
 
 from chunkwise.engine.attention.backend import AttentionBackend
 from chunkwise.engine.datatypes.config import ModelConfig
-from chunkwise.engine.distributed import SINGLE_RANK, TPGroup
+from chunkwise.engine.distributed import SINGLE_RANK, PipelineStage, TPGroup
 from chunkwise.engine.hardware import cpu_has_bf16_matmul
 from chunkwise.engine.model.bundled import BUNDLED, resolve_model_path
 
@@ -73,15 +75,19 @@ def load_model(
     backend: AttentionBackend,
     prepare: bool = True,
     tp_group: TPGroup = SINGLE_RANK,
+    pp_stage: PipelineStage | None = None,
 ) -> LoadedModel:
     """The model, its tokenizer and chat template, with weights in `dtype` on `device`.
 
     With prepare=True (serving) each layer then picks its kernels for the device (Linear.prepare), and a
     half-precision weight the CPU computes in fp32 is widened; prepare=False keeps the weights as loaded.
     With a tp_group of more than one rank, this rank's shard of the model (a size that does not divide over
-    the ranks is a ValueError naming the config field); every rank of the group calls this."""
+    the ranks is a ValueError naming the config field); every rank of the group calls this. With a pipeline
+    stage (None: the whole model), that stage's part of the model."""
     if name_or_path in PRESETS:
-        loaded = _load_preset(name_or_path, dtype=dtype, device=device, backend=backend, tp=tp_group)
+        loaded = _load_preset(
+            name_or_path, dtype=dtype, device=device, backend=backend, tp=tp_group, pp=pp_stage
+        )
     else:
         path = resolve_model_path(name_or_path)
         if not path.is_dir():
@@ -91,7 +97,7 @@ def load_model(
                 "path of a Hugging Face model directory)"
             )
         loaded = _load_hf_dir(
-            path, name=name_or_path, dtype=dtype, device=device, backend=backend, tp=tp_group
+            path, name=name_or_path, dtype=dtype, device=device, backend=backend, tp=tp_group, pp=pp_stage
         )
     if prepare:
         # The torch attention backend is the reference other paths are checked against: its model keeps
@@ -114,17 +120,23 @@ def checkpoint_dtype(name_or_path: str) -> str | None:
 
 
 def _load_preset(
-    name: str, *, dtype: torch.dtype, device: str | torch.device, backend: AttentionBackend, tp: TPGroup
+    name: str,
+    *,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    backend: AttentionBackend,
+    tp: TPGroup,
+    pp: PipelineStage | None,
 ) -> LoadedModel:
     config = PRESETS[name]
-    model = _empty_model(config, backend, dtype, device, tp)
+    model = _empty_model(config, backend, dtype, device, tp, pp)
     if name in DEVICE_DRAWN_PRESETS:
         tensors = random_tensors(
             hf_parameter_shapes(config), PRESET_SEEDS[name], config.hidden_size, torch.device(device)
         )
     else:
         tensors = iter(preset_state_dict(name).items())
-    _copy_weights(model, tensors, dtype)
+    _copy_weights(model, tensors, dtype, _other_stages(config, backend, tp, model))
     tokenizer = ByteTokenizer()
     return LoadedModel(name, config, model, tokenizer, tokenizer.chat_template)
 
@@ -135,10 +147,11 @@ def _empty_model(
     dtype: torch.dtype,
     device: str | torch.device,
     tp: TPGroup = SINGLE_RANK,
+    pp: PipelineStage | None = None,
 ) -> LlamaForCausalLM:
     # Built on the meta device and allocated once in the target dtype: no throwaway fp32 init on the device.
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend, tp)
+        model = LlamaForCausalLM(config, backend, tp, pp)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()
     return model
@@ -168,15 +181,33 @@ def _zero_padding(params: dict[str, torch.Tensor], filled: dict[str, int]) -> No
             params[name][rows:].zero_()
 
 
+def _other_stages(
+    config: ModelConfig, backend: AttentionBackend, tp: TPGroup, model: LlamaForCausalLM
+) -> set[str]:
+    """The Hugging Face tensors the whole model reads but this pipeline stage does not hold (none at one
+    stage): the loader skips them."""
+    if model.pp.num_stages == 1:
+        return set()
+    with torch.device("meta"):
+        whole = hf_weight_names(LlamaForCausalLM(config, backend, tp))
+    return whole.keys() - hf_weight_names(model).keys()
+
+
 def _copy_weights(
-    model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype
+    model: LlamaForCausalLM,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    skip: Collection[str] = (),
 ) -> None:
-    """Copy HF-named tensors (their shard, under tensor parallelism) into the model, one at a time."""
+    """Copy HF-named tensors (their shard, under tensor parallelism) into the model, one at a time; those in
+    `skip` (other pipeline stages') are passed over."""
     params = dict(model.named_parameters())
     expected = hf_weight_names(model)
     filled: dict[str, int] = {}
     with torch.no_grad():
         for hf, tensor in tensors:
+            if hf in skip:
+                continue
             slot = expected.pop(hf)
             _fill(params, slot, read_shard(tensor.view(slot.shape), slot), filled)
         _zero_padding(params, filled)
@@ -231,6 +262,7 @@ def _load_hf_dir(
     device: str | torch.device,
     backend: AttentionBackend,
     tp: TPGroup,
+    pp: PipelineStage | None,
 ) -> LoadedModel:
     config, tokenizer = read_checkpoint(path)
     if isinstance(tokenizer, NoTokenizer):
@@ -238,9 +270,10 @@ def _load_hf_dir(
     weight_files = _weight_files(path)
 
     with torch.device("meta"):
-        expected = hf_weight_names(LlamaForCausalLM(config, backend, tp))
-    where = _locate_weights(weight_files, expected, config)
-    model = _empty_model(config, backend, dtype, device, tp)
+        meta = LlamaForCausalLM(config, backend, tp, pp)
+    expected = hf_weight_names(meta)
+    where = _locate_weights(weight_files, expected, config, _other_stages(config, backend, tp, meta))
+    model = _empty_model(config, backend, dtype, device, tp, pp)
     params = dict(model.named_parameters())
     filled: dict[str, int] = {}
     by_file: dict[Path, list[str]] = {}
@@ -307,8 +340,11 @@ def _name_list(names: set[str]) -> str:
     return shown + (f" and {more} more" if more > 0 else "")
 
 
-def _locate_weights(files: list[Path], expected: dict[str, Slot], config: ModelConfig) -> dict[str, Path]:
-    """Which file holds each expected tensor; every missing, unexpected or duplicated name is an error."""
+def _locate_weights(
+    files: list[Path], expected: dict[str, Slot], config: ModelConfig, skip: Collection[str]
+) -> dict[str, Path]:
+    """Which file holds each expected tensor; every missing, unexpected or duplicated name is an error (those
+    in `skip`, other pipeline stages' tensors, are neither expected nor unexpected)."""
     from safetensors import safe_open
 
     where: dict[str, Path] = {}
@@ -319,8 +355,10 @@ def _locate_weights(files: list[Path], expected: dict[str, Slot], config: ModelC
         except Exception as e:
             raise ValueError(f"cannot read safetensors file {f}: {e}") from e
         for key in keys:
-            if key.endswith(IGNORED_WEIGHT_SUFFIXES) or (
-                config.tie_word_embeddings and key == "lm_head.weight"
+            if (
+                key.endswith(IGNORED_WEIGHT_SUFFIXES)
+                or (config.tie_word_embeddings and key == "lm_head.weight")
+                or key in skip
             ):
                 continue
             if key in where:

@@ -21,12 +21,15 @@ def kv_heads_per_rank(config: ModelConfig, tensor_parallel_size: int = 1) -> int
     return TPLayout.of(config, 0, tensor_parallel_size).num_kv_heads
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
-    """KV bytes one token takes over all layers, on each rank of a tensor-parallel group (all of them at
-    tensor_parallel_size 1)."""
+def kv_bytes_per_token(
+    config: ModelConfig, dtype: torch.dtype, tensor_parallel_size: int = 1, num_layers: int | None = None
+) -> int:
+    """KV bytes one token takes over a rank's layers (`num_layers`, a pipeline stage's; None: all of them),
+    on each rank of a tensor-parallel group (all of them at tensor_parallel_size 1)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     heads = kv_heads_per_rank(config, tensor_parallel_size)
-    return 2 * config.num_hidden_layers * heads * config.head_dim * itemsize
+    layers = config.num_hidden_layers if num_layers is None else num_layers
+    return 2 * layers * heads * config.head_dim * itemsize
 
 
 class KVTensors:
@@ -40,24 +43,23 @@ class KVTensors:
         dtype: torch.dtype,
         device: torch.device,
         tensor_parallel_size: int = 1,
+        num_layers: int | None = None,
     ) -> None:
         self.device = device
+        # A pipeline stage's cache holds its layers only (None: every layer).
+        layers = config.num_hidden_layers if num_layers is None else num_layers
         # A rank's cache holds its KV heads only: swap and copy-on-write move its shard of each block.
         heads = kv_heads_per_rank(config, tensor_parallel_size)
         # One block more than the pool hands out: the sink that padding rows write into, those of a bucketed
         # decode step (worker/cuda_graphs.py) and static batching's held slots (SchedulerOutput).
         self.sink_block = num_blocks
         shape = kv_cache_shape(num_blocks + 1, block_size, heads, config.head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)
-        ]
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         host_shape = kv_cache_shape(num_host_blocks, block_size, heads, config.head_dim)
         pin = device.type == "cuda"
         # Host slots are always written (swap-out) before they are read (swap-in): leave them untouched, so
         # a large swap space costs no start-up time and no resident memory until used.
-        self.host_caches = [
-            torch.empty(host_shape, dtype=dtype, pin_memory=pin) for _ in range(config.num_hidden_layers)
-        ]
+        self.host_caches = [torch.empty(host_shape, dtype=dtype, pin_memory=pin) for _ in range(layers)]
 
     def move(
         self,

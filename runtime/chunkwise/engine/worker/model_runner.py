@@ -73,6 +73,7 @@ class ModelRunner:
             dtype=dtype,
             device=device,
             tensor_parallel_size=model.tp.world_size,
+            num_layers=len(model.pp.layers),
         )
         self.sampler = Sampler()
         self.max_model_len = max_model_len
@@ -180,8 +181,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def follow(self, message: StepMessage) -> None:
-        """A worker rank's step (tensor parallel): rank 0's, run over this rank's shard, up to the logits
-        every rank gathers; nothing is sampled here."""
+        """A worker rank's step (tensor or pipeline parallel): rank 0's, run over this rank's shard and
+        stage, up to the logits every rank of the last stage gathers (and its tensor-parallel rank 0 sends
+        to rank 0: the same logits calls, in the same order, as rank 0's execute makes); nothing is sampled
+        here. A stage before the last is done once its forward has sent its hidden states on."""
         so = message.so
         self._forget(so.finished_req_ids)
         self.kv_tensors.move(so.block_copies, so.swap_out, so.swap_in)
@@ -189,6 +192,8 @@ class ModelRunner:
             return
         step = self._prepare(so, message.drafts)
         hidden = self._forward(step)
+        if not self.model.pp.is_last:
+            return
         if step.score_prompts:
             self.prompt_scorer.score(step.scheduled, step.rows, hidden, {})
         self._logits(step, hidden)

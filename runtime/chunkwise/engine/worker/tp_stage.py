@@ -1,8 +1,9 @@
-"""Tensor parallel's per-step stage of ModelRunner.execute. Rank 0 (the engine's scheduler, sampler and
-proposers) sends each step's StepMessage to the other ranks before its own forward; a worker rank runs the
-same step from it (ModelRunner.follow): the same finished requests forgotten, the same KV block copies and
-swaps over its own shard, the same inputs, forward and LM head gathers, and nothing sampled (the next step's
-message carries the tokens rank 0 sampled). At world size 1 the runner has no RankDriver and none of this runs.
+"""Tensor and pipeline parallel's per-step stage of ModelRunner.execute. Rank 0 (the engine's scheduler,
+sampler and proposers) sends each step's StepMessage to the other ranks before its own forward; a worker rank
+runs the same step from it (ModelRunner.follow): the same finished requests forgotten, the same KV block
+copies and swaps over its own shard of its stage's layers, the same inputs, forward and (on the last stage)
+LM head gathers, and nothing sampled (the next step's message carries the tokens rank 0 sampled). At world
+size 1 the runner has no RankDriver and none of this runs.
 """
 
 from __future__ import annotations
