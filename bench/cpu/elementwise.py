@@ -1,5 +1,6 @@
 """chunkwise's elementwise CPU kernels against the torch code they replace, per call, in fp32 and bf16:
-silu_and_mul over the benchmark model's MLP (2 x 1536), rms_norm (512), rotary (12 heads of 64), the argmax of
+silu_and_mul over the benchmark model's MLP (2 x 1536), rms_norm (512), the residual add fused with it
+(fused_add_rms_norm, against the add and rms_norm kernel it replaces), rotary (12 heads of 64), the argmax of
 fp32 logits (vocab 32000) and the sampler's exponential race (softmax, exponential_, divide and argmax in torch).
 Every kernel result is checked against torch's first.
 
@@ -62,6 +63,34 @@ for dtype in (torch.float32, torch.bfloat16):
         print(
             f"{name:10}{rows:>6}{silu:>9.1f} us (torch {silu_t:6.1f}){norm:>8.1f} us (torch {norm_t:6.1f})"
             f"{rot:>8.1f} us (torch {rot_t:6.1f})"
+        )
+
+
+def add_then_norm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What RMSNorm.add ran before fused_add_rms_norm: the add in torch, then the norm kernel."""
+    h = x + residual
+    out = torch.empty_like(h)
+    ops.rms_norm(out, h, w, 1e-6)
+    return out
+
+
+print(f"\n{'dtype':10}{'rows':>6}{'fused_add_rms_norm':>34}  (best of 5, alternating)")
+for dtype in (torch.float32, torch.bfloat16):
+    for rows in (1, 32, 256, 1024):
+        x, residual = torch.randn(rows, 512).to(dtype), torch.randn(rows, 512).to(dtype)
+        w = torch.randn(512).to(dtype)
+        want_norm, want_sum = add_then_norm(x, residual, w), x + residual
+        ops.fused_add_rms_norm(x, residual, w, 1e-6)
+        assert torch.equal(x, want_norm) and torch.equal(residual, want_sum)
+        fused, unfused = float("inf"), float("inf")
+        for _ in range(5):
+            fused = min(
+                fused, per_call_us(lambda x=x, r=residual, w=w: ops.fused_add_rms_norm(x, r, w, 1e-6))
+            )
+            unfused = min(unfused, per_call_us(lambda x=x, r=residual, w=w: add_then_norm(x, r, w)))
+        name = str(dtype).removeprefix("torch.")
+        print(
+            f"{name:10}{rows:>6}{fused:>12.2f} us (add + rms_norm {unfused:6.2f} us, {unfused / fused:.2f}x)"
         )
 
 print(f"\n{'rows':>6}{'argmax':>30}{'exponential race':>34}")

@@ -53,6 +53,47 @@ def test_rms_norm_matches_hf(dtype):
     assert_close_in(dtype, out2, hf_rms_norm(view, weight, 1e-5))
 
 
+@pytest.mark.parametrize("dim", [96, 100])  # 100: a row that ends in part of a vector
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm_is_the_add_then_the_norm_bit_for_bit(dtype, dim):
+    """residual += x (rounded to the dtype, as torch's add rounds it), x = rms_norm(residual), in place: the
+    same bits as the unfused path it replaces in RMSNorm.add, on rows with a stride."""
+    gen = torch.Generator().manual_seed(dim)
+    wide_x = (torch.randn(37, dim + 8, generator=gen) * 3).to(dtype)
+    wide_r = (torch.randn(37, dim + 24, generator=gen) * 3).to(dtype)
+    x, residual = wide_x[:, 8:], wide_r[:, :dim]
+    weight = (1 + 0.1 * torch.randn(dim, generator=gen)).to(dtype)
+    want_sum = x + residual
+    want = torch.empty_like(want_sum)
+    ops.rms_norm(want, want_sum, weight, 1e-5)
+    untouched = wide_r[:, dim:].clone()
+    ops.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(residual, want_sum)
+    assert torch.equal(x, want)
+    assert torch.equal(wide_r[:, dim:], untouched)
+    assert_close_in(dtype, x, hf_rms_norm(want_sum, weight, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_add_runs_the_fused_kernel_with_the_unfused_results(dtype):
+    """RMSNorm.add on CPU: the fused kernel (the sum into `residual`, the norm into `x`), the same values as
+    the layer's torch path."""
+    from chunkwise.engine.model.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(3)
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data = (1 + 0.1 * torch.randn(64, generator=gen)).to(dtype)
+    x, residual = torch.randn(5, 64, generator=gen).to(dtype), torch.randn(5, 64, generator=gen).to(dtype)
+    norm.fused = False
+    want_sum, want = norm.add(x.clone(), residual.clone())
+    norm.prepare()
+    assert norm.fused
+    got_sum, got = norm.add(x, residual)
+    assert got_sum is residual and got is x  # in place, as vLLM's fused_add_rms_norm
+    assert torch.equal(got_sum, want_sum)
+    assert_close_in(dtype, got, want)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_matches_the_torch_path_in_place_on_a_strided_view(dtype):
     head_dim, heads = 64, 6

@@ -529,6 +529,62 @@ void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, dou
   }
 }
 
+// ---- residual add + RMSNorm, in place (vLLM's fused_add_rms_norm) ----------------------------------------
+// residual = residual + x, rounded to T as torch's add rounds it; x = rms_norm(residual) as above. One pass
+// over each row (the row stays in L1 between the sum and the norm) where torch reads and writes it three
+// times (the add, then the norm's two passes) and allocates two tensors. The results are bit for bit those
+// of `h = x + residual; rms_norm(h)`.
+
+template <typename T>
+void fused_add_rms_norm_impl(TensorBase& x, TensorBase& residual, const TensorBase& weight, double eps) {
+  const int64_t rows = x.size(0), dim = x.size(1);
+  T* xp = x.mutable_data_ptr<T>();
+  T* rp = residual.mutable_data_ptr<T>();
+  const T* wp = weight.const_data_ptr<T>();
+  const int64_t xs = x.stride(0), rs = residual.stride(0);
+  const float feps = static_cast<float>(eps);
+  const int64_t body = dim - dim % W;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = xp + r * xs;
+      T* rr = rp + r * rs;
+      vf acc = vf{};
+      for (int64_t d = 0; d < body; d += W) {
+        const vf s = vthrough<T>(vload<T>(xr + d) + vload<T>(rr + d));
+        vstore<T>(rr + d, s);
+        acc += s * s;
+      }
+      if (body < dim) {
+        const int64_t n = dim - body;
+        const vf s = vthrough<T>(vload_part<T>(xr + body, n) + vload_part<T>(rr + body, n));
+        vstore_part<T>(rr + body, s, n);
+        acc += s * s;
+      }
+      const float inv = 1.f / std::sqrt(vsum(acc) / static_cast<float>(dim) + feps);
+      for (int64_t d = 0; d < body; d += W)
+        vstore<T>(xr + d, vload<T>(wp + d) * vthrough<T>(vload<T>(rr + d) * inv));
+      if (body < dim) {
+        const int64_t n = dim - body;
+        vstore_part<T>(xr + body, vload_part<T>(wp + body, n) * vthrough<T>(vload_part<T>(rr + body, n) * inv), n);
+      }
+    }
+  });
+}
+
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  TensorBase xb = x, rb = residual;
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      return fused_add_rms_norm_impl<float>(xb, rb, weight, eps);
+    case at::kBFloat16:
+      return fused_add_rms_norm_impl<c10::BFloat16>(xb, rb, weight, eps);
+    case at::kHalf:
+      return fused_add_rms_norm_impl<c10::Half>(xb, rb, weight, eps);
+    default:
+      TORCH_CHECK(false, "chunkwise::fused_add_rms_norm: unsupported dtype ", x.scalar_type());
+  }
+}
+
 // ---- rotary embedding, in place -----------------------------------------------------------------------
 // x [T, heads, D] (rotate-half layout); cos_sin [P, 2, D/2] fp32. HF casts cos/sin to x's dtype and rounds
 // each product and each sum: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s).
@@ -919,6 +975,7 @@ TORCH_LIBRARY(chunkwise, m) {
       "paged_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, Tensor token_rows, "
       "Tensor token_index, Tensor token_lens, float scale) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rotary_embedding(Tensor(a!) x, Tensor cos_sin, Tensor positions) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("linear_small_m(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
@@ -929,6 +986,7 @@ TORCH_LIBRARY(chunkwise, m) {
 TORCH_LIBRARY_IMPL(chunkwise, CPU, m) {
   m.impl("paged_attention", TORCH_FN(paged_attention));
   m.impl("rms_norm", TORCH_FN(rms_norm));
+  m.impl("fused_add_rms_norm", TORCH_FN(fused_add_rms_norm));
   m.impl("rotary_embedding", TORCH_FN(rotary_embedding));
   m.impl("silu_and_mul", TORCH_FN(silu_and_mul));
   m.impl("linear_small_m", TORCH_FN(linear_small_m));
