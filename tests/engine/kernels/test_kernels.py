@@ -94,6 +94,20 @@ def test_rms_norm_add_runs_the_fused_kernel_with_the_unfused_results(dtype):
     assert_close_in(dtype, got, want)
 
 
+def test_write_kv_refuses_what_it_does_not_write():
+    cache = torch.zeros(2, 3, 4, 2, 8)
+    kv = torch.randn(5, 2, 2, 8)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.write_kv(cache, kv[:, 0], kv[:, 1], torch.tensor([0, 1, 2, 3, 12]))
+    with pytest.raises(RuntimeError, match="one dtype"):
+        ops.write_kv(cache, kv[:, 0].half(), kv[:, 1].half(), torch.arange(5))
+    with pytest.raises(RuntimeError, match="one contiguous row"):
+        ops.write_kv(cache, kv[:, 0].transpose(0, 1).contiguous().transpose(0, 1), kv[:, 1], torch.arange(5))
+    with pytest.raises(RuntimeError, match="int64, one per token"):
+        ops.write_kv(cache, kv[:, 0], kv[:, 1], torch.arange(5, dtype=torch.int32))
+    assert torch.count_nonzero(cache) == 0
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_matches_the_torch_path_in_place_on_a_strided_view(dtype):
     head_dim, heads = 64, 6

@@ -131,6 +131,18 @@ class CpuAttentionBackend:
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
+        # One kernel call for both (a memcpy of each token's KV heads) where the reference runs two
+        # index_copy_: the layout the model passes (rows of contiguous heads, the cache's dtype, int64 slots).
+        d = key.shape[-1]
+        if (
+            key.dtype == value.dtype == kv_cache.dtype
+            and slot_mapping.dtype == torch.int64
+            and key.stride(-1) == value.stride(-1) == 1
+            and (key.shape[1] == 1 or key.stride(1) == value.stride(1) == d)
+            and kv_cache.is_contiguous()
+        ):
+            torch.ops.chunkwise.write_kv(kv_cache, key, value, slot_mapping)
+            return
         self._reference.write_kv(key, value, kv_cache, slot_mapping)
 
     def attend(

@@ -585,6 +585,45 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& wei
   }
 }
 
+// ---- the KV cache write -----------------------------------------------------------------------------------
+// kv_cache [2, blocks, block_size, KV, D] (contiguous); key and value [T, KV, D] with contiguous rows (views
+// into the fused qkv output, as the model passes them); token t's key and value to flat slot slots[t]. One
+// call for both where torch runs two index_copy_ (each a dispatch, a check of the index and a strided copy):
+// a row's KV heads are consecutive in both, so a token is two memcpy's of KV*D elements.
+
+void write_kv(at::Tensor kv_cache, const at::Tensor& key, const at::Tensor& value, const at::Tensor& slots) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "chunkwise::write_kv: kv_cache [2, blocks, block_size, KV, D], contiguous");
+  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.sizes() == value.sizes(),
+              "chunkwise::write_kv: key and value [T, KV, D] of one shape");
+  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() && value.scalar_type() == kv_cache.scalar_type(),
+              "chunkwise::write_kv: key, value and the cache of one dtype");
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.size(0) == key.size(0) &&
+                  slots.stride(0) == 1,
+              "chunkwise::write_kv: slots [T] int64, one per token");
+  const int64_t T = key.size(0), KV = key.size(1), D = key.size(2);
+  TORCH_CHECK(kv_cache.size(3) == KV && kv_cache.size(4) == D, "chunkwise::write_kv: heads differ from the cache's");
+  for (const at::Tensor* t : {&key, &value})
+    TORCH_CHECK(t->stride(2) == 1 && (KV == 1 || t->stride(1) == D),
+                "chunkwise::write_kv: each token's KV heads must be one contiguous row");
+  const int64_t nslots = kv_cache.size(1) * kv_cache.size(2), row = KV * D;
+  const int64_t esize = static_cast<int64_t>(kv_cache.element_size()), bytes = row * esize;
+  char* kc = static_cast<char*>(kv_cache.data_ptr());
+  char* vc = kc + nslots * bytes;
+  const char* kp = static_cast<const char*>(key.const_data_ptr());
+  const char* vp = static_cast<const char*>(value.const_data_ptr());
+  const int64_t ks = key.stride(0) * esize, vs = value.stride(0) * esize;
+  const int64_t* sp = slots.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < nslots, "chunkwise::write_kv: slot ", sp[t], " out of range");
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(kc + sp[t] * bytes, kp + t * ks, bytes);
+      std::memcpy(vc + sp[t] * bytes, vp + t * vs, bytes);
+    }
+  });
+}
+
 // ---- rotary embedding, in place -----------------------------------------------------------------------
 // x [T, heads, D] (rotate-half layout); cos_sin [P, 2, D/2] fp32. HF casts cos/sin to x's dtype and rounds
 // each product and each sum: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s).
@@ -976,6 +1015,7 @@ TORCH_LIBRARY(chunkwise, m) {
       "Tensor token_index, Tensor token_lens, float scale) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("write_kv(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slots) -> ()");
   m.def("rotary_embedding(Tensor(a!) x, Tensor cos_sin, Tensor positions) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("linear_small_m(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
@@ -987,6 +1027,7 @@ TORCH_LIBRARY_IMPL(chunkwise, CPU, m) {
   m.impl("paged_attention", TORCH_FN(paged_attention));
   m.impl("rms_norm", TORCH_FN(rms_norm));
   m.impl("fused_add_rms_norm", TORCH_FN(fused_add_rms_norm));
+  m.impl("write_kv", TORCH_FN(write_kv));
   m.impl("rotary_embedding", TORCH_FN(rotary_embedding));
   m.impl("silu_and_mul", TORCH_FN(silu_and_mul));
   m.impl("linear_small_m", TORCH_FN(linear_small_m));
