@@ -1,11 +1,12 @@
-"""bf16 prefill attention on the CPU: chunkwise's kernel (csrc/prefill_attention.cpp, AVX512-BF16) against
+"""Prefill attention on the CPU: chunkwise's kernel (csrc/prefill_attention.cpp: bf16 on AVX512-BF16, fp32 on
+AVX-512 FMA) against
 torch's flash attention as the backend would otherwise call it (is_causal for a first chunk; the prefix and
 the chunk's triangle merged by log-sum-exp after context), on the same tensors, alternating, best of N.
 Every case is checked against fp32 attention first, and each path's error is printed beside its time.
 
-    PYTHONPATH=runtime taskset -c 1 .venv/bin/python bench/cpu/prefill_attention.py [--repeats 5]
+    PYTHONPATH=runtime taskset -c 1 .venv/bin/python bench/cpu/prefill_attention.py [--repeats 5] [--dtype float32]
 
-Needs the kernels built with AVX512-BF16 (an AVX-512 CPU with bf16, Zen 4 or a Xeon from Cooper Lake on).
+Needs the kernels built for an AVX-512 level (an AVX-512 CPU with bf16, Zen 4 or a Xeon from Cooper Lake on).
 """
 
 from __future__ import annotations
@@ -51,12 +52,15 @@ def ours(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = p.parse_args()
     torch.set_num_threads(1)
-    if not kernels.prefill_attention_available(torch.empty(1, 1, 64, dtype=torch.bfloat16)):
-        raise SystemExit(f"the kernels are built for {kernels.isa()} here: no AVX512-BF16 prefill kernel")
+    dtype = getattr(torch, args.dtype)
+    if not kernels.prefill_attention_available(torch.empty(1, 1, 64, dtype=dtype)):
+        raise SystemExit(f"the kernels are built for {kernels.isa()} here: no {args.dtype} prefill kernel")
     print(
-        f"CPU: {platform.processor() or platform.machine()}, kernels {kernels.isa()}, torch {torch.__version__}"
+        f"CPU: {platform.processor() or platform.machine()}, kernels {kernels.isa()}, torch {torch.__version__}, "
+        f"{args.dtype}"
     )
     print(
         "| heads/KV/D | prefix | chunk | chunkwise ms | GFLOP/s | max err | torch flash ms | GFLOP/s | max err | speed-up |"
@@ -64,10 +68,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     gen = torch.Generator().manual_seed(0)
     for heads, kv_heads, d, prefix, n in CASES:
-        bf = torch.bfloat16
-        q = torch.randn(n, heads, d, generator=gen).to(bf)
-        k = torch.randn(prefix + n, kv_heads, d, generator=gen).to(bf)
-        v = torch.randn(prefix + n, kv_heads, d, generator=gen).to(bf)
+        q = torch.randn(n, heads, d, generator=gen).to(dtype)
+        k = torch.randn(prefix + n, kv_heads, d, generator=gen).to(dtype)
+        v = torch.randn(prefix + n, kv_heads, d, generator=gen).to(dtype)
         scale = d**-0.5
         out = torch.empty_like(q)
         ctx = prefix + n

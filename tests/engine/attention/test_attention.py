@@ -267,18 +267,28 @@ def test_zero_length_query_rows_are_skipped(backend):
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_write_kv_places_each_token_in_its_slot():
-    backend = TorchAttentionBackend()
+@pytest.mark.parametrize(
+    ("backend", "source", "dtype"),
+    [
+        ("torch", torch.float32, torch.float16),
+        ("cpu", torch.float32, torch.float16),  # a dtype to convert: the reference's index_copy_
+        ("cpu", torch.float32, torch.float32),  # the model's layouts: chunkwise's write_kv kernel
+        ("cpu", torch.bfloat16, torch.bfloat16),
+    ],
+)
+def test_write_kv_places_each_token_in_its_slot(backend, source, dtype):
+    backend = TorchAttentionBackend() if backend == "torch" else CpuAttentionBackend()
     block_size, num_kv_heads, head_dim = 4, 2, 8
-    cache = torch.zeros(kv_cache_shape(6, block_size, num_kv_heads, head_dim), dtype=torch.float16)
+    cache = torch.zeros(kv_cache_shape(6, block_size, num_kv_heads, head_dim), dtype=dtype)
     slots = torch.tensor([21, 3, 8, 9, 0])
-    key = torch.randn(5, num_kv_heads, head_dim)
-    value = torch.randn(5, num_kv_heads, head_dim)
+    # Views into one fused [tokens, q + k + v heads, D] output, as the model passes its keys and values.
+    qkv = torch.randn(5, 4 + 2 * num_kv_heads, head_dim).to(source)
+    key, value = qkv[:, 4 : 4 + num_kv_heads], qkv[:, 4 + num_kv_heads :]
     backend.write_kv(key, value, cache, slots)
     for t, slot in enumerate(slots.tolist()):
         block, offset = divmod(slot, block_size)
-        assert torch.equal(cache[0, block, offset], key[t].half())
-        assert torch.equal(cache[1, block, offset], value[t].half())
+        assert torch.equal(cache[0, block, offset], key[t].to(dtype))
+        assert torch.equal(cache[1, block, offset], value[t].to(dtype))
     written = torch.zeros(6 * block_size, dtype=torch.bool)
     written[slots] = True
     untouched = cache.view(2, 6 * block_size, -1)[:, ~written]
@@ -321,9 +331,9 @@ def test_a_chunk_after_its_prefix_is_the_masked_attention(dtype, heads, kv_heads
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_backend_runs_bf16_prefill_on_its_own_kernel_only_at_the_avx512_level(monkeypatch, dtype):
-    """bf16 prefill chunks go to chunkwise's kernel where the level is avx512 (bf16 dot products, no AMX)
-    and the kernels have it; torch's flash attention on AMX (its tiles) and below AVX-512. `make isa`
+def test_cpu_backend_runs_prefill_on_its_own_kernel_only_at_the_avx512_level(monkeypatch, dtype):
+    """bf16 and fp32 prefill chunks go to chunkwise's kernel where the level is avx512 (bf16 dot products,
+    no AMX) and the kernels have it; torch's flash attention on AMX (its tiles) and below AVX-512. `make isa`
     runs this under every level."""
     from chunkwise.engine import kernels
     from chunkwise.engine.hardware import cpu_isa
@@ -343,10 +353,8 @@ def test_cpu_backend_runs_bf16_prefill_on_its_own_kernel_only_at_the_avx512_leve
     )
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
-    mine = (
-        dtype == torch.bfloat16
-        and cpu_isa().name == "avx512"
-        and kernels.prefill_attention_available(torch.empty(1, 1, 16, dtype=dtype))
+    mine = cpu_isa().name == "avx512" and kernels.prefill_attention_available(
+        torch.empty(1, 1, 16, dtype=dtype)
     )
     assert [tuple(s) for s in calls] == ([(40, 8, 16), (20, 8, 16)] if mine else [])
 

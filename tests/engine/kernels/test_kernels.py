@@ -53,6 +53,61 @@ def test_rms_norm_matches_hf(dtype):
     assert_close_in(dtype, out2, hf_rms_norm(view, weight, 1e-5))
 
 
+@pytest.mark.parametrize("dim", [96, 100])  # 100: a row that ends in part of a vector
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm_is_the_add_then_the_norm_bit_for_bit(dtype, dim):
+    """residual += x (rounded to the dtype, as torch's add rounds it), x = rms_norm(residual), in place: the
+    same bits as the unfused path it replaces in RMSNorm.add, on rows with a stride."""
+    gen = torch.Generator().manual_seed(dim)
+    wide_x = (torch.randn(37, dim + 8, generator=gen) * 3).to(dtype)
+    wide_r = (torch.randn(37, dim + 24, generator=gen) * 3).to(dtype)
+    x, residual = wide_x[:, 8:], wide_r[:, :dim]
+    weight = (1 + 0.1 * torch.randn(dim, generator=gen)).to(dtype)
+    want_sum = x + residual
+    want = torch.empty_like(want_sum)
+    ops.rms_norm(want, want_sum, weight, 1e-5)
+    untouched = wide_r[:, dim:].clone()
+    ops.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(residual, want_sum)
+    assert torch.equal(x, want)
+    assert torch.equal(wide_r[:, dim:], untouched)
+    assert_close_in(dtype, x, hf_rms_norm(want_sum, weight, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_add_runs_the_fused_kernel_with_the_unfused_results(dtype):
+    """RMSNorm.add on CPU: the fused kernel (the sum into `residual`, the norm into `x`), the same values as
+    the layer's torch path."""
+    from chunkwise.engine.model.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(3)
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data = (1 + 0.1 * torch.randn(64, generator=gen)).to(dtype)
+    x, residual = torch.randn(5, 64, generator=gen).to(dtype), torch.randn(5, 64, generator=gen).to(dtype)
+    norm.fused = False
+    want_sum, want = norm.add(x.clone(), residual.clone())
+    norm.prepare()
+    assert norm.fused
+    got_sum, got = norm.add(x, residual)
+    assert got_sum is residual and got is x  # in place, as vLLM's fused_add_rms_norm
+    assert torch.equal(got_sum, want_sum)
+    assert_close_in(dtype, got, want)
+
+
+def test_write_kv_refuses_what_it_does_not_write():
+    cache = torch.zeros(2, 3, 4, 2, 8)
+    kv = torch.randn(5, 2, 2, 8)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.write_kv(cache, kv[:, 0], kv[:, 1], torch.tensor([0, 1, 2, 3, 12]))
+    with pytest.raises(RuntimeError, match="one dtype"):
+        ops.write_kv(cache, kv[:, 0].half(), kv[:, 1].half(), torch.arange(5))
+    with pytest.raises(RuntimeError, match="one contiguous row"):
+        ops.write_kv(cache, kv[:, 0].transpose(0, 1).contiguous().transpose(0, 1), kv[:, 1], torch.arange(5))
+    with pytest.raises(RuntimeError, match="int64, one per token"):
+        ops.write_kv(cache, kv[:, 0], kv[:, 1], torch.arange(5, dtype=torch.int32))
+    assert torch.count_nonzero(cache) == 0
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_matches_the_torch_path_in_place_on_a_strided_view(dtype):
     head_dim, heads = 64, 6
@@ -283,17 +338,17 @@ def test_a_packed_linear_computes_f_linear_at_every_row_count(monkeypatch, dtype
         torch.testing.assert_close(got, F.linear(x, want_w, want_b), atol=tol * 10, rtol=tol)
 
 
-# -- bf16 prefill attention (csrc/prefill_attention.cpp) --------------------------------------------------
+# -- bf16 and fp32 prefill attention (csrc/prefill_attention.cpp) --------------------------------------------------
 
 
-def _masked_fp32(q, k, v, scale):
-    """The reference: fp32 SDPA with the chunk's queries at the end of the context."""
+def _masked_fp32(q, k, v, scale, dtype=torch.float32):
+    """The reference: fp32 (or `dtype`) SDPA with the chunk's queries at the end of the context."""
     n, ctx = q.shape[0], k.shape[0]
     mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
     out = F.scaled_dot_product_attention(
-        q.float().transpose(0, 1),
-        k.float().transpose(0, 1),
-        v.float().transpose(0, 1),
+        q.to(dtype).transpose(0, 1),
+        k.to(dtype).transpose(0, 1),
+        v.to(dtype).transpose(0, 1),
         attn_mask=mask,
         scale=scale,
         enable_gqa=True,
@@ -301,9 +356,15 @@ def _masked_fp32(q, k, v, scale):
     return out.transpose(0, 1)
 
 
-def _need_prefill_kernel():
-    if not kernels.prefill_attention_available(torch.empty(1, 1, 64, dtype=torch.bfloat16)):
-        pytest.skip(f"the kernels are built for {kernels.isa()} here: no AVX512-BF16, no prefill kernel")
+def _need_prefill_kernel(dtype=torch.bfloat16):
+    if not kernels.prefill_attention_available(torch.empty(1, 1, 64, dtype=dtype)):
+        pytest.skip(f"the kernels are built for {kernels.isa()} here: no {dtype} prefill kernel")
+
+
+# fp32: the sums' order and the exp polynomial (relative error about 2e-7); bf16: the probabilities are
+# rounded to bf16 before the values are summed (as torch's flash attention does in bf16), and the output to
+# bf16: errors of a few bf16 ulps.
+PREFILL_TOL = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2}
 
 
 @pytest.mark.parametrize("head_dim", kernels.ATTENTION_HEAD_DIMS)
@@ -318,38 +379,44 @@ def _need_prefill_kernel():
         (8, 8, 1000, 64),
     ],
 )
-def test_prefill_attention_kernel_matches_fp32_attention(head_dim, heads, kv_heads, prefix, n):
-    _need_prefill_kernel()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prefill_attention_kernel_matches_fp32_attention(dtype, head_dim, heads, kv_heads, prefix, n):
+    _need_prefill_kernel(dtype)
     gen = torch.Generator().manual_seed(head_dim * 1000 + prefix + n)
-    bf = torch.bfloat16
     # Strided rows, as the backend passes them: query a slice of a wider [tokens, H, D] batch, key and value
     # one half of a [ctx, 2, KV, D] pair.
-    q = (torch.randn(n + 3, heads, head_dim, generator=gen) * 1.5).to(bf)[2 : 2 + n]
-    kv = torch.randn(prefix + n, 2, kv_heads, head_dim, generator=gen).to(bf)
+    q = (torch.randn(n + 3, heads, head_dim, generator=gen) * 1.5).to(dtype)[2 : 2 + n]
+    kv = torch.randn(prefix + n, 2, kv_heads, head_dim, generator=gen).to(dtype)
     k, v = kv[:, 0], kv[:, 1]
     scale = head_dim**-0.5
-    out = torch.full((n, heads, head_dim), float("nan"), dtype=bf)
+    out = torch.full((n, heads, head_dim), float("nan"), dtype=dtype)
     kernels.prefill_attention(out, q, k, v, scale)
     want = _masked_fp32(q, k, v, scale)
-    # The probabilities are rounded to bf16 before the values are summed (as torch's flash attention does
-    # in bf16), and the output to bf16: errors of a few bf16 ulps.
-    torch.testing.assert_close(out.float(), want, atol=1.6e-2, rtol=1.6e-2)
+    tol = PREFILL_TOL[dtype]
+    torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
 
 
-def test_prefill_attention_kernel_with_a_peaked_softmax_and_a_late_maximum():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prefill_attention_kernel_with_a_peaked_softmax_and_a_late_maximum(dtype):
     """Scores that grow along the context: each key block brings a new maximum, so the running sums and
     outputs are rescaled block after block; and one query's scores dwarf the others."""
-    _need_prefill_kernel()
-    bf = torch.bfloat16
+    _need_prefill_kernel(dtype)
     n, prefix, heads, d = 40, 600, 4, 64
     ctx = prefix + n
-    k = (torch.linspace(0, 6, ctx)[:, None, None] * torch.ones(ctx, 1, d)).to(bf)
-    v = torch.randn(ctx, 1, d, generator=torch.Generator().manual_seed(0)).to(bf)
-    q = torch.ones(n, heads, d).to(bf)
+    k = (torch.linspace(0, 6, ctx)[:, None, None] * torch.ones(ctx, 1, d)).to(dtype)
+    v = torch.randn(ctx, 1, d, generator=torch.Generator().manual_seed(0)).to(dtype)
+    q = torch.ones(n, heads, d).to(dtype)
     q[3] *= 4
-    out = torch.empty(n, heads, d, dtype=bf)
+    out = torch.empty(n, heads, d, dtype=dtype)
     kernels.prefill_attention(out, q, k, v, d**-0.5)
-    torch.testing.assert_close(out.float(), _masked_fp32(q, k, v, d**-0.5), atol=2e-2, rtol=2e-2)
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(out.float(), _masked_fp32(q, k, v, d**-0.5), atol=2e-2, rtol=2e-2)
+        return
+    # fp32 scores near 190 (query 3) carry rounding of 1e-5 into every weight, whichever way they are summed:
+    # against fp64 attention torch's fp32 flash attention is off by 9e-5 here, its masked fp32 SDPA by 1.3e-4,
+    # this kernel by 8.5e-5. So fp64 is the reference, with room for that.
+    want = _masked_fp32(q, k, v, d**-0.5, torch.float64)
+    torch.testing.assert_close(out.double(), want, atol=2e-4, rtol=2e-4)
 
 
 def test_prefill_attention_kernel_refuses_what_it_does_not_compute():
@@ -357,8 +424,11 @@ def test_prefill_attention_kernel_refuses_what_it_does_not_compute():
     bf = torch.bfloat16
     q, k = torch.zeros(4, 8, 64, dtype=bf), torch.zeros(8, 2, 64, dtype=bf)
     out = torch.empty_like(q)
-    with pytest.raises(RuntimeError, match="bf16 tensors only"):
+    with pytest.raises(RuntimeError, match="bf16 or fp32 tensors, all of one dtype"):
         kernels.prefill_attention(out, q.float(), k, k, 1.0)
+    with pytest.raises(RuntimeError, match="bf16 or fp32 tensors, all of one dtype"):
+        h = q.half()
+        kernels.prefill_attention(torch.empty_like(h), h, k.half(), k.half(), 1.0)
     with pytest.raises(RuntimeError, match="context must include the chunk"):
         kernels.prefill_attention(out, q, k[:3], k[:3], 1.0)
     with pytest.raises(RuntimeError, match="multiple of KV heads"):

@@ -1,7 +1,7 @@
 """The CPU attention backend: decode rows through chunkwise's C++ paged-attention kernel, prefill chunks
-over their gathered context through torch's flash attention, or in bf16 on an AVX-512 CPU without AMX
-through chunkwise's own kernel (csrc/prefill_attention.cpp: 1.4-2x torch's there, whose bf16 flash
-attention is built for AMX tiles).
+over their gathered context through torch's flash attention, or in bf16 and fp32 on an AVX-512 CPU without
+AMX through chunkwise's own kernel (csrc/prefill_attention.cpp: bf16 2.4-3.2x torch's there, whose bf16
+flash attention is built for AMX tiles; fp32 1.5-2.5x).
 
 A decode row reads its context in place, block by block through its block table (kernels/csrc/cpu_ops.cpp):
 no gather, no padding to a common length, no mask. On the 57M-parameter benchmark model (8 heads over 2 KV
@@ -73,11 +73,17 @@ class CpuAttentionBackend:
         # 0..n-1, sliced for each decode step's rows (a view costs less than a new arange every step).
         self._row_ids = torch.arange(0, dtype=torch.int64)
         self.paged_prefill_max_context = 0 if cpu_has_avx512() else PAGED_PREFILL_MAX_CONTEXT
-        # bf16 prefill chunks on an AVX-512 CPU without AMX: chunkwise's kernel on the bf16 dot-product units,
-        # 1.4-2x torch's flash attention there. With AMX, torch's flash attention runs on the tiles.
-        self.bf16_prefill_kernel = cpu_isa().name == "avx512" and bool(
-            torch.ops.chunkwise.has_prefill_attention()
-        )
+        # Prefill chunks on an AVX-512 CPU without AMX: chunkwise's kernel (bench/cpu/prefill_attention.py on a
+        # Zen 4 core): bf16 on the bf16 dot-product units, 2.4-3.2x torch's flash attention there; fp32 on
+        # AVX-512 FMA, 1.5-2.5x. With AMX, torch's flash attention runs bf16 on the tiles, and its fp32 (on
+        # twice Zen 4's FMA width) is kept until measured there; below AVX-512 the kernel is not built.
+        self.prefill_kernel_dtypes: frozenset[torch.dtype] = frozenset()
+        if cpu_isa().name == "avx512":
+            self.prefill_kernel_dtypes = frozenset(
+                d
+                for d in (torch.bfloat16, torch.float32)
+                if kernels.prefill_attention_available(torch.empty(1, 1, 64, dtype=d))
+            )
 
     def plan(self, meta: AttentionMetadata, num_heads: int, num_kv_heads: int, head_dim: int) -> CpuPlan:
         plan = CpuPlan(meta, num_heads, num_kv_heads, head_dim)
@@ -125,6 +131,18 @@ class CpuAttentionBackend:
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
+        # One kernel call for both (a memcpy of each token's KV heads) where the reference runs two
+        # index_copy_: the layout the model passes (rows of contiguous heads, the cache's dtype, int64 slots).
+        d = key.shape[-1]
+        if (
+            key.dtype == value.dtype == kv_cache.dtype
+            and slot_mapping.dtype == torch.int64
+            and key.stride(-1) == value.stride(-1) == 1
+            and (key.shape[1] == 1 or key.stride(1) == value.stride(1) == d)
+            and kv_cache.is_contiguous()
+        ):
+            torch.ops.chunkwise.write_kv(kv_cache, key, value, slot_mapping)
+            return
         self._reference.write_kv(key, value, kv_cache, slot_mapping)
 
     def attend(
@@ -165,7 +183,7 @@ class CpuAttentionBackend:
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
         widen = query.dtype != torch.float32 and not cpu_has_bf16_matmul()
-        own_kernel = self.bf16_prefill_kernel and kernels.prefill_attention_available(query)
+        own_kernel = query.dtype in self.prefill_kernel_dtypes and kernels.prefill_attention_available(query)
         for c in chunks:
             q = query[c.start : c.start + c.num_query]
             k = flat[0].index_select(0, c.slots)

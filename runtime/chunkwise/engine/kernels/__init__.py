@@ -31,7 +31,7 @@ import torch
 log = logging.getLogger(__name__)
 
 # cpu_ops.cpp: decode attention, norms, rotary, activations, small-row linears, sampling; on AVX512-BF16 (an
-# empty op or a declined call elsewhere) prefill_attention.cpp, bf16 prefill attention, and
+# empty op or a declined call elsewhere) prefill_attention.cpp, bf16 and fp32 prefill attention, and
 # paged_attention_bf16.cpp, the bf16 case of cpu_ops.cpp's decode attention; shm_all_reduce.cpp, tensor
 # parallel's all-reduce between processes on one machine.
 SOURCES = tuple(
@@ -244,24 +244,29 @@ def exponential_race(x: torch.Tensor, inv_temperature: torch.Tensor, seeds: torc
 
 
 def prefill_attention_available(query: torch.Tensor) -> bool:
-    """Whether prefill_attention runs for a query like `query` [n, H, D]: bf16 on CPU, a head size it is
-    built for, and a build with AVX512-BF16 (the kernels built for an AVX-512 level)."""
-    return (
+    """Whether prefill_attention runs for a query like `query` [n, H, D]: bf16 or fp32 on CPU, a head size
+    it is built for, and a build with AVX512-BF16 for bf16, AVX-512 for fp32 (the kernels built for an
+    AVX-512 level)."""
+    if not (
         query.device.type == "cpu"
-        and query.dtype == torch.bfloat16
+        and query.dtype in (torch.bfloat16, torch.float32)
         and query.dim() == 3
         and query.shape[-1] in ATTENTION_HEAD_DIMS
         and available()
-        and bool(torch.ops.chunkwise.has_prefill_attention())
-    )
+    ):
+        return False
+    if query.dtype == torch.float32:
+        return bool(torch.ops.chunkwise.has_prefill_attention_fp32())
+    return bool(torch.ops.chunkwise.has_prefill_attention())
 
 
 def prefill_attention(
     out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
 ) -> None:
     """Causal attention of a chunk whose queries are the last n positions of the context, into `out`
-    [n, H, D]: query [n, H, D], key and value [ctx, KV, D], bf16 (csrc/prefill_attention.cpp). CPU with
-    AVX512-BF16 only (prefill_attention_available)."""
+    [n, H, D]: query [n, H, D], key and value [ctx, KV, D], all bf16 or all fp32
+    (csrc/prefill_attention.cpp). CPU with AVX512-BF16 for bf16, AVX-512 for fp32 only
+    (prefill_attention_available)."""
     torch.ops.chunkwise.prefill_attention(out, query, key, value, scale)
 
 

@@ -219,11 +219,25 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
     def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(residual + x, its norm): the residual add before a norm, one launch with Triton. The sum is the
-        residual stream's next value; Triton writes it into `residual` in place, torch into a new tensor."""
+        """(residual + x, its norm): the residual add before a norm, one launch with Triton, one pass per row
+        with chunkwise's CPU kernel. The sum is the residual stream's next value; Triton writes it into
+        `residual` in place, the CPU kernel into `residual` and the norm into `x` (vLLM's fused_add_rms_norm:
+        both are a layer's fresh outputs, which nothing else holds), torch into new tensors."""
         ops = self.triton
         if ops is not None and ops.supports_add_norm(x, residual, self.weight):
             return residual, ops.add_rms_norm(x, residual, self.weight, self.eps)
+        if (
+            self.fused
+            and x.dim() == 2
+            and x.shape == residual.shape
+            and x.stride(-1) == 1
+            and residual.stride(-1) == 1
+            and x.dtype == residual.dtype == self.weight.dtype
+        ):
+            # One pass over each row where the add and the norm took three, and no new tensors: the 57M
+            # model's 512-wide rows, 32 of them, fp32 8.5 -> 4.2 us, bf16 11.9 -> 8.6 (bench/cpu/elementwise.py).
+            torch.ops.chunkwise.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return residual, x
         h = x + residual
         return h, self(h)
 

@@ -1,5 +1,5 @@
-// Vector helpers of the AVX512-BF16 kernels (prefill_attention.cpp, paged_attention_bf16.cpp). Included
-// inside their `#if defined(__AVX512BF16__)` blocks, after <immintrin.h>.
+// Vector helpers of the AVX-512 kernels (prefill_attention.cpp, paged_attention_bf16.cpp). Included inside
+// their `#if defined(__AVX512F__)` (or `__AVX512BF16__`) blocks, after <immintrin.h>; AVX512F only.
 #pragma once
 
 namespace chunkwise_avx512 {

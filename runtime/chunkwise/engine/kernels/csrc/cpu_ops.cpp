@@ -529,6 +529,101 @@ void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, dou
   }
 }
 
+// ---- residual add + RMSNorm, in place (vLLM's fused_add_rms_norm) ----------------------------------------
+// residual = residual + x, rounded to T as torch's add rounds it; x = rms_norm(residual) as above. One pass
+// over each row (the row stays in L1 between the sum and the norm) where torch reads and writes it three
+// times (the add, then the norm's two passes) and allocates two tensors. The results are bit for bit those
+// of `h = x + residual; rms_norm(h)`.
+
+template <typename T>
+void fused_add_rms_norm_impl(TensorBase& x, TensorBase& residual, const TensorBase& weight, double eps) {
+  const int64_t rows = x.size(0), dim = x.size(1);
+  T* xp = x.mutable_data_ptr<T>();
+  T* rp = residual.mutable_data_ptr<T>();
+  const T* wp = weight.const_data_ptr<T>();
+  const int64_t xs = x.stride(0), rs = residual.stride(0);
+  const float feps = static_cast<float>(eps);
+  const int64_t body = dim - dim % W;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = xp + r * xs;
+      T* rr = rp + r * rs;
+      vf acc = vf{};
+      for (int64_t d = 0; d < body; d += W) {
+        const vf s = vthrough<T>(vload<T>(xr + d) + vload<T>(rr + d));
+        vstore<T>(rr + d, s);
+        acc += s * s;
+      }
+      if (body < dim) {
+        const int64_t n = dim - body;
+        const vf s = vthrough<T>(vload_part<T>(xr + body, n) + vload_part<T>(rr + body, n));
+        vstore_part<T>(rr + body, s, n);
+        acc += s * s;
+      }
+      const float inv = 1.f / std::sqrt(vsum(acc) / static_cast<float>(dim) + feps);
+      for (int64_t d = 0; d < body; d += W)
+        vstore<T>(xr + d, vload<T>(wp + d) * vthrough<T>(vload<T>(rr + d) * inv));
+      if (body < dim) {
+        const int64_t n = dim - body;
+        vstore_part<T>(xr + body, vload_part<T>(wp + body, n) * vthrough<T>(vload_part<T>(rr + body, n) * inv), n);
+      }
+    }
+  });
+}
+
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  TensorBase xb = x, rb = residual;
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      return fused_add_rms_norm_impl<float>(xb, rb, weight, eps);
+    case at::kBFloat16:
+      return fused_add_rms_norm_impl<c10::BFloat16>(xb, rb, weight, eps);
+    case at::kHalf:
+      return fused_add_rms_norm_impl<c10::Half>(xb, rb, weight, eps);
+    default:
+      TORCH_CHECK(false, "chunkwise::fused_add_rms_norm: unsupported dtype ", x.scalar_type());
+  }
+}
+
+// ---- the KV cache write -----------------------------------------------------------------------------------
+// kv_cache [2, blocks, block_size, KV, D] (contiguous); key and value [T, KV, D] with contiguous rows (views
+// into the fused qkv output, as the model passes them); token t's key and value to flat slot slots[t]. One
+// call for both where torch runs two index_copy_ (each a dispatch, a check of the index and a strided copy):
+// a row's KV heads are consecutive in both, so a token is two memcpy's of KV*D elements.
+
+void write_kv(at::Tensor kv_cache, const at::Tensor& key, const at::Tensor& value, const at::Tensor& slots) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "chunkwise::write_kv: kv_cache [2, blocks, block_size, KV, D], contiguous");
+  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.sizes() == value.sizes(),
+              "chunkwise::write_kv: key and value [T, KV, D] of one shape");
+  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() && value.scalar_type() == kv_cache.scalar_type(),
+              "chunkwise::write_kv: key, value and the cache of one dtype");
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.size(0) == key.size(0) &&
+                  slots.stride(0) == 1,
+              "chunkwise::write_kv: slots [T] int64, one per token");
+  const int64_t T = key.size(0), KV = key.size(1), D = key.size(2);
+  TORCH_CHECK(kv_cache.size(3) == KV && kv_cache.size(4) == D, "chunkwise::write_kv: heads differ from the cache's");
+  for (const at::Tensor* t : {&key, &value})
+    TORCH_CHECK(t->stride(2) == 1 && (KV == 1 || t->stride(1) == D),
+                "chunkwise::write_kv: each token's KV heads must be one contiguous row");
+  const int64_t nslots = kv_cache.size(1) * kv_cache.size(2), row = KV * D;
+  const int64_t esize = static_cast<int64_t>(kv_cache.element_size()), bytes = row * esize;
+  char* kc = static_cast<char*>(kv_cache.data_ptr());
+  char* vc = kc + nslots * bytes;
+  const char* kp = static_cast<const char*>(key.const_data_ptr());
+  const char* vp = static_cast<const char*>(value.const_data_ptr());
+  const int64_t ks = key.stride(0) * esize, vs = value.stride(0) * esize;
+  const int64_t* sp = slots.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < nslots, "chunkwise::write_kv: slot ", sp[t], " out of range");
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(kc + sp[t] * bytes, kp + t * ks, bytes);
+      std::memcpy(vc + sp[t] * bytes, vp + t * vs, bytes);
+    }
+  });
+}
+
 // ---- rotary embedding, in place -----------------------------------------------------------------------
 // x [T, heads, D] (rotate-half layout); cos_sin [P, 2, D/2] fp32. HF casts cos/sin to x's dtype and rounds
 // each product and each sum: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s).
@@ -919,6 +1014,8 @@ TORCH_LIBRARY(chunkwise, m) {
       "paged_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, Tensor token_rows, "
       "Tensor token_index, Tensor token_lens, float scale) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("write_kv(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slots) -> ()");
   m.def("rotary_embedding(Tensor(a!) x, Tensor cos_sin, Tensor positions) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("linear_small_m(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
@@ -929,6 +1026,8 @@ TORCH_LIBRARY(chunkwise, m) {
 TORCH_LIBRARY_IMPL(chunkwise, CPU, m) {
   m.impl("paged_attention", TORCH_FN(paged_attention));
   m.impl("rms_norm", TORCH_FN(rms_norm));
+  m.impl("fused_add_rms_norm", TORCH_FN(fused_add_rms_norm));
+  m.impl("write_kv", TORCH_FN(write_kv));
   m.impl("rotary_embedding", TORCH_FN(rotary_embedding));
   m.impl("silu_and_mul", TORCH_FN(silu_and_mul));
   m.impl("linear_small_m", TORCH_FN(linear_small_m));
