@@ -55,6 +55,10 @@ PULL_AND_FETCH_SECONDS = 900
 # reader of the pod can name it.
 PP_RENDEZVOUS_PORT = 29500
 PP_RENDEZVOUS_PORT_NAME = "pp-rendezvous"
+# The engine's --distributed-port default is the rendezvous port; its step messages to the other stages' ranks
+# go over the next one (engine/loop/tp_ranks.py), declared beside it.
+PP_STEPS_PORT = PP_RENDEZVOUS_PORT + 1
+PP_STEPS_PORT_NAME = "pp-steps"
 # LeaderWorkerSet (kubernetes-sigs/lws), the API a pipeline-parallel replica group is written in.
 LWS_GROUP = "leaderworkerset.x-k8s.io"
 LWS_VERSION = "v1"
@@ -484,6 +488,7 @@ def _runtime_pod_template(name: str, spec: ServiceSpec, worker: bool = False) ->
         ports.append(
             {"name": PP_RENDEZVOUS_PORT_NAME, "containerPort": PP_RENDEZVOUS_PORT, "protocol": "TCP"}
         )
+        ports.append({"name": PP_STEPS_PORT_NAME, "containerPort": PP_STEPS_PORT, "protocol": "TCP"})
     container: Manifest = {
         "name": "engine",
         "image": spec.image,

@@ -261,17 +261,20 @@ def test_the_leader_worker_set_exactly() -> None:
     }
     # The leader is the pod the Deployment of this spec would have, the rendezvous port beside http.
     assert leader == deployment["spec"]["template"]
-    rendezvous = {"name": "pp-rendezvous", "containerPort": 29500, "protocol": "TCP"}
+    rendezvous = [
+        {"name": "pp-rendezvous", "containerPort": 29500, "protocol": "TCP"},
+        {"name": "pp-steps", "containerPort": 29501, "protocol": "TCP"},
+    ]
     assert engine_of(leader)["ports"] == [
         {"name": "http", "containerPort": 8000, "protocol": "TCP"},
-        rendezvous,
+        *rendezvous,
     ]
     # The worker: the same command, resources, env and volumes; no http, no probes, no preStop, no scrape.
     leader_engine, worker_engine = engine_of(leader), engine_of(worker)
     assert worker_engine["args"] == leader_engine["args"]
     assert flag(worker_engine["args"], "--pipeline-parallel-size") == "4"
     assert flag(worker_engine["args"], "--tensor-parallel-size") == "2"
-    assert worker_engine["ports"] == [rendezvous]
+    assert worker_engine["ports"] == rendezvous
     for key in ("startupProbe", "readinessProbe", "livenessProbe", "lifecycle"):
         assert key in leader_engine and key not in worker_engine, key
     same = ("image", "command", "resources", "env", "volumeMounts", "securityContext")
