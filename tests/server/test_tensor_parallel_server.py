@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ import httpx
 import openai
 import pytest
 
+from tests.engine.loop.test_tensor_parallel_engine import _gone
 from tests.hf_models import hf_greedy, save_random_family
 from tests.server.harness import wait_for
 
@@ -60,15 +60,6 @@ def _health(url: str) -> int | None:
         return httpx.get(f"{url}/health", timeout=2).status_code
     except httpx.TransportError:
         return None
-
-
-def _gone(pids: list[int], timeout_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not any(Path(f"/proc/{pid}").exists() for pid in pids):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _start(

@@ -7,7 +7,8 @@ Drain: the first SIGTERM or SIGINT sets the app draining (new requests and /heal
 while uvicorn keeps accepting connections; requests in flight get --drain-timeout-seconds to finish, the rest
 are aborted; then uvicorn shuts down and `serve` returns 0. A second signal stops at once. uvicorn's own
 handler would re-raise the signal after shutdown (so the process would die by SIGTERM rather than exit 0);
-ours replaces it.
+ours replaces it. Tensor and pipeline parallel's ranks start with the engine and stop after the drain; a rank
+lost at any time stops the server with exit code 1 (the requests in flight get the error).
 """
 
 from __future__ import annotations

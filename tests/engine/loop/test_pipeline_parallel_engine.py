@@ -19,15 +19,14 @@ import pytest
 
 from chunkwise import LLM, SamplingParams
 from chunkwise.engine.datatypes.config import engine_config_from_kwargs
-from chunkwise.engine.datatypes.outputs import RequestOutput
 from chunkwise.engine.loop import tp_ranks
 from chunkwise.engine.loop.tp_ranks import EngineRanks
 from tests.engine.loop.test_tensor_parallel_engine import (
     _constrained,
     _gone,
     _logprob_values,
+    _run,
     _summary,
-    _workload,
 )
 from tests.hf_models import hf_greedy, save_random_family
 
@@ -72,42 +71,14 @@ def test_greedy_equals_transformers(family: str, layers: int, pp: int, tp: int, 
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
-def _run(tp: int, pp: int, mode: str) -> tuple[list[RequestOutput], tuple[int, int]]:
-    # 24 blocks of 4 tokens for 8 requests of up to 51 tokens each: they preempt one another.
-    llm = LLM(
-        "tiny",
-        dtype="float32",
-        tensor_parallel_size=tp,
-        pipeline_parallel_size=pp,
-        max_num_batched_tokens=16,
-        block_size=4,
-        num_blocks=24,
-        max_model_len=64,
-        preemption_mode=mode,
-        speculative_method="ngram",
-        num_speculative_tokens=3,
-        adaptive_speculation=False,  # drafts every step, accepted or not
-    )
-    # Admission trusts max_tokens; under-promise so that the running requests outgrow the cache.
-    llm.engine.scheduler.admission.output_estimate = lambda req: 0  # type: ignore[method-assign]
-    try:
-        prompts, params = _workload()
-        outs = llm.generate(prompts, params)
-        stats = llm.engine.stats
-    finally:
-        llm.engine.close()
-    preempted = stats.num_preemptions_swap if mode == "swap" else stats.num_preemptions_recompute
-    return outs, (preempted, stats.spec_num_draft_tokens)
-
-
 @pytest.mark.parametrize(
     ("tp", "mode"), [(1, "swap"), (2, "recompute")], ids=["pp2-swap", "tp2xpp2-recompute"]
 )
 def test_stages_equal_one_rank(tp: int, mode: str) -> None:
     """Prefix-cache hits, preemption (each rank moving its own layers' KV), n = 2, n-gram verification rows,
     prompt log-probs: the same on the stages as on one rank."""
-    one, (preempted, drafted) = _run(1, 1, mode)
-    staged, counts = _run(tp, 2, mode)
+    one, (preempted, drafted) = _run(1, mode)
+    staged, counts = _run(tp, mode, pp=2)
     assert preempted > 0 and drafted > 0 and counts == (preempted, drafted)
     assert all(len(o.outputs) == 2 for o in one[1::4])  # n = 2
     assert any(o.num_cached_tokens for o in one)  # and hits the prefix cache

@@ -93,12 +93,14 @@ def _workload() -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, params
 
 
-def _run(tp: int, mode: str) -> tuple[list[RequestOutput], tuple[int, int]]:
+def _run(tp: int, mode: str, pp: int = 1) -> tuple[list[RequestOutput], tuple[int, int]]:
+    """The workload over tp x pp ranks (the pipeline tests' too): outputs, (preemptions, drafted tokens)."""
     # 24 blocks of 4 tokens for 8 requests of up to 51 tokens each: they preempt one another.
     llm = LLM(
         "tiny",
         dtype="float32",
         tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
         max_num_batched_tokens=16,
         block_size=4,
         num_blocks=24,

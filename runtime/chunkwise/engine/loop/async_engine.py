@@ -301,8 +301,9 @@ class AsyncEngine:
         """A step raised: fail the requests in flight, free their blocks, keep serving the next ones.
 
         What was in the step cannot be trusted, so every unfinished request gets the error; the engine survives
-        only if aborting them leaves the block pool whole. Otherwise (or on repeated failures) it re-raises and
-        the thread dies as before: /health turns 503 and the pod is restarted.
+        only if aborting them leaves the block pool whole. Otherwise (or on repeated failures, or when the
+        other ranks are gone: RankFailure) it re-raises and the thread dies: /health turns 503, and `on_death`
+        hears of it (the server exits on a RankFailure).
         """
         self._consecutive_failures += 1
         # The other ranks are gone: the requests are answered below, then the thread dies (no step can run).
