@@ -171,25 +171,9 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key, const 
           }
           for (int r = 0; r < R; ++r) {
             __mmask16 keep[NG];
-            __m512 mx = _mm512_set1_ps(-INFINITY);
-            for (int j = 0; j < ng; ++j) {
-              const int64_t valid = t.last[r] - (g0 + j) * 16 + 1;  // keys of this group the row sees
-              keep[j] = valid >= 16 ? static_cast<__mmask16>(0xffff)
-                        : valid <= 0 ? static_cast<__mmask16>(0)
-                                     : static_cast<__mmask16>((1u << valid) - 1);
-              mx = _mm512_mask_max_ps(mx, keep[j], mx, _mm512_load_ps(&S[r][j * 16]));
-            }
-            const float top = _mm512_reduce_max_ps(mx);
-            if (top == -INFINITY) {  // a later query's keys only: nothing here for this row
-              std::memset(P[r], 0, sizeof(P[r]));
+            if (!chunkwise_avx512::open_softmax_row<D>(t, r, S[r], g0, ng, keep)) {
+              std::memset(P[r], 0, sizeof(P[r]));  // a later query's keys only: nothing here for this row
               continue;
-            }
-            if (top > t.m[r]) {
-              const __m512 corr = _mm512_set1_ps(std::exp(t.m[r] - top));
-              t.m[r] = top;
-              t.l[r] = _mm512_mul_ps(t.l[r], corr);
-              for (int c = 0; c < D; c += 16)
-                _mm512_store_ps(&t.acc[r][c], _mm512_mul_ps(_mm512_load_ps(&t.acc[r][c]), corr));
             }
             const __m512 m = _mm512_set1_ps(t.m[r]);
             for (int j = 0; j < ng; ++j) {
@@ -370,25 +354,9 @@ void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& key, const 
           }
           for (int r = 0; r < R; ++r) {
             __mmask16 keep[NG];
-            __m512 mx = _mm512_set1_ps(-INFINITY);
-            for (int j = 0; j < ng; ++j) {
-              const int64_t valid = t.last[r] - (g0 + j) * 16 + 1;
-              keep[j] = valid >= 16 ? static_cast<__mmask16>(0xffff)
-                        : valid <= 0 ? static_cast<__mmask16>(0)
-                                     : static_cast<__mmask16>((1u << valid) - 1);
-              mx = _mm512_mask_max_ps(mx, keep[j], mx, _mm512_load_ps(&S[r][j * 16]));
-            }
-            const float top = _mm512_reduce_max_ps(mx);
-            if (top == -INFINITY) {
-              std::memset(P[r], 0, sizeof(P[r]));
+            if (!chunkwise_avx512::open_softmax_row<D>(t, r, S[r], g0, ng, keep)) {
+              std::memset(P[r], 0, sizeof(P[r]));  // a later query's keys only: nothing here for this row
               continue;
-            }
-            if (top > t.m[r]) {
-              const __m512 corr = _mm512_set1_ps(std::exp(t.m[r] - top));
-              t.m[r] = top;
-              t.l[r] = _mm512_mul_ps(t.l[r], corr);
-              for (int c = 0; c < D; c += 16)
-                _mm512_store_ps(&t.acc[r][c], _mm512_mul_ps(_mm512_load_ps(&t.acc[r][c]), corr));
             }
             const __m512 m = _mm512_set1_ps(t.m[r]);
             for (int j = 0; j < ng; ++j) {
