@@ -2,7 +2,8 @@
 AVX-512 FMA) against
 torch's flash attention as the backend would otherwise call it (is_causal for a first chunk; the prefix and
 the chunk's triangle merged by log-sum-exp after context), on the same tensors, alternating, best of N.
-Every case is checked against fp32 attention first, and each path's error is printed beside its time.
+Every case is checked against fp32 attention first, and each path's error is printed beside its time. In bf16
+on a CPU whose AMX tiles this process may use, the AMX kernel (csrc/prefill_attention_amx.cpp) is timed too.
 
     PYTHONPATH=runtime taskset -c 1 .venv/bin/python bench/cpu/prefill_attention.py [--repeats 5] [--dtype float32]
 
@@ -49,6 +50,13 @@ def ours(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     return out
 
 
+def ours_amx(
+    out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    kernels.prefill_attention_amx(out, q, k, v, scale)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=5)
@@ -62,10 +70,14 @@ def main() -> None:
         f"CPU: {platform.processor() or platform.machine()}, kernels {kernels.isa()}, torch {torch.__version__}, "
         f"{args.dtype}"
     )
+    amx = dtype == torch.bfloat16 and kernels.prefill_attention_amx_available(
+        torch.empty(1, 1, 64, dtype=dtype)
+    )
     print(
         "| heads/KV/D | prefix | chunk | chunkwise ms | GFLOP/s | max err | torch flash ms | GFLOP/s | max err | speed-up |"
+        + (" AMX kernel ms | GFLOP/s | max err | speed-up over torch |" if amx else "")
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if amx else ""))
     gen = torch.Generator().manual_seed(0)
     for heads, kv_heads, d, prefix, n in CASES:
         q = torch.randn(n, heads, d, generator=gen).to(dtype)
@@ -87,6 +99,8 @@ def main() -> None:
             "chunkwise": partial(ours, out, q, k, v, scale),
             "torch": partial(torch_flash, q, k, v, prefix, scale),
         }
+        if amx and d in kernels.AMX_ATTENTION_HEAD_DIMS:
+            fns["amx"] = partial(ours_amx, torch.empty_like(q), q, k, v, scale)
         err = {name: float((fn().float() - truth).abs().max()) for name, fn in fns.items()}
         best = dict.fromkeys(fns, float("inf"))
         for _ in range(args.repeats):
@@ -99,6 +113,11 @@ def main() -> None:
         print(
             f"| {heads}/{kv_heads}/{d} | {prefix} | {n} | {c * 1e3:.2f} | {flops / c / 1e9:.0f} | {err['chunkwise']:.4f} "
             f"| {t * 1e3:.2f} | {flops / t / 1e9:.0f} | {err['torch']:.4f} | {t / c:.2f}x |"
+            + (
+                f" {best['amx'] * 1e3:.2f} | {flops / best['amx'] / 1e9:.0f} | {err['amx']:.4f} | {t / best['amx']:.2f}x |"
+                if "amx" in best
+                else ""
+            )
         )
 
 

@@ -330,17 +330,24 @@ def test_a_chunk_after_its_prefix_is_the_masked_attention(dtype, heads, kv_heads
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("head_dim", [16, 64])  # 16: a head size the AMX kernel has no tiles for
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_backend_runs_prefill_on_its_own_kernel_only_at_the_avx512_level(monkeypatch, dtype):
-    """bf16 and fp32 prefill chunks go to chunkwise's kernel where the level is avx512 (bf16 dot products,
-    no AMX) and the kernels have it; torch's flash attention on AMX (its tiles) and below AVX-512. `make isa`
-    runs this under every level."""
+def test_cpu_backend_runs_prefill_on_the_kernel_measured_fastest_at_its_level(monkeypatch, dtype, head_dim):
+    """Prefill chunks: at the avx512 level (bf16 dot products, no AMX) bf16 and fp32 go to chunkwise's AVX-512
+    kernel; at the amx level fp32 goes there too, bf16 to the AMX kernel where this process may use the tiles
+    and the head size is one it has (else torch's flash attention, which runs on the tiles); below AVX-512,
+    torch's. `make isa` runs this under every level."""
     from chunkwise.engine import kernels
     from chunkwise.engine.hardware import cpu_isa
 
-    calls = []
-    real = kernels.prefill_attention
-    monkeypatch.setattr(kernels, "prefill_attention", lambda *a: (calls.append(a[1].shape), real(*a))[1])
+    calls: dict[str, list[tuple[int, ...]]] = {"avx512": [], "amx": []}
+    real, real_amx = kernels.prefill_attention, kernels.prefill_attention_amx
+    monkeypatch.setattr(
+        kernels, "prefill_attention", lambda *a: (calls["avx512"].append(tuple(a[1].shape)), real(*a))[1]
+    )
+    monkeypatch.setattr(
+        kernels, "prefill_attention_amx", lambda *a: (calls["amx"].append(tuple(a[1].shape)), real_amx(*a))[1]
+    )
     backend = CpuAttentionBackend()
     out, ref = run_case(
         [(0, 40), (30, 20), (50, 1)],
@@ -350,13 +357,20 @@ def test_cpu_backend_runs_prefill_on_its_own_kernel_only_at_the_avx512_level(mon
         dtype=dtype,
         seed=9,
         backend=backend,
+        head_dim=head_dim,
     )
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
-    mine = cpu_isa().name == "avx512" and kernels.prefill_attention_available(
-        torch.empty(1, 1, 16, dtype=dtype)
-    )
-    assert [tuple(s) for s in calls] == ([(40, 8, 16), (20, 8, 16)] if mine else [])
+    isa = cpu_isa().name
+    probe = torch.empty(1, 1, head_dim, dtype=dtype)
+    if isa == "amx" and dtype == torch.bfloat16:
+        expect = "amx" if kernels.prefill_attention_amx_available(probe) else None
+    elif isa in ("avx512", "amx"):
+        expect = "avx512" if kernels.prefill_attention_available(probe) else None
+    else:
+        expect = None
+    chunks = [(40, 8, head_dim), (20, 8, head_dim)]
+    assert calls == {k: chunks if k == expect else [] for k in calls}
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
@@ -379,4 +393,46 @@ def test_cpu_decode_rows_at_every_length(head_dim, num_heads, num_kv_heads, bloc
         head_dim=head_dim,
     )
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "heads", "kv_heads", "head_dim", "block_size"),
+    [
+        (torch.bfloat16, 8, 2, 64, 16),
+        (torch.bfloat16, 8, 2, 64, 4),  # blocks smaller than a 16-key tile
+        (torch.bfloat16, 8, 2, 16, 16),  # a head size without whole 32-dim tiles
+        (torch.float32, 8, 2, 64, 16),
+    ],
+)
+def test_cpu_backend_runs_decode_scores_on_amx_only_at_the_amx_level_and_its_shapes(
+    dtype, heads, kv_heads, head_dim, block_size
+):
+    """bf16 decode rows go to the AMX op where the level is amx, the tiles are usable and the shapes are the
+    kernel's; everything else to the AVX-512/AVX2 kernel. `make isa` runs this under every level."""
+    from chunkwise.engine import kernels
+    from chunkwise.engine.hardware import cpu_isa
+
+    backend = CpuAttentionBackend()
+    q = torch.zeros(3, heads, head_dim, dtype=dtype)
+    cache = torch.zeros(kv_cache_shape(4, block_size, kv_heads, head_dim), dtype=dtype)
+    want = (
+        cpu_isa().name == "amx"
+        and dtype == torch.bfloat16
+        and head_dim in kernels.AMX_ATTENTION_HEAD_DIMS
+        and block_size % 16 == 0
+        and bool(torch.ops.chunkwise.has_paged_attention_amx())
+    )
+    assert backend._decode_on_amx(q, cache) is want
+    out, ref = run_case(
+        [(37, 1), (5, 1)],
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        block_size=block_size,
+        dtype=dtype,
+        seed=3,
+        backend=backend,
+        head_dim=head_dim,
+    )
+    tol = 1e-5 if dtype == torch.float32 else 1.6e-2
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)

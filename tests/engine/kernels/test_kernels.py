@@ -419,6 +419,173 @@ def test_prefill_attention_kernel_with_a_peaked_softmax_and_a_late_maximum(dtype
     torch.testing.assert_close(out.double(), want, atol=2e-4, rtol=2e-4)
 
 
+# -- bf16 prefill attention on AMX tiles (csrc/prefill_attention_amx.cpp) --------------------------------------
+
+
+def _need_amx_kernel(head_dim=64):
+    if not kernels.prefill_attention_amx_available(torch.empty(1, 1, head_dim, dtype=torch.bfloat16)):
+        pytest.skip("no AMX tiles here (lscpu: amx_bf16, amx_tile): the AMX prefill kernel cannot run")
+
+
+@pytest.mark.parametrize("head_dim", kernels.AMX_ATTENTION_HEAD_DIMS)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "prefix", "n"),
+    [
+        (8, 2, 0, 1),  # one token, nothing before it
+        (8, 2, 0, 37),  # a first chunk: three row blocks, the last partial
+        (4, 4, 130, 5),  # fewer rows than a block, after a prefix that ends inside a 32-key group
+        (6, 2, 17, 23),
+        (16, 2, 300, 129),
+        (8, 8, 1000, 64),
+    ],
+)
+def test_prefill_attention_amx_matches_fp32_attention(head_dim, heads, kv_heads, prefix, n):
+    _need_amx_kernel(head_dim)
+    gen = torch.Generator().manual_seed(head_dim * 1000 + prefix + n)
+    bf = torch.bfloat16
+    q = (torch.randn(n + 3, heads, head_dim, generator=gen) * 1.5).to(bf)[2 : 2 + n]
+    kv = torch.randn(prefix + n, 2, kv_heads, head_dim, generator=gen).to(bf)
+    k, v = kv[:, 0], kv[:, 1]
+    scale = head_dim**-0.5
+    out = torch.full((n, heads, head_dim), float("nan"), dtype=bf)
+    kernels.prefill_attention_amx(out, q, k, v, scale)
+    tol = PREFILL_TOL[bf]
+    torch.testing.assert_close(out.float(), _masked_fp32(q, k, v, scale), atol=tol, rtol=tol)
+
+
+def test_prefill_attention_amx_with_a_peaked_softmax_and_a_late_maximum():
+    _need_amx_kernel()
+    n, prefix, heads, d = 40, 600, 4, 64
+    ctx = prefix + n
+    bf = torch.bfloat16
+    k = (torch.linspace(0, 6, ctx)[:, None, None] * torch.ones(ctx, 1, d)).to(bf)
+    v = torch.randn(ctx, 1, d, generator=torch.Generator().manual_seed(0)).to(bf)
+    q = torch.ones(n, heads, d).to(bf)
+    q[3] *= 4
+    out = torch.empty(n, heads, d, dtype=bf)
+    kernels.prefill_attention_amx(out, q, k, v, d**-0.5)
+    torch.testing.assert_close(out.float(), _masked_fp32(q, k, v, d**-0.5), atol=2e-2, rtol=2e-2)
+
+
+def test_prefill_attention_amx_refuses_what_it_does_not_compute():
+    _need_amx_kernel()
+    bf = torch.bfloat16
+    q, k = torch.zeros(4, 8, 64, dtype=bf), torch.zeros(8, 2, 64, dtype=bf)
+    out = torch.empty_like(q)
+    with pytest.raises(RuntimeError, match="bf16 tensors only"):
+        kernels.prefill_attention_amx(out, q.float(), k, k, 1.0)
+    with pytest.raises(RuntimeError, match="context must include the chunk"):
+        kernels.prefill_attention_amx(out, q, k[:3], k[:3], 1.0)
+    with pytest.raises(RuntimeError, match="multiple of KV heads"):
+        kernels.prefill_attention_amx(
+            out[:, :6], q[:, :6], torch.zeros(8, 4, 64, dtype=bf), k.new_zeros(8, 4, 64), 1.0
+        )
+    q80 = torch.zeros(4, 8, 80, dtype=bf)
+    with pytest.raises(RuntimeError, match="no kernel for head_dim 80"):
+        kernels.prefill_attention_amx(
+            torch.empty_like(q80), q80, torch.zeros(8, 2, 80, dtype=bf), torch.zeros(8, 2, 80, dtype=bf), 1.0
+        )
+
+
+def test_prefill_attention_amx_says_why_it_cannot_run_without_tiles():
+    """Where the tiles are missing (no AMX, or the kernels built below AVX-512) the op refuses by name rather
+    than computing anything; where they exist this is the availability the backend reads."""
+    if kernels.prefill_attention_amx_available(torch.empty(1, 1, 64, dtype=torch.bfloat16)):
+        assert torch.ops.chunkwise.has_prefill_attention_amx()
+        return
+    kernels.load()
+    assert not torch.ops.chunkwise.has_prefill_attention_amx()
+    q = torch.zeros(4, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="no AMX tiles here"):
+        kernels.prefill_attention_amx(torch.empty_like(q), q, q[:, :2], q[:, :2], 1.0)
+
+
+# -- bf16 decode attention with the scores on AMX tiles (csrc/paged_attention_amx.cpp) --------------------------
+
+
+def _decode_case(heads, kv_heads, head_dim, block_size, lens, seed):
+    """Rows of one query token over paged contexts of `lens` tokens, blocks shuffled, every slot no row owns
+    NaN (a kernel that reads past a context poisons its row)."""
+    gen = torch.Generator().manual_seed(seed)
+    per_row = [-(-n // block_size) for n in lens]
+    blocks = sum(per_row) + 3
+    cache = torch.full((2, blocks, block_size, kv_heads, head_dim), float("nan"), dtype=torch.bfloat16)
+    order = torch.randperm(blocks, generator=gen)
+    tables = torch.zeros(len(lens), max(per_row), dtype=torch.int64)
+    k_rows, v_rows, used = [], [], 0
+    for r, n in enumerate(lens):
+        tables[r, : per_row[r]] = order[used : used + per_row[r]]
+        used += per_row[r]
+        k = torch.randn(n, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+        v = torch.randn(n, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+        for p in range(n):
+            b, o = tables[r, p // block_size], p % block_size
+            cache[0, b, o], cache[1, b, o] = k[p], v[p]
+        k_rows.append(k)
+        v_rows.append(v)
+    q = (torch.randn(len(lens), heads, head_dim, generator=gen) * 1.5).to(torch.bfloat16)
+    rows = torch.arange(len(lens))
+    return q, cache, tables, rows, torch.tensor(lens, dtype=torch.int64), k_rows, v_rows
+
+
+@pytest.mark.parametrize("head_dim", kernels.AMX_ATTENTION_HEAD_DIMS)
+@pytest.mark.parametrize(("heads", "kv_heads"), [(8, 2), (8, 8), (16, 1), (14, 2)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_paged_attention_amx_matches_fp32_attention_and_the_avx512_kernel(
+    head_dim, heads, kv_heads, block_size
+):
+    if not kernels.paged_attention_amx_available(torch.bfloat16, heads, kv_heads, head_dim, block_size):
+        pytest.skip("no AMX tiles here (lscpu: amx_bf16, amx_tile): the AMX decode kernel cannot run")
+    # Lengths around a 16-key group and a block: a group's last key, one past it, several blocks.
+    lens = [1, 15, 16, 17, 33, 100, 301]
+    q, cache, tables, rows, lens_t, k_rows, v_rows = _decode_case(
+        heads, kv_heads, head_dim, block_size, lens, 7
+    )
+    scale = head_dim**-0.5
+    out = torch.full_like(q, float("nan"))
+    torch.ops.chunkwise.paged_attention_amx(out, q, cache, tables, rows, rows, lens_t, scale)
+    other = torch.full_like(q, float("nan"))
+    torch.ops.chunkwise.paged_attention(other, q, cache, tables, rows, rows, lens_t, scale)
+    for r in range(len(lens)):
+        want = F.scaled_dot_product_attention(
+            q[r : r + 1].float().transpose(0, 1)[None],
+            k_rows[r].float().transpose(0, 1)[None],
+            v_rows[r].float().transpose(0, 1)[None],
+            scale=scale,
+            enable_gqa=True,
+        )[0].transpose(0, 1)
+        torch.testing.assert_close(out[r : r + 1].float(), want, atol=1.6e-2, rtol=1.6e-2)
+    # The same arithmetic as the AVX-512 bf16 kernel but for the order of the score sums: bf16 ulps apart.
+    torch.testing.assert_close(out.float(), other.float(), atol=8e-3, rtol=8e-3)
+
+
+def test_paged_attention_amx_refuses_what_it_does_not_compute():
+    if not kernels.paged_attention_amx_available(torch.bfloat16, 8, 2, 64, 16):
+        kernels.load()
+        assert not torch.ops.chunkwise.has_paged_attention_amx()
+        q, cache, tables, rows, lens_t, _, _ = _decode_case(8, 2, 64, 16, [5], 0)
+        with pytest.raises(RuntimeError, match="no AMX tiles here"):
+            torch.ops.chunkwise.paged_attention_amx(
+                torch.empty_like(q), q, cache, tables, rows, rows, lens_t, 1.0
+            )
+        return
+    op = torch.ops.chunkwise.paged_attention_amx
+    q, cache, tables, rows, lens_t, _, _ = _decode_case(8, 2, 64, 8, [5], 0)
+    with pytest.raises(RuntimeError, match="multiple of 16 tokens, got 8"):
+        op(torch.empty_like(q), q, cache, tables, rows, rows, lens_t, 1.0)
+    q, cache, tables, rows, lens_t, _, _ = _decode_case(32, 1, 64, 16, [5], 0)
+    with pytest.raises(RuntimeError, match="at most 16 per KV head"):
+        op(torch.empty_like(q), q, cache, tables, rows, rows, lens_t, 1.0)
+    q, cache, tables, rows, lens_t, _, _ = _decode_case(8, 2, 64, 16, [5], 0)
+    with pytest.raises(RuntimeError, match="bf16 query, output and cache only"):
+        op(torch.empty_like(q.float()), q.float(), cache.float(), tables, rows, rows, lens_t, 1.0)
+    q, cache, tables, rows, lens_t, _, _ = _decode_case(8, 2, 80, 16, [5], 0)
+    with pytest.raises(RuntimeError, match="no kernel for head_dim 80"):
+        op(torch.empty_like(q), q, cache, tables, rows, rows, lens_t, 1.0)
+    assert not kernels.paged_attention_amx_available(torch.bfloat16, 8, 2, 80, 16)
+    assert not kernels.paged_attention_amx_available(torch.float32, 8, 2, 64, 16)
+
+
 def test_prefill_attention_kernel_refuses_what_it_does_not_compute():
     _need_prefill_kernel()
     bf = torch.bfloat16

@@ -1,7 +1,9 @@
 """The CPU attention backend: decode rows through chunkwise's C++ paged-attention kernel, prefill chunks
-over their gathered context through torch's flash attention, or in bf16 and fp32 on an AVX-512 CPU without
-AMX through chunkwise's own kernel (csrc/prefill_attention.cpp: bf16 2.4-3.2x torch's there, whose bf16
-flash attention is built for AMX tiles; fp32 1.5-2.5x).
+over their gathered context through chunkwise's own kernels where they are measured faster than torch's flash
+attention (bench/cpu/prefill_attention.py): on an AVX-512 CPU without AMX, bf16 on AVX512-BF16 and fp32 on
+AVX-512 FMA (csrc/prefill_attention.cpp: 2.4-3.2x and 1.5-2.5x torch's on a Zen 4 core); with AMX, bf16 on the
+tiles (csrc/prefill_attention_amx.cpp: 1.4-2.2x torch's, which runs on the tiles too) and fp32 on AVX-512 FMA
+(1.1-2.3x); torch's flash attention elsewhere.
 
 A decode row reads its context in place, block by block through its block table (kernels/csrc/cpu_ops.cpp):
 no gather, no padding to a common length, no mask. On the 57M-parameter benchmark model (8 heads over 2 KV
@@ -73,17 +75,28 @@ class CpuAttentionBackend:
         # 0..n-1, sliced for each decode step's rows (a view costs less than a new arange every step).
         self._row_ids = torch.arange(0, dtype=torch.int64)
         self.paged_prefill_max_context = 0 if cpu_has_avx512() else PAGED_PREFILL_MAX_CONTEXT
-        # Prefill chunks on an AVX-512 CPU without AMX: chunkwise's kernel (bench/cpu/prefill_attention.py on a
-        # Zen 4 core): bf16 on the bf16 dot-product units, 2.4-3.2x torch's flash attention there; fp32 on
-        # AVX-512 FMA, 1.5-2.5x. With AMX, torch's flash attention runs bf16 on the tiles, and its fp32 (on
-        # twice Zen 4's FMA width) is kept until measured there; below AVX-512 the kernel is not built.
+        # Prefill chunks (bench/cpu/prefill_attention.py, one core): on an AVX-512 CPU without AMX, chunkwise's
+        # kernel in bf16 (the bf16 dot-product units: 2.4-3.2x torch's flash attention on a Zen 4) and fp32
+        # (AVX-512 FMA: 1.5-2.5x). With AMX, torch's bf16 flash attention runs on the tiles and beats the
+        # dot-product kernel (0.36-0.44x at 1,024-token chunks on a Xeon), so bf16 goes to the AMX kernel
+        # (1.4-2.2x torch's) where this process may use the tiles; fp32 stays on the AVX-512 FMA kernel
+        # (1.1-2.3x torch's there). Below AVX-512 neither is built.
+        isa = cpu_isa().name
         self.prefill_kernel_dtypes: frozenset[torch.dtype] = frozenset()
-        if cpu_isa().name == "avx512":
+        if isa in ("avx512", "amx"):
             self.prefill_kernel_dtypes = frozenset(
                 d
                 for d in (torch.bfloat16, torch.float32)
                 if kernels.prefill_attention_available(torch.empty(1, 1, 64, dtype=d))
+                and not (isa == "amx" and d == torch.bfloat16)
             )
+        self.prefill_amx = isa == "amx" and kernels.prefill_attention_amx_available(
+            torch.empty(1, 1, 64, dtype=torch.bfloat16)
+        )
+        # Decode rows in bf16 with AMX: the scores on the tiles (csrc/paged_attention_amx.cpp), where the shapes
+        # allow; decided once per shape, as a model's shapes never change.
+        self._decode_amx: dict[tuple[torch.dtype, int, int, int, int], bool] = {}
+        self._amx_level = isa == "amx"
 
     def plan(self, meta: AttentionMetadata, num_heads: int, num_kv_heads: int, head_dim: int) -> CpuPlan:
         plan = CpuPlan(meta, num_heads, num_kv_heads, head_dim)
@@ -158,7 +171,12 @@ class CpuAttentionBackend:
             query = query.contiguous()
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if plan.token_index is not None:
-            torch.ops.chunkwise.paged_attention(
+            decode = (
+                torch.ops.chunkwise.paged_attention_amx
+                if self._decode_on_amx(query, kv_cache)
+                else torch.ops.chunkwise.paged_attention
+            )
+            decode(
                 out,
                 query,
                 kv_cache,
@@ -172,6 +190,18 @@ class CpuAttentionBackend:
             self._prefill(query, kv_cache, plan.prefill, scale, out)
         return out
 
+    def _decode_on_amx(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        if not self._amx_level:
+            return False
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        key = (query.dtype, query.shape[1], num_kv_heads, head_dim, block_size)
+        choice = self._decode_amx.get(key)
+        if choice is None:
+            choice = self._decode_amx[key] = (
+                kernels.paged_attention_amx_available(*key) and kv_cache.is_contiguous()
+            )
+        return choice
+
     def _prefill(
         self,
         query: torch.Tensor,
@@ -184,10 +214,14 @@ class CpuAttentionBackend:
         flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
         widen = query.dtype != torch.float32 and not cpu_has_bf16_matmul()
         own_kernel = query.dtype in self.prefill_kernel_dtypes and kernels.prefill_attention_available(query)
+        amx_kernel = self.prefill_amx and kernels.prefill_attention_amx_available(query)
         for c in chunks:
             q = query[c.start : c.start + c.num_query]
             k = flat[0].index_select(0, c.slots)
             v = flat[1].index_select(0, c.slots)
+            if amx_kernel:
+                kernels.prefill_attention_amx(out[c.start : c.start + c.num_query], q, k, v, scale)
+                continue
             if own_kernel:
                 kernels.prefill_attention(out[c.start : c.start + c.num_query], q, k, v, scale)
                 continue

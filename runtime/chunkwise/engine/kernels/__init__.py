@@ -32,17 +32,28 @@ log = logging.getLogger(__name__)
 
 # cpu_ops.cpp: decode attention, norms, rotary, activations, small-row linears, sampling; on AVX512-BF16 (an
 # empty op or a declined call elsewhere) prefill_attention.cpp, bf16 and fp32 prefill attention, and
-# paged_attention_bf16.cpp, the bf16 case of cpu_ops.cpp's decode attention; shm_all_reduce.cpp, tensor
+# paged_attention_bf16.cpp, the bf16 case of cpu_ops.cpp's decode attention; prefill_attention_amx.cpp and
+# paged_attention_amx.cpp, bf16 prefill and decode attention on AMX tiles (ops of their own, each saying
+# whether the tiles are usable here); shm_all_reduce.cpp, tensor
 # parallel's all-reduce between processes on one machine.
 SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("cpu_ops.cpp", "prefill_attention.cpp", "paged_attention_bf16.cpp", "shm_all_reduce.cpp")
+    for name in (
+        "cpu_ops.cpp",
+        "prefill_attention.cpp",
+        "prefill_attention_amx.cpp",
+        "paged_attention_bf16.cpp",
+        "paged_attention_amx.cpp",
+        "shm_all_reduce.cpp",
+    )
 )
 # Included by the sources: part of what a build is keyed by.
-HEADERS = (Path(__file__).parent / "csrc" / "avx512_math.h",)
+HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("avx512_math.h", "amx.h"))
 # The head sizes csrc/cpu_ops.cpp instantiates its attention kernel for.
 ATTENTION_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 ATTENTION_MAX_HEADS = 128
+# Those of the AMX prefill kernel (whole 32-dim tiles, at most four held for a query row).
+AMX_ATTENTION_HEAD_DIMS = (32, 64, 96, 128)
 
 
 class KernelUnavailable(RuntimeError):
@@ -258,6 +269,43 @@ def prefill_attention_available(query: torch.Tensor) -> bool:
     if query.dtype == torch.float32:
         return bool(torch.ops.chunkwise.has_prefill_attention_fp32())
     return bool(torch.ops.chunkwise.has_prefill_attention())
+
+
+def prefill_attention_amx_available(query: torch.Tensor) -> bool:
+    """Whether prefill_attention_amx runs for a query like `query` [n, H, D]: bf16 on CPU, head size 32, 64, 96
+    or 128, and a CPU whose AMX tiles this process may use (the kernels built for an AVX-512 level)."""
+    return (
+        query.device.type == "cpu"
+        and query.dtype == torch.bfloat16
+        and query.dim() == 3
+        and query.shape[-1] in AMX_ATTENTION_HEAD_DIMS
+        and available()
+        and bool(torch.ops.chunkwise.has_prefill_attention_amx())
+    )
+
+
+def prefill_attention_amx(
+    out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> None:
+    """prefill_attention's operands and result in bf16, on AMX tiles (csrc/prefill_attention_amx.cpp)."""
+    torch.ops.chunkwise.prefill_attention_amx(out, query, key, value, scale)
+
+
+def paged_attention_amx_available(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> bool:
+    """Whether paged_attention_amx runs for these shapes: bf16, head size 32, 64, 96 or 128, at most 16 query
+    heads per KV head, blocks of a multiple of 16 tokens, and a CPU whose AMX tiles this process may use."""
+    return (
+        dtype == torch.bfloat16
+        and head_dim in AMX_ATTENTION_HEAD_DIMS
+        and num_kv_heads > 0
+        and num_heads % num_kv_heads == 0
+        and num_heads // num_kv_heads <= 16
+        and block_size % 16 == 0
+        and available()
+        and bool(torch.ops.chunkwise.has_paged_attention_amx())
+    )
 
 
 def prefill_attention(
