@@ -56,7 +56,7 @@ unit: $(STAMP)
 # 256-bit kernels; AMX: bf16 through oneDNN's packed layout), so a pass here means a pass on either kind.
 # Choices above this CPU run correctly, only slower; the kernels are never built above what it executes.
 # The unit run above already covered this CPU's own choices, so its level is skipped here.
-ISAS ?= avx2 amx
+ISAS ?= avx2 avx512 amx
 isa: $(STAMP)
 	here=$$($(BIN)/python -c "from chunkwise.engine.hardware import detect_isa; print(detect_isa())"); \
 	for isa in $(ISAS); do \

@@ -331,11 +331,25 @@ def test_a_packed_linear_computes_f_linear_at_every_row_count(monkeypatch, dtype
     else:
         assert layer.kernel == "onednn-packed" and layer.weight.is_mkldnn
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    for m in (0, 1, 3, 64, 300):
+    # 33, 300, 1000: row counts the layer pads up to onednn_rows' (34, 304, 1024) and cuts back.
+    for m in (0, 1, 3, 33, 64, 300, 1000):
         x = torch.randn(m, 96).to(dtype)
         got = layer(x)
         assert got.dtype == dtype and got.shape == (m, 200)
         torch.testing.assert_close(got, F.linear(x, want_w, want_b), atol=tol * 10, rtol=tol)
+
+
+def test_onednn_rows_are_exact_for_decode_and_few_per_doubling_past_it():
+    from chunkwise.engine.model.layers import ONEDNN_EXACT_ROWS, onednn_rows
+
+    counts = [onednn_rows(m) for m in range(1, 8193)]
+    assert counts[:ONEDNN_EXACT_ROWS] == list(range(1, ONEDNN_EXACT_ROWS + 1))
+    for m, c in enumerate(counts, start=1):
+        assert m <= c <= m + m / 16, (m, c)
+        assert onednn_rows(c) == c  # a count is its own bucket: padded inputs are not padded again
+    assert counts == sorted(counts)
+    # Sixteen counts per doubling past the exact ones: 32 + 16 * 8 kernels per layer shape up to 8,192 rows.
+    assert len(set(counts)) == ONEDNN_EXACT_ROWS + 16 * 8
 
 
 # -- bf16 and fp32 prefill attention (csrc/prefill_attention.cpp) --------------------------------------------------

@@ -55,6 +55,24 @@ def cpu_kernels_for(t: torch.Tensor) -> bool:
 SMALL_M_ROWS = 64
 
 
+# oneDNN builds (JIT-compiles) a kernel for each new row count a layer sees, and torch's op caches them by
+# shape: a first call at a new count cost 2-4 ms more than a cached one (a 512 -> 3072 bf16 layer at
+# 960-1,024 rows on an AMX Xeon, bench/cpu/linear_rows.py), and a prefill step's row count is almost always
+# new. vLLM builds its oneDNN matmul with the row count left to run time; torch's op cannot, so past
+# ONEDNN_EXACT_ROWS rows a packed layer runs at the next of a few row counts: sixteen per doubling, at most
+# 1/16 more rows than asked for.
+ONEDNN_EXACT_ROWS = 32
+
+
+def onednn_rows(m: int) -> int:
+    """The row count a packed oneDNN layer computes `m` rows at: `m` up to ONEDNN_EXACT_ROWS (decode's
+    steps, whose counts repeat), else `m` rounded up to a 32nd of the power of two at or above it."""
+    if m <= ONEDNN_EXACT_ROWS:
+        return m
+    step = (1 << (m - 1).bit_length()) // 32
+    return -(-m // step) * step
+
+
 def _onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
@@ -184,6 +202,11 @@ class Linear(nn.Module):
         ):
             y = xin.new_empty(xin.shape[0], self.out_features)
             torch.ops.chunkwise.linear_small_m(y, xin, self.weight, self.bias)
+        elif self.kernel == "onednn-packed" and xin.dim() == 2 and onednn_rows(xin.shape[0]) != xin.shape[0]:
+            m = xin.shape[0]
+            padded = xin.new_zeros(onednn_rows(m), xin.shape[1])
+            padded[:m] = xin
+            y = torch.ops.mkldnn._linear_pointwise(padded, self.weight, self.bias, "none", [], "")[:m]
         else:
             y = torch.ops.mkldnn._linear_pointwise(xin, self.weight, self.bias, "none", [], "")
         return y.to(self._out_dtype) if self._widen else y
