@@ -81,11 +81,14 @@ struct Decode {
   CHUNKWISE_GROUP_SCORES(scores_b, 3)
 #undef CHUNKWISE_GROUP_SCORES
 
+  // GG: the query heads per KV head when known at compile time (1, 2, 4 or 8: the loops over them unroll and
+  // the value sums stay in registers), 0 for any other count.
+  template <int GG>
   static void attend(const uint16_t* q, int64_t q_head_stride, uint16_t* out, int64_t out_head_stride, int H,
                      int KV, const uint16_t* k_cache, const uint16_t* v_cache, int64_t block_stride,
                      int64_t slot_stride, int64_t head_stride, const int64_t* table, int64_t block_size, int64_t len,
                      float scale, float* st, uint32_t* pp, uint32_t* qt) {
-    const int G = H / KV;
+    const int G = GG ? GG : H / KV;
     const int64_t padded = (len + 15) / 16 * 16;
     auto slot = [&](const uint16_t* cache, int64_t p) {
       return cache + table[p / block_size] * block_stride + (p % block_size) * slot_stride;
@@ -126,7 +129,7 @@ struct Decode {
       alignas(64) float total[16];
       _mm512_store_ps(total, sum);
       // Values, two keys at a time, each query's pair of probabilities broadcast.
-      __m512 a[kMaxGroup][2 * Z];
+      __m512 a[GG ? GG : kMaxGroup][2 * Z];
       for (int g = 0; g < G; ++g)
         for (int c = 0; c < 2 * Z; ++c) a[g][c] = _mm512_setzero_ps();
       for (int64_t j = 0; j < len; j += 2) {
@@ -198,12 +201,18 @@ struct Decode {
       std::memset(st.get(), 0, padded * 16 * sizeof(float));
       alignas(64) uint32_t qt[4 * 16 * kMaxGroup];
       load_tiles(H / KV);
+      auto* one = &attend<0>;
+      switch (H / KV) {
+        case 1: one = &attend<1>; break;
+        case 2: one = &attend<2>; break;
+        case 4: one = &attend<4>; break;
+        case 8: one = &attend<8>; break;
+      }
       for (int64_t i = begin; i < end; ++i) {
         if (lens[i] <= 0) continue;
         const int64_t t = index[i];
-        attend(q + t * qs0, qs1, o + t * os0, os1, H, KV, k_cache, v_cache, block_stride, slot_stride, head_stride,
-               tables + rows[i] * table_stride, block_size, lens[i], static_cast<float>(scale), st.get(), pp.get(),
-               qt);
+        one(q + t * qs0, qs1, o + t * os0, os1, H, KV, k_cache, v_cache, block_stride, slot_stride, head_stride,
+            tables + rows[i] * table_stride, block_size, lens[i], static_cast<float>(scale), st.get(), pp.get(), qt);
       }
       _tile_release();
     });
