@@ -53,6 +53,7 @@ NOT_DEFAULT: dict[str, object] = {
     "prefix_reuse_min_fraction": 0.25,
     "max_prefix_bypass": 1,
     "max_waiting": 5,
+    "warm_up_kernels": True,
     "speculative_method": "draft",
     "num_speculative_tokens": 2,
     "adaptive_speculation": False,

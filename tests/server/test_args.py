@@ -21,6 +21,9 @@ def test_defaults() -> None:
     assert (ns.host, ns.port, ns.served_model_name, ns.model) == ("127.0.0.1", 8000, None, "tiny")
     assert (ns.max_waiting, ns.queue_delay_slo_seconds, ns.drain_timeout_seconds) == (256, 30.0, 30.0)
     assert (ns.max_request_bytes, ns.log_level) == (1 << 20, "info")
+    # The server builds oneDNN's kernels before it listens; the engine option's own default is off.
+    assert ns.warm_up_kernels is True
+    assert parser().parse_args(["--no-warm-up-kernels"]).warm_up_kernels is False
     # The shared engine flags are there too.
     assert ns.max_num_seqs is None and ns.enable_prefix_caching is None
 

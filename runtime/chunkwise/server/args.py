@@ -54,4 +54,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_REQUEST_BYTES,
         help=f"largest request body accepted; larger ones get 413 (default {DEFAULT_MAX_REQUEST_BYTES}, 1 MiB)",
     )
+    g.add_argument(
+        "--warm-up-kernels",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on CPU, build oneDNN's kernel for every row count a step can run its layers at before listening "
+        "(a second or two for a small model), so the first requests do not pay for it (default on)",
+    )
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default info)")

@@ -297,6 +297,15 @@ class EngineConfig:
         True,
         help="run every step eagerly; --no-enforce-eager replays decode steps from CUDA graphs on a GPU",
     )
+    # oneDNN builds a kernel per row count of a packed layer (model/layers.py: about 4 ms each on an AMX
+    # Xeon, a second or two for a small model's every count). The server builds them before it listens
+    # (its own --warm-up-kernels, on); elsewhere the first step that needs each pays for it.
+    warm_up_kernels: bool = option(
+        False,
+        help="on CPU, build oneDNN's kernel for every row count a step can run its layers at during start-up, "
+        "rather than in the first step that needs each",
+        flag=False,
+    )
     # vLLM's flag. One process per rank, rank 0 the caller's (loop/tp_ranks.py); gloo on CPU only for now.
     tensor_parallel_size: int = option(
         1,

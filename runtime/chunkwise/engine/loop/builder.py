@@ -30,6 +30,7 @@ from chunkwise.engine.loop.calibration import (
     kv_blocks_on_device,
 )
 from chunkwise.engine.loop.tp_ranks import EngineRanks, RankSizes, check_sizes
+from chunkwise.engine.model.layers import warm_up_onednn
 from chunkwise.engine.model.loader import LoadedModel, checkpoint_dtype, load_model
 from chunkwise.engine.sampling.structured.compiler import GrammarCompiler
 from chunkwise.engine.sched.draft_length import AdaptiveDraftLength, StepCostModel
@@ -121,6 +122,12 @@ def _build(
     )
     mcfg = loaded.config
     cache = config.cache
+    if config.warm_up_kernels and device.type == "cpu":
+        sched = config.scheduler
+        calls, seconds = warm_up_onednn(loaded.model, sched.max_num_batched_tokens, sched.max_num_seqs)
+        log.info(
+            "warm-up: built oneDNN's kernels for %d layer shapes and row counts in %.1f s", calls, seconds
+        )
     # Loaded before the KV cache is sized: its weights and its KV blocks take device memory too.
     draft = _load_draft(config, loaded, dtype, device, backend)
     # On each rank, over its stage's layers; every rank has the same number of blocks (the block ids the

@@ -11,6 +11,7 @@ four to six (each a full read and write of the activations, and a dispatch); on 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from types import ModuleType
 from typing import NamedTuple
@@ -71,6 +72,45 @@ def onednn_rows(m: int) -> int:
         return m
     step = (1 << (m - 1).bit_length()) // 32
     return -(-m // step) * step
+
+
+def onednn_row_counts(max_rows: int) -> list[int]:
+    """Every row count onednn_rows gives for 1..max_rows rows, in order."""
+    counts, m = [], 1
+    while m <= max_rows:
+        counts.append(onednn_rows(m))
+        m = counts[-1] + 1
+    return counts
+
+
+# Warm-up calls past this many FLOPs are left to the first step that needs them: the multiply itself then
+# costs as much as building its kernel, and warming every count of a large model would take minutes.
+WARM_UP_MAX_FLOPS = 2e9
+
+
+def warm_up_onednn(model: nn.Module, max_rows: int, head_rows: int) -> tuple[int, float]:
+    """Build oneDNN's kernel for each row count a packed Linear of `model` runs at, up to `max_rows`
+    (`head_rows` for the LM head, which sees a row per sequence), once per distinct layer shape, so that
+    steps do not pay for it. Returns (calls made, seconds taken)."""
+    t0 = time.perf_counter()
+    seen: set[tuple[int, int, torch.dtype, bool, int]] = set()
+    calls = 0
+    with torch.inference_mode():
+        for name, module in model.named_modules():
+            if not isinstance(module, Linear) or module.kernel != "onednn-packed":
+                continue
+            rows = head_rows if name.endswith("lm_head") else max_rows
+            dtype = module._out_dtype or torch.float32
+            key = (module.in_features, module.out_features, dtype, module.bias is None, rows)
+            if key in seen:
+                continue
+            seen.add(key)
+            for m in onednn_row_counts(rows):
+                if 2 * m * module.in_features * module.out_features > WARM_UP_MAX_FLOPS:
+                    break
+                module(torch.zeros(m, module.in_features, dtype=dtype))
+                calls += 1
+    return calls, time.perf_counter() - t0
 
 
 def _onednn_available() -> bool:
