@@ -48,7 +48,9 @@ SOURCES = tuple(
     )
 )
 # Included by the sources: part of what a build is keyed by.
-HEADERS = tuple(Path(__file__).parent / "csrc" / name for name in ("avx512_math.h", "amx.h"))
+HEADERS = tuple(
+    Path(__file__).parent / "csrc" / name for name in ("avx512_math.h", "amx.h", "paged_operands.h")
+)
 # The head sizes csrc/cpu_ops.cpp instantiates its attention kernel for.
 ATTENTION_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 ATTENTION_MAX_HEADS = 128

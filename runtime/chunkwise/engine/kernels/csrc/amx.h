@@ -1,15 +1,22 @@
 // What the AMX kernels (prefill_attention_amx.cpp, paged_attention_amx.cpp) share: whether this process may
-// run tile instructions, and the tile configuration's layout. Included inside their x86-64 Linux blocks,
-// after <immintrin.h>.
+// run tile instructions (false on every build without AVX512-BF16, and off x86-64 Linux), and the tile
+// configuration's layout.
 #pragma once
-
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <cstdint>
 
+#if defined(__x86_64__) && defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__linux__)
+#define CHUNKWISE_AMX_BUILT 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define CHUNKWISE_AMX_BUILT 0
+#endif
+
 namespace chunkwise_amx {
+
+#if CHUNKWISE_AMX_BUILT
 
 // The CPU has AMX-TILE and AMX-BF16 (CPUID 7.0 EDX bits 24 and 22) and Linux granted this process the tile
 // data state (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), asked once; oneDNN asks the same).
@@ -23,6 +30,9 @@ inline bool usable() {
   }();
   return ok;
 }
+#else
+inline bool usable() { return false; }
+#endif
 
 // ldtilecfg's 64-byte operand (palette 1): bytes per row and rows of each of the 8 tiles.
 struct alignas(64) TileConfig {

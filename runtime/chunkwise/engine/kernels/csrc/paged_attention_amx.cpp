@@ -25,18 +25,19 @@
 #include <cstring>
 #include <memory>
 
-#if defined(__x86_64__) && defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__linux__)
+#include "amx.h"
+
+#if CHUNKWISE_AMX_BUILT
 #include <immintrin.h>
 
-#include "amx.h"
 #include "avx512_math.h"
+#include "paged_operands.h"
 
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16")
 
 namespace {
 
-constexpr bool kBuilt = true;
 constexpr int kMaxGroup = 16;  // query heads per KV head: the lanes of a score row
 
 // Tiles: 0/1 keys (32 dims, alternating), 2/3 scores (two groups in flight), 4..7 the packed queries of
@@ -173,24 +174,10 @@ struct Decode {
   static void run(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                   const at::Tensor& block_tables, const at::Tensor& token_rows, const at::Tensor& token_index,
                   const at::Tensor& token_lens, double scale) {
-    const int64_t n = token_index.size(0);
-    const int H = static_cast<int>(query.size(1)), KV = static_cast<int>(kv_cache.size(3));
-    const int64_t block_size = kv_cache.size(2);
-    const auto* q = reinterpret_cast<const uint16_t*>(query.const_data_ptr<c10::BFloat16>());
-    auto* o = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<c10::BFloat16>());
-    const auto* k_cache = reinterpret_cast<const uint16_t*>(kv_cache.const_data_ptr<c10::BFloat16>());
-    const uint16_t* v_cache = k_cache + kv_cache.stride(0);
-    const int64_t block_stride = kv_cache.stride(1), slot_stride = kv_cache.stride(2), head_stride = kv_cache.stride(3);
-    const int64_t* tables = block_tables.const_data_ptr<int64_t>();
-    const int64_t table_stride = block_tables.stride(0);
-    const int64_t* rows = token_rows.const_data_ptr<int64_t>();
-    const int64_t* index = token_index.const_data_ptr<int64_t>();
-    const int64_t* lens = token_lens.const_data_ptr<int64_t>();
-    int64_t max_len = 1;
-    for (int64_t i = 0; i < n; ++i) max_len = std::max(max_len, lens[i]);
-    const int64_t padded = (max_len + 15) / 16 * 16;
-    const int64_t qs0 = query.stride(0), qs1 = query.stride(1), os0 = out.stride(0), os1 = out.stride(1);
-    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    const chunkwise_paged::Bf16Operands a(out, query, kv_cache, block_tables, token_rows, token_index, token_lens);
+    const int64_t padded = a.padded;
+    const int H = a.heads, KV = a.kv_heads;
+    at::parallel_for(0, a.n, 1, [&](int64_t begin, int64_t end) {
       std::unique_ptr<float, void (*)(void*)> st(
           static_cast<float*>(std::aligned_alloc(64, padded * 16 * sizeof(float))), std::free);
       std::unique_ptr<uint32_t, void (*)(void*)> pp(
@@ -209,10 +196,11 @@ struct Decode {
         case 8: one = &attend<8>; break;
       }
       for (int64_t i = begin; i < end; ++i) {
-        if (lens[i] <= 0) continue;
-        const int64_t t = index[i];
-        one(q + t * qs0, qs1, o + t * os0, os1, H, KV, k_cache, v_cache, block_stride, slot_stride, head_stride,
-            tables + rows[i] * table_stride, block_size, lens[i], static_cast<float>(scale), st.get(), pp.get(), qt);
+        if (a.lens[i] <= 0) continue;
+        const int64_t t = a.index[i];
+        one(a.q + t * a.qs0, a.qs1, a.o + t * a.os0, a.os1, H, KV, a.k_cache, a.v_cache, a.block_stride,
+            a.slot_stride, a.head_stride, a.tables + a.rows[i] * a.table_stride, a.block_size, a.lens[i],
+            static_cast<float>(scale), st.get(), pp.get(), qt);
       }
       _tile_release();
     });
@@ -222,18 +210,11 @@ struct Decode {
 }  // namespace
 
 #pragma GCC pop_options
-#else
-namespace {
-constexpr bool kBuilt = false;
-}  // namespace
-namespace chunkwise_amx {
-inline bool usable() { return false; }
-}  // namespace chunkwise_amx
 #endif
 
 namespace {
 
-bool has_paged_attention_amx() { return kBuilt && chunkwise_amx::usable(); }
+bool has_paged_attention_amx() { return CHUNKWISE_AMX_BUILT && chunkwise_amx::usable(); }
 
 void paged_attention_amx(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
                          const at::Tensor& block_tables, const at::Tensor& token_rows, const at::Tensor& token_index,
@@ -256,7 +237,7 @@ void paged_attention_amx(at::Tensor out, const at::Tensor& query, const at::Tens
   TORCH_CHECK(KV > 0 && H % KV == 0 && H / KV <= 16,
               "paged_attention_amx: heads must be a multiple of KV heads, at most 16 per KV head");
   TORCH_CHECK(block_size % 16 == 0, "paged_attention_amx: blocks of a multiple of 16 tokens, got ", block_size);
-#if defined(__x86_64__) && defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__linux__)
+#if CHUNKWISE_AMX_BUILT
   switch (D) {
     case 32: return Decode<32>::run(out, query, kv_cache, block_tables, token_rows, token_index, token_lens, scale);
     case 64: return Decode<64>::run(out, query, kv_cache, block_tables, token_rows, token_index, token_lens, scale);

@@ -26,6 +26,7 @@
 #include <immintrin.h>
 
 #include "avx512_math.h"
+#include "paged_operands.h"
 
 namespace {
 
@@ -162,35 +163,20 @@ template <int D>
 void run(at::TensorBase& out, const at::TensorBase& query, const at::TensorBase& kv_cache,
          const at::TensorBase& block_tables, const at::TensorBase& token_rows, const at::TensorBase& token_index,
          const at::TensorBase& token_lens, double scale) {
-  const int64_t n = token_index.size(0);
-  const int num_heads = static_cast<int>(query.size(1));
-  const int num_kv_heads = static_cast<int>(kv_cache.size(3));
-  const int64_t block_size = kv_cache.size(2);
-  const uint16_t* q = reinterpret_cast<const uint16_t*>(query.const_data_ptr<c10::BFloat16>());
-  uint16_t* o = reinterpret_cast<uint16_t*>(out.mutable_data_ptr<c10::BFloat16>());
-  const uint16_t* k_cache = reinterpret_cast<const uint16_t*>(kv_cache.const_data_ptr<c10::BFloat16>());
-  const uint16_t* v_cache = k_cache + kv_cache.stride(0);
-  const int64_t block_stride = kv_cache.stride(1), slot_stride = kv_cache.stride(2), head_stride = kv_cache.stride(3);
-  const int64_t* tables = block_tables.const_data_ptr<int64_t>();
-  const int64_t table_stride = block_tables.stride(0);
-  const int64_t* rows = token_rows.const_data_ptr<int64_t>();
-  const int64_t* index = token_index.const_data_ptr<int64_t>();
-  const int64_t* lens = token_lens.const_data_ptr<int64_t>();
-  int64_t max_len = 1;
-  for (int64_t i = 0; i < n; ++i) max_len = std::max(max_len, lens[i]);
-  const int64_t padded = (max_len + 15) / 16 * 16;
-  const int64_t qs0 = query.stride(0), qs1 = query.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  const chunkwise_paged::Bf16Operands a(out, query, kv_cache, block_tables, token_rows, token_index, token_lens);
+  const int64_t n = a.n, padded = a.padded;
+  const int num_heads = a.heads, num_kv_heads = a.kv_heads;
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     std::unique_ptr<float[]> scores(new float[num_heads * padded]);
     std::unique_ptr<uint16_t[]> probs(new uint16_t[num_heads * padded + 2]);
     std::unique_ptr<__m512bh[]> qz(new __m512bh[num_heads * (D / 32)]);
     std::unique_ptr<__m512[]> acc(new __m512[num_heads * 2 * (D / 32)]);
     for (int64_t i = begin; i < end; ++i) {
-      if (lens[i] <= 0) continue;
-      const int64_t t = index[i];
-      attend<D>(q + t * qs0, qs1, o + t * os0, os1, num_heads, num_kv_heads, k_cache, v_cache, block_stride,
-                slot_stride, head_stride, tables + rows[i] * table_stride, block_size, lens[i],
-                static_cast<float>(scale), scores.get(), probs.get(), qz.get(), acc.get());
+      if (a.lens[i] <= 0) continue;
+      const int64_t t = a.index[i];
+      attend<D>(a.q + t * a.qs0, a.qs1, a.o + t * a.os0, a.os1, num_heads, num_kv_heads, a.k_cache, a.v_cache,
+                a.block_stride, a.slot_stride, a.head_stride, a.tables + a.rows[i] * a.table_stride, a.block_size,
+                a.lens[i], static_cast<float>(scale), scores.get(), probs.get(), qz.get(), acc.get());
     }
   });
 }

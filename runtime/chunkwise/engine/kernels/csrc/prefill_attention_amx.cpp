@@ -30,10 +30,11 @@
 #include <cstring>
 #include <memory>
 
-#if defined(__x86_64__) && defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__linux__)
+#include "amx.h"
+
+#if CHUNKWISE_AMX_BUILT
 #include <immintrin.h>
 
-#include "amx.h"
 #include "avx512_math.h"
 
 #pragma GCC push_options
@@ -41,7 +42,6 @@
 
 namespace {
 
-constexpr bool kBuilt = true;
 constexpr int BR = 16;           // query rows of a block: one tile's rows
 constexpr int kTileBytes = 1024;  // 16 rows x 64 bytes
 
@@ -256,18 +256,11 @@ struct Kernel {
 }  // namespace
 
 #pragma GCC pop_options
-#else
-namespace {
-constexpr bool kBuilt = false;
-}  // namespace
-namespace chunkwise_amx {
-inline bool usable() { return false; }
-}  // namespace chunkwise_amx
 #endif
 
 namespace {
 
-bool has_prefill_attention_amx() { return kBuilt && chunkwise_amx::usable(); }
+bool has_prefill_attention_amx() { return CHUNKWISE_AMX_BUILT && chunkwise_amx::usable(); }
 
 void prefill_attention_amx(at::Tensor out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                            double scale) {
@@ -287,7 +280,7 @@ void prefill_attention_amx(at::Tensor out, const at::Tensor& query, const at::Te
   TORCH_CHECK(KV > 0 && H % KV == 0, "prefill_attention_amx: heads must be a multiple of KV heads");
   TORCH_CHECK(ctx >= n, "prefill_attention_amx: the context must include the chunk");
   if (n == 0) return;
-#if defined(__x86_64__) && defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__linux__)
+#if CHUNKWISE_AMX_BUILT
   switch (D) {
     case 32: return Kernel<32>::run(out, query, key, value, scale);
     case 64: return Kernel<64>::run(out, query, key, value, scale);
