@@ -58,7 +58,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--warm-up-kernels",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="on CPU, build oneDNN's kernel for every row count a step can run its layers at before listening "
-        "(a second or two for a small model), so the first requests do not pay for it (default on)",
+        help="on CPU, build oneDNN's kernel for every row count a step can run its layers at while the model loads "
+        "(/health answers 503 until it is ready; a second or two for a small model), so the first requests do "
+        "not pay for it (default on)",
     )
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default info)")

@@ -298,7 +298,7 @@ class EngineConfig:
         help="run every step eagerly; --no-enforce-eager replays decode steps from CUDA graphs on a GPU",
     )
     # oneDNN builds a kernel per row count of a packed layer (model/layers.py: about 4 ms each on an AMX
-    # Xeon, a second or two for a small model's every count). The server builds them before it listens
+    # Xeon, a second or two for a small model's every count). The server builds them while it loads
     # (its own --warm-up-kernels, on); elsewhere the first step that needs each pays for it.
     warm_up_kernels: bool = option(
         False,
