@@ -214,7 +214,12 @@ class CpuAttentionBackend:
         flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
         widen = query.dtype != torch.float32 and not cpu_has_bf16_matmul()
         own_kernel = query.dtype in self.prefill_kernel_dtypes and kernels.prefill_attention_available(query)
-        amx_kernel = self.prefill_amx and kernels.prefill_attention_amx_available(query)
+        # self.prefill_amx already asked whether the tiles are usable; what is left depends on the query.
+        amx_kernel = (
+            self.prefill_amx
+            and query.dtype == torch.bfloat16
+            and query.shape[-1] in kernels.AMX_ATTENTION_HEAD_DIMS
+        )
         for c in chunks:
             q = query[c.start : c.start + c.num_query]
             k = flat[0].index_select(0, c.slots)

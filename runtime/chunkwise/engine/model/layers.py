@@ -57,8 +57,8 @@ SMALL_M_ROWS = 64
 
 
 # oneDNN builds (JIT-compiles) a kernel for each new row count a layer sees, and torch's op caches them by
-# shape: a first call at a new count cost 2-4 ms more than a cached one (a 512 -> 3072 bf16 layer at
-# 960-1,024 rows on an AMX Xeon, bench/cpu/linear_rows.py), and a prefill step's row count is almost always
+# shape: a first call at a new count cost about 5 ms more than a cached one (a 512 -> 3072 bf16 layer at
+# 33-1,024 rows on an AMX Xeon, bench/cpu/linear_rows.py), and a prefill step's row count is almost always
 # new. vLLM builds its oneDNN matmul with the row count left to run time; torch's op cannot, so past
 # ONEDNN_EXACT_ROWS rows a packed layer runs at the next of a few row counts: sixteen per doubling, at most
 # 1/16 more rows than asked for.
