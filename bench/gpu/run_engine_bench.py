@@ -19,6 +19,7 @@ Imports only this repository, torch and triton (llguidance is imported only by s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -146,7 +147,8 @@ class Bench:
 
         self.args = args
         self.smoke = args.smoke
-        self.shape = SMOKE if args.smoke else GPU
+        shape = SMOKE if args.smoke else GPU
+        self.shape = dataclasses.replace(shape, dtype=args.dtype) if args.dtype else shape
         self.device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -410,6 +412,8 @@ class Bench:
                         entry["reference"] = True
                     gate = self.gate(reference, tokens)
                     entry["token_check"] = gate
+                    # The tokens themselves, so that runs in other dtypes can be compared afterwards.
+                    entry["tokens"] = tokens
                     self.failed |= not gate["ok"]
                     print(
                         f"  token check against the first config: {'ok' if gate['ok'] else 'FAILED'} "
@@ -571,6 +575,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="KV cache size (default: the shape's, 48 GiB on the GPU); 0 sizes it as a user's engine is "
         "(gpu_memory_utilization and a profiled peak on CUDA)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=sorted(GATE_TOLERANCE),
+        default=None,
+        help="model and KV dtype (default: the shape's, bfloat16 on the GPU). float32 makes the token check "
+        "strict: bf16 rounding through a random 8B model's 32 layers moves log-probs by tenths of a nat",
     )
     p.add_argument(
         "--logprob-tol", type=float, default=0.0, help="token check: override the dtype's tolerance"

@@ -30,7 +30,7 @@ NOT_DEFAULT: dict[str, object] = {
     "device": "cuda:1",
     "seed": 7,
     "attention_backend": "torch",
-    "enforce_eager": False,
+    "enforce_eager": True,
     "block_size": 8,
     "num_blocks": 99,
     "enable_prefix_caching": False,

@@ -275,15 +275,10 @@ def _build(
 def _set_up_graphs(
     runner: ModelRunner, config: EngineConfig, device: torch.device, backend: AttentionBackend
 ) -> None:
-    if config.enforce_eager:
-        if device.type == "cuda":
-            log.info(
-                "CUDA graphs off (enforce_eager): they stay off by default until a GPU run has shown them "
-                "to give identical tokens; --no-enforce-eager replays decode steps from graphs"
-            )
-        return
     if device.type != "cuda":
-        log.info("enforce_eager=False has no effect on %s: CUDA graphs need a CUDA device", device.type)
+        return  # graphs are CUDA's; the flag's help says it does nothing elsewhere
+    if config.enforce_eager:
+        log.info("CUDA graphs off (--enforce-eager): every step runs eagerly")
         return
     if not getattr(backend, "graph_safe", False):
         log.warning(
