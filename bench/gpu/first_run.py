@@ -8,9 +8,10 @@ section cannot cost the ones after it) and its own output directory under --out,
 summary (first_run.json, first_run.md) is rewritten after every section, so a run cut off by the machine's
 lease still leaves everything that finished:
 
-  correctness  greedy tokens of a random Llama-3-8B-shaped model in bf16: Triton eager and Triton with CUDA
+  correctness  greedy tokens of a random Llama-3-8B-shaped model in float32: Triton eager and Triton with CUDA
                graphs against the torch reference, compared by log-prob tolerance (token_gate.py), and the
                pinned-input race check (a prompt of several chunks alone, with and without a sync per step)
+  tp           tensor_parallel_size 2 over gloo, both ranks on the one GPU, against 1 (tp_check.py)
   throughput   decode at batch 1/64/256 (tok/s, p50/p99 step time, HBM bandwidth as a fraction of peak,
                and the host's share of each step: eager against graphs) and prefill tok/s at full chunks
   attention    the decode attention kernel's HBM bandwidth as % of 4.8 TB/s, against torch's SDPA
@@ -53,7 +54,7 @@ class Section:
 SECTIONS = (
     Section(
         "correctness",
-        150,
+        120,
         "run_engine_bench.py",
         # float32: the check is then strict (1e-3 nats). In bf16 the rounding of the torch reference's fp32
         # softmax against Triton's bf16 probabilities, through the random model's 32 layers, moved the first
@@ -63,8 +64,16 @@ SECTIONS = (
         "float32 token check (eager, graphs, torch reference) and the race check",
     ),
     Section(
+        "tp",
+        60,
+        "tp_check.py",
+        (),
+        (),
+        "tensor_parallel_size 2 over gloo on the one GPU against 1 (float32 tokens), KV sized on every rank",
+    ),
+    Section(
         "throughput",
-        180,
+        150,
         "run_engine_bench.py",
         # The KV cache sized as a user's engine sizes it (gpu_memory_utilization, a profiled peak): the one
         # section that exercises that path, so a failure there costs only this section.
@@ -139,7 +148,7 @@ def run_section(section: Section, out: Path, dry_run: bool) -> Outcome:
             proc.wait()
             rc, status = None, "timed out"
     outcome = Outcome(section.name, status, round(time.monotonic() - t0, 1), rc)
-    for name in ("engine_bench.json", "attention_bench.json"):
+    for name in ("engine_bench.json", "attention_bench.json", "tp_check.json"):
         if (out / name).is_file():
             outcome.report = json.loads((out / name).read_text())
     return outcome
@@ -181,7 +190,7 @@ def render(outcomes: list[Outcome], out: Path, dry_run: bool) -> str:
         md = next(
             (
                 out / o.name / n
-                for n in ("engine_bench.md", "attention_bench.md")
+                for n in ("engine_bench.md", "attention_bench.md", "tp_check.md")
                 if (out / o.name / n).is_file()
             ),
             None,

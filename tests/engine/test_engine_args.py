@@ -59,6 +59,7 @@ NOT_DEFAULT: dict[str, object] = {
     "adaptive_speculation": False,
     "speculative_model": "small",
     "distributed_port": 29600,
+    "distributed_backend": "nccl",
 }
 
 

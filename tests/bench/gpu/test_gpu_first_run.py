@@ -151,7 +151,7 @@ def test_dry_run_of_every_section_with_only_what_the_gpu_machine_has(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + logs
     summary = json.loads((out / "first_run.json").read_text())
     sections = {s["name"]: s for s in summary["sections"]}
-    assert [s["status"] for s in sections.values()] == ["ok"] * 4, sections
+    assert [s["status"] for s in sections.values()] == ["ok"] * 5, sections
 
     correctness = sections["correctness"]["report"]
     checks = {n: c.get("token_check") for n, c in correctness["configs"].items()}
@@ -159,6 +159,10 @@ def test_dry_run_of_every_section_with_only_what_the_gpu_machine_has(tmp_path):
     assert all(c["ok"] and c["compared"] == c["positions"] > 0 for c in checks.values())
     race = correctness["race"]
     assert race["identical"] and race["prompt_only_steps"] >= 2
+
+    tp = sections["tp"]["report"]
+    check = tp["runs"]["tp2-gloo"]["token_check"]
+    assert tp["ok"] and check["ok"] and check["compared"] == check["positions"] > 0 and not tp["orphans"]
 
     throughput = sections["throughput"]["report"]["configs"]
     # Sized as a user's engine is (on CPU that is the default 1 GiB), the other sections pinned.

@@ -122,7 +122,7 @@ def test_fewer_layers_than_stages_are_refused_before_any_process_starts() -> Non
         LLM("tiny", pipeline_parallel_size=3)
     with pytest.raises(ValueError, match="pipeline_parallel_size must be positive"):
         LLM("tiny", pipeline_parallel_size=0)
-    with pytest.raises(ValueError, match=r"pipeline_parallel_size 2 runs on CPU \(gloo\) only"):
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size 2 runs on CPU only"):
         engine_config_from_kwargs("tiny", device="cuda", pipeline_parallel_size=2)
     assert multiprocessing.active_children() == []
 

@@ -251,9 +251,13 @@ def test_sizes_that_do_not_divide_are_refused_before_any_process_starts(
         LLM("tiny", tensor_parallel_size=0)
 
 
-def test_what_tensor_parallel_does_not_run_yet_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"on cuda the NCCL path is untested .*issue 33"):
-        engine_config_from_kwargs("tiny", device="cuda", tensor_parallel_size=2)
+def test_what_parallelism_does_not_run_yet_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size 2 runs on CPU only: on cuda .*issue 33"):
+        engine_config_from_kwargs("tiny", device="cuda", pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match=r"distributed_backend 'nccl' needs a CUDA device, not 'cpu'"):
+        engine_config_from_kwargs("tiny", tensor_parallel_size=2, distributed_backend="nccl")
+    # Tensor parallel on CUDA is accepted: each rank a GPU under NCCL, or every rank on one under gloo.
+    assert engine_config_from_kwargs("tiny", device="cuda", tensor_parallel_size=2).world_size == 2
     assert multiprocessing.active_children() == []
 
 

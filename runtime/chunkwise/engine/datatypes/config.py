@@ -19,6 +19,7 @@ SpecMethod = Literal["ngram", "draft"]
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 Estimator = Literal["quantile", "mean"]
 AttentionBackend = Literal["auto", "torch", "cpu", "triton"]
+DistributedBackend = Literal["auto", "nccl", "gloo"]
 
 # The step token budget B = decode rows + prefill chunk. docs/scheduling.md puts the usual knee at 512-2048; on the
 # CPU presets 1024 keeps a step under ~100 ms with `small` while amortising per-step overhead.
@@ -308,10 +309,18 @@ class EngineConfig:
         "rather than in the first step that needs each",
         flag=False,
     )
-    # vLLM's flag. One process per rank, rank 0 the caller's (loop/tp_ranks.py); gloo on CPU only for now.
+    # vLLM's flag. One process per rank, rank 0 the caller's (loop/tp_ranks.py).
     tensor_parallel_size: int = option(
         1,
-        help="ranks the model is sharded over (tensor parallel): one process each, on CPU (gloo)",
+        help="ranks the model is sharded over (tensor parallel): one process each; on CUDA one GPU each, "
+        "--device's and the next ones",
+    )
+    # NCCL refuses two ranks on one GPU; gloo takes CUDA tensors (through host copies), which is how several
+    # ranks are tested on a one-GPU machine (bench/gpu/tp_check.py).
+    distributed_backend: DistributedBackend = option(
+        "auto",
+        help="the collectives between ranks: auto is NCCL on CUDA and gloo on CPU; gloo on CUDA puts every "
+        "rank on --device's one GPU (slow: for checking several ranks without several GPUs)",
     )
     # vLLM's flag. Stages of consecutive layers, each tensor_parallel_size ranks, every rank a process of this
     # machine (loop/tp_ranks.py), or one pod per stage in a LeaderWorkerSet (loop/stage_worker.py).
@@ -335,23 +344,20 @@ class EngineConfig:
         _one_of("dtype", self.dtype, get_args(Dtype), show=str)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         _positive("pipeline_parallel_size", self.pipeline_parallel_size)
+        _one_of("distributed_backend", self.distributed_backend, get_args(DistributedBackend))
+        if self.distributed_backend == "nccl" and not self.device.startswith("cuda"):
+            raise ValueError(f"distributed_backend 'nccl' needs a CUDA device, not {self.device!r}")
         if not 0 < self.distributed_port < 65535:
             raise ValueError(
                 f"distributed_port must be a port below 65535 (two are used), got {self.distributed_port}"
             )
-        if self.world_size > 1:
-            # Named by the field that asked for more than one rank (tensor parallel's first: its wording).
-            name, size = (
-                ("tensor_parallel_size", self.tensor_parallel_size)
-                if self.tensor_parallel_size > 1
-                else ("pipeline_parallel_size", self.pipeline_parallel_size)
-            )
+        if self.pipeline_parallel_size > 1:
             if not self.device.startswith("cpu"):
                 raise ValueError(
-                    f"{name} {size} runs on CPU (gloo) only: on "
-                    f"{self.device} the NCCL path is untested (no multi-GPU machine yet; issue 33)"
+                    f"pipeline_parallel_size {self.pipeline_parallel_size} runs on CPU only: on {self.device} "
+                    "the stages' sends are untested (issue 33); tensor_parallel_size runs there"
                 )
-            if self.spec.method == "draft" and self.pipeline_parallel_size > 1:
+            if self.spec.method == "draft":
                 # Under tensor parallel alone the draft runs whole on rank 0 (tested); not across stages yet.
                 raise ValueError(
                     "pipeline_parallel_size > 1 with speculative_method='draft' is not supported yet "

@@ -14,6 +14,7 @@ from chunkwise.engine.distributed.group import (
     TPGroup,
     backend_for,
     init_tp_group,
+    rank_device,
 )
 from chunkwise.engine.distributed.layout import TPLayout
 from chunkwise.engine.distributed.pipeline import PipelineStage, single_stage, stage_layers
@@ -30,6 +31,7 @@ __all__ = [
     "backend_for",
     "init_tp_group",
     "join_world",
+    "rank_device",
     "single_stage",
     "stage_layers",
 ]

@@ -50,9 +50,22 @@ class SingleRank:
 SINGLE_RANK = SingleRank()
 
 
-def backend_for(device: torch.device) -> str:
-    """The torch.distributed backend for tensors on `device`: NCCL on CUDA, gloo elsewhere."""
+def backend_for(device: torch.device, choice: str = "auto") -> str:
+    """The torch.distributed backend for tensors on `device`: `choice`, or for "auto" NCCL on CUDA and gloo
+    elsewhere."""
+    if choice != "auto":
+        return choice
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def rank_device(device: str | torch.device, backend: str, local_rank: int) -> torch.device:
+    """The device of the `local_rank`-th rank of this machine, `device` being rank 0's: under NCCL each rank
+    has a GPU of its own, the next ones after rank 0's; under gloo every rank shares rank 0's (on CUDA: several
+    ranks on one GPU, which NCCL refuses)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + (local_rank if backend == "nccl" else 0))
 
 
 class ProcessGroupTP:
@@ -116,6 +129,7 @@ def init_tp_group(
     *,
     init_method: str,
     device: str | torch.device = "cpu",
+    backend: str = "auto",
     timeout_s: float = 120.0,
 ) -> ProcessGroupTP:
     """Join the default process group as `rank` of `world_size` (every rank calls this with the same
@@ -125,7 +139,7 @@ def init_tp_group(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(
-        backend_for(device),
+        backend_for(device, backend),
         init_method=init_method,
         rank=rank,
         world_size=world_size,

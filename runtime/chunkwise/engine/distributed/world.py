@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from chunkwise.engine.distributed.group import SINGLE_RANK, ProcessGroupTP, TPGroup, init_tp_group
@@ -22,6 +23,13 @@ class RankGroups:
     tp_size: int
     pp_size: int
     tp: TPGroup  # this rank's stage's
+    device: torch.device  # this rank's (its collectives' tensors live there under NCCL)
+
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest of every rank's `value` (a collective over the whole world)."""
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
 
     @property
     def world_size(self) -> int:
@@ -42,10 +50,22 @@ class RankGroups:
             dist.destroy_process_group()
 
 
-def join_world(rank: int, tp_size: int, pp_size: int, *, init_method: str, timeout_s: float) -> RankGroups:
+def join_world(
+    rank: int,
+    tp_size: int,
+    pp_size: int,
+    *,
+    init_method: str,
+    timeout_s: float,
+    device: str | torch.device = "cpu",
+    backend: str = "auto",
+) -> RankGroups:
     """Join the world of tp_size * pp_size ranks as global `rank` (every rank calls this with the same
-    `init_method`), with its stage's tensor-parallel group."""
-    world = init_tp_group(rank, tp_size * pp_size, init_method=init_method, timeout_s=timeout_s)
+    `init_method`), with its stage's tensor-parallel group; `device` is this rank's, `backend` the
+    engine's distributed_backend."""
+    world = init_tp_group(
+        rank, tp_size * pp_size, init_method=init_method, device=device, backend=backend, timeout_s=timeout_s
+    )
     tp: TPGroup = world
     if pp_size > 1:
         tp = SINGLE_RANK
@@ -55,4 +75,4 @@ def join_world(rank: int, tp_size: int, pp_size: int, *, init_method: str, timeo
                 group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
                 if rank in ranks:
                     tp = ProcessGroupTP(group, timeout_s)
-    return RankGroups(rank, tp_size, pp_size, tp)
+    return RankGroups(rank, tp_size, pp_size, tp, torch.device(device))

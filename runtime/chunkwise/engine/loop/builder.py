@@ -25,11 +25,11 @@ from chunkwise.engine.distributed import SINGLE_RANK, stage_layers
 from chunkwise.engine.hardware import DtypeChoice, cpu_has_bf16_matmul, cpu_isa, resolve_dtype
 from chunkwise.engine.loop.calibration import (
     DEFAULT_CPU_KV_BYTES,
-    CudaMemoryStats,
+    KVProfileRequest,
     StartupProbe,
-    kv_blocks_on_device,
+    profile_kv_blocks,
 )
-from chunkwise.engine.loop.tp_ranks import EngineRanks, RankSizes, check_sizes
+from chunkwise.engine.loop.tp_ranks import EngineRanks, RankSizes, check_devices, check_sizes
 from chunkwise.engine.model.layers import warm_up_onednn
 from chunkwise.engine.model.loader import LoadedModel, checkpoint_dtype, load_model
 from chunkwise.engine.sampling.structured.compiler import GrammarCompiler
@@ -100,6 +100,7 @@ def build_engine(config: EngineConfig) -> EngineParts:
     if config.tensor_parallel_size == 1 and config.pipeline_parallel_size == 1:
         return _build(config, choice, backend, None)
     check_sizes(config)  # before any process starts
+    check_devices(config)
     ranks = EngineRanks(config, choice.name, make_runner)  # the other ranks started, and the group joined
     try:
         return _build(config, choice, backend, ranks)
@@ -148,17 +149,11 @@ def _build(
         def profile_runner(blocks: int) -> ModelRunner:
             return make_runner(loaded, config, backend, blocks, 0, dtype, device, profile_len)
 
-        num_blocks = kv_blocks_on_device(
-            profile_runner,
-            CudaMemoryStats(device),
-            utilization=cache.gpu_memory_utilization,
-            block_bytes=block_bytes + draft_bytes,
-            block_size=cache.block_size,
-            max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
-            max_num_seqs=sched_cfg.max_num_seqs,
-            max_model_len=sched_cfg.max_model_len,
-            profile_len=profile_len,
-        )
+        if ranks is not None:  # every rank runs the profile step's collectives, on its own GPU
+            ranks.setup(KVProfileRequest(block_bytes, profile_len))
+        num_blocks = profile_kv_blocks(profile_runner, device, config, block_bytes + draft_bytes, profile_len)
+        if ranks is not None:
+            num_blocks = ranks.groups.min_over_ranks(num_blocks)
     else:
         num_blocks = DEFAULT_CPU_KV_BYTES // block_bytes
     if sched_cfg.max_model_len is None:
@@ -279,6 +274,10 @@ def _set_up_graphs(
         return  # graphs are CUDA's; the flag's help says it does nothing elsewhere
     if config.enforce_eager:
         log.info("CUDA graphs off (--enforce-eager): every step runs eagerly")
+        return
+    if config.world_size > 1:
+        # Every rank would have to capture, in step, with its collectives inside: not built yet.
+        log.info("CUDA graphs off under tensor parallel (not captured with the collectives yet; issue 33)")
         return
     if not getattr(backend, "graph_safe", False):
         log.warning(

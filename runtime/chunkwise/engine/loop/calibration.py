@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 
 from chunkwise.engine.cache.kv_cache_manager import KVCacheManager
+from chunkwise.engine.datatypes.config import EngineConfig
 from chunkwise.engine.datatypes.sampling_params import SamplingParams
 from chunkwise.engine.sched.output import ScheduledRequest, SchedulerOutput
 from chunkwise.engine.worker.model_runner import ModelRunner
@@ -253,6 +254,37 @@ def kv_blocks_on_device(
         blocks * block_size,
     )
     return blocks
+
+
+@dataclass(frozen=True)
+class KVProfileRequest:
+    """Rank 0's word to the other tensor-parallel ranks on CUDA: profile your own device as I profile mine
+    (the profile step's collectives need every rank), then agree on the smallest block count."""
+
+    block_bytes: int  # a worker's bytes per block (rank 0 adds a draft model's, which only it holds)
+    profile_len: int
+
+
+def profile_kv_blocks(
+    make_runner: Callable[[int], ModelRunner],
+    device: torch.device,
+    config: EngineConfig,
+    block_bytes: int,
+    profile_len: int,
+) -> int:
+    """kv_blocks_on_device with the engine's settings, on `device`."""
+    sched = config.scheduler
+    return kv_blocks_on_device(
+        make_runner,
+        CudaMemoryStats(device),
+        utilization=config.cache.gpu_memory_utilization,
+        block_bytes=block_bytes,
+        block_size=config.cache.block_size,
+        max_num_batched_tokens=sched.max_num_batched_tokens,
+        max_num_seqs=sched.max_num_seqs,
+        max_model_len=sched.max_model_len,
+        profile_len=profile_len,
+    )
 
 
 class StartupProbe:

@@ -45,8 +45,16 @@ import torch
 from chunkwise.engine.attention import get_attention_backend
 from chunkwise.engine.attention.backend import AttentionBackend
 from chunkwise.engine.datatypes.config import EngineConfig, ModelConfig
-from chunkwise.engine.distributed import RankGroups, TPLayout, join_world, stage_layers
+from chunkwise.engine.distributed import (
+    RankGroups,
+    TPLayout,
+    backend_for,
+    join_world,
+    rank_device,
+    stage_layers,
+)
 from chunkwise.engine.distributed.lws import LWSPlace
+from chunkwise.engine.loop.calibration import KVProfileRequest, profile_kv_blocks
 from chunkwise.engine.model.loader import LoadedModel, load_model, read_checkpoint, resolve_model_path
 from chunkwise.engine.model.presets import PRESETS
 from chunkwise.engine.worker.model_runner import ModelRunner
@@ -99,6 +107,26 @@ def check_sizes(config: EngineConfig) -> int | None:
     TPLayout.of(model_config, 0, config.tensor_parallel_size)
     stage_layers(model_config.num_hidden_layers, pp)
     return model_config.num_hidden_layers
+
+
+def distributed_backend(config: EngineConfig) -> str:
+    """The torch.distributed backend the engine's ranks use (config.distributed_backend resolved)."""
+    return backend_for(torch.device(config.device), config.distributed_backend)
+
+
+def check_devices(config: EngineConfig) -> None:
+    """Under NCCL each rank of this machine needs a GPU of its own, --device's and the next ones: refuse,
+    before any process starts, a machine with fewer."""
+    if distributed_backend(config) != "nccl":
+        return
+    last = rank_device(config.device, "nccl", config.world_size - 1)
+    have = torch.cuda.device_count()
+    if last.index is not None and last.index >= have:
+        raise ValueError(
+            f"tensor_parallel_size {config.tensor_parallel_size} needs one GPU per rank from {config.device} "
+            f"on (up to cuda:{last.index}); this machine has {have} (distributed_backend 'gloo' runs every "
+            "rank on one GPU, slowly, for checking)"
+        )
 
 
 def cpu_shares(n: int) -> list[list[int]]:
@@ -281,7 +309,7 @@ class EngineRanks:
         os.sched_setaffinity(tid, shares[0])
         try:
             accepted = self._accept(listener, range(local, n), (config, dtype)) if listener else None
-            self._state.group = self._join(init_method)
+            self._state.group = self._join(init_method, config)
             if accepted is not None:
                 accepted.join(CONNECT_TIMEOUT_S)  # each pod's ranks greet before they join the group
                 missing = [r for r in range(local, n) if r not in conns]
@@ -326,11 +354,12 @@ class EngineRanks:
         thread.start()
         return thread
 
-    def _join(self, init_method: str) -> RankGroups:
+    def _join(self, init_method: str, config: EngineConfig) -> RankGroups:
         """Rank 0's rendezvous, in a thread, so that a worker dying before it joins fails the start at once
         (naming it) instead of after the rendezvous timeout."""
         joined: list[RankGroups | BaseException] = []
         state = self._state
+        backend = distributed_backend(config)
 
         def join() -> None:
             try:
@@ -341,6 +370,8 @@ class EngineRanks:
                         state.pp_size,
                         init_method=init_method,
                         timeout_s=COLLECTIVE_TIMEOUT_S,
+                        device=rank_device(config.device, backend, 0),
+                        backend=backend,
                     )
                 )
             except BaseException as e:
@@ -370,7 +401,7 @@ class EngineRanks:
         """The worker ranks spawned by this process (not another pod's)."""
         return [p.pid for p in self._state.procs.values() if p.pid is not None]
 
-    def setup(self, sizes: RankSizes) -> None:
+    def setup(self, sizes: RankSizes | KVProfileRequest) -> None:
         self._send(sizes)
 
     def check(self) -> None:
@@ -452,9 +483,19 @@ def _worker_main(
     os.sched_setaffinity(0, cpus)
     torch.set_num_threads(threads)
     torch.manual_seed(config.seed)
-    groups = join_world(rank, tp_size, pp_size, init_method=init_method, timeout_s=COLLECTIVE_TIMEOUT_S)
+    collectives = distributed_backend(config)
+    # Its place among this machine's ranks: all of them here, or its stage's in a pod of its own.
+    device = rank_device(config.device, collectives, rank % tp_size if leader is not None else rank)
+    groups = join_world(
+        rank,
+        tp_size,
+        pp_size,
+        init_method=init_method,
+        timeout_s=COLLECTIVE_TIMEOUT_S,
+        device=device,
+        backend=collectives,
+    )
     try:
-        device = torch.device(config.device)
         backend = get_attention_backend(config.attention_backend, device.type)
         dtype = getattr(torch, dtype_name)
         num_layers = check_sizes(config)  # None only where the model cannot be read: one stage, refused below
@@ -463,6 +504,17 @@ def _worker_main(
             config.model, dtype=dtype, device=device, backend=backend, tp_group=groups.tp, pp_stage=stage
         )
         sizes = _receive(conn)
+        if isinstance(sizes, KVProfileRequest):  # CUDA: rank 0 profiles too, then the smallest count wins
+            request = sizes
+
+            def profile_runner(blocks: int) -> ModelRunner:
+                return make_runner(loaded, config, backend, blocks, 0, dtype, device, request.profile_len)
+
+            blocks = profile_kv_blocks(
+                profile_runner, device, config, request.block_bytes, request.profile_len
+            )
+            groups.min_over_ranks(blocks)
+            sizes = _receive(conn)
         if sizes is None or sizes is _GONE:
             _leader_lost(rank, leader, sizes)
             return
