@@ -216,3 +216,47 @@ def save_byte_fallback_tokenizer(path: Path, vocab_size: int = 600) -> int:
         )
     )
     return len(vocab)
+
+
+def save_random_lora(
+    base: Path,
+    out: Path,
+    *,
+    r: int,
+    targets: list[str],
+    alpha: float = 16.0,
+    use_rslora: bool = False,
+    seed: int = 0,
+    **config: object,
+) -> Path:
+    """A PEFT LoRA adapter for the checkpoint at `base`, saved with PEFT's own save_pretrained. PEFT starts B
+    at zero (a no-op adapter), so A and B are drawn here, large enough to change greedy tokens."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    lora = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, use_rslora=use_rslora, **config)  # type: ignore[arg-type]
+    peft_model = get_peft_model(model, lora)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    peft_model.save_pretrained(out)
+    return out
+
+
+def peft_merged_greedy(
+    base: Path, adapter: Path | None, prompts: list[list[int]], max_new: list[int], tmp: Path
+) -> list[list[int]]:
+    """transformers' greedy output of `base` with `adapter` merged into it by PEFT (merge_and_unload)."""
+    if adapter is None:
+        return hf_greedy(base, prompts, max_new)
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+    out = tmp / f"merged-{adapter.name}"
+    merged.save_pretrained(out)
+    return hf_greedy(out, prompts, max_new)

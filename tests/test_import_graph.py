@@ -40,6 +40,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("cache", ["chunkwise.engine.cache"]),
     ("sampling", ["chunkwise.engine.sampling"]),
     ("model", ["chunkwise.engine.model"]),
+    # Adapters: their weights, and the per-row matmuls the model adds to its projections.
+    ("lora", ["chunkwise.engine.lora"]),
     ("attention", ["chunkwise.engine.attention"]),
     # Above the kernels: its shared-memory all-reduce is one of them.
     ("distributed", ["chunkwise.engine.distributed"]),

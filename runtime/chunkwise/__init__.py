@@ -8,10 +8,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "AsyncEngine", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutput"]
+__all__ = [
+    "LLM",
+    "AsyncEngine",
+    "CompletionOutput",
+    "LoRARequest",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutput",
+]
 
 if TYPE_CHECKING:
     from chunkwise.engine import LLM, AsyncEngine
+    from chunkwise.engine.datatypes.lora import LoRARequest
     from chunkwise.engine.datatypes.outputs import CompletionOutput, RequestOutput
     from chunkwise.engine.datatypes.sampling_params import SamplingParams
     from chunkwise.engine.datatypes.structured_output import StructuredOutput
@@ -19,6 +28,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "LLM": "chunkwise.engine",
     "AsyncEngine": "chunkwise.engine",
+    "LoRARequest": "chunkwise.engine.datatypes.lora",
     "RequestOutput": "chunkwise.engine.datatypes.outputs",
     "CompletionOutput": "chunkwise.engine.datatypes.outputs",
     "SamplingParams": "chunkwise.engine.datatypes.sampling_params",

@@ -60,6 +60,10 @@ NOT_DEFAULT: dict[str, object] = {
     "speculative_model": "small",
     "distributed_port": 29600,
     "distributed_backend": "nccl",
+    "enable_lora": True,
+    "max_loras": 2,
+    "max_lora_rank": 8,
+    "max_cpu_loras": 3,
 }
 
 

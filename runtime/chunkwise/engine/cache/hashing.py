@@ -38,6 +38,14 @@ def _packer(n: int) -> struct.Struct:
     return struct.Struct(f"<{n}q")
 
 
+def block_extra(cache_salt: str | None, lora_name: str | None) -> str | None:
+    """What a request's first block hashes beside its tokens: its cache salt and its LoRA adapter, so that
+    the same prompt under two adapters (whose KV differs) never shares a block."""
+    if lora_name is None:
+        return cache_salt
+    return f"{cache_salt or ''}\x00lora\x00{lora_name}"
+
+
 def hash_prefix_blocks(
     token_ids: Sequence[int],
     block_size: int,

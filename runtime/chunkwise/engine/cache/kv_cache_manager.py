@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from chunkwise.engine.cache.block_pool import BlockPool
 from chunkwise.engine.cache.events import KVEventLog
-from chunkwise.engine.cache.hashing import BlockHash, hash_prefix_blocks
+from chunkwise.engine.cache.hashing import BlockHash, block_extra, hash_prefix_blocks
 from chunkwise.engine.cache.swap import SwapSpace
 from chunkwise.engine.datatypes.request import Request
 
@@ -55,7 +55,7 @@ class KVCacheManager:
                 hash_prefix_blocks(
                     req.token_ids,
                     self.block_size,
-                    req.cache_salt,
+                    block_extra(req.cache_salt, req.lora_name),
                     start=len(hashes),
                     parent=hashes[-1] if hashes else None,
                     end=full,

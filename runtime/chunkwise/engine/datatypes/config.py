@@ -336,6 +336,17 @@ class EngineConfig:
         "LeaderWorkerSet, one pod per stage; LWS_LEADER_ADDRESS the address): the process group's "
         "rendezvous there, each step's message on the next port",
     )
+    # vLLM's LoRA flags and defaults (lora/: adapters in PEFT's format, batched per step by slot).
+    enable_lora: bool = option(
+        False, help="serve LoRA adapters of the base model (requests name one, or run the base model)"
+    )
+    max_loras: int = option(
+        1, help="adapters resident on the device at once: most distinct adapters in a step"
+    )
+    max_lora_rank: int = option(16, help="the largest adapter rank (r) accepted; slots are sized for it")
+    max_cpu_loras: int | None = option(
+        None, help="adapters kept read in host memory (least recently used dropped)", unset="--max-loras"
+    )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
@@ -350,6 +361,16 @@ class EngineConfig:
         if not 0 < self.distributed_port < 65535:
             raise ValueError(
                 f"distributed_port must be a port below 65535 (two are used), got {self.distributed_port}"
+            )
+        _positive("max_loras", self.max_loras)
+        _positive("max_lora_rank", self.max_lora_rank)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})"
+            )
+        if self.enable_lora and self.world_size > 1:
+            raise ValueError(
+                "enable_lora with tensor or pipeline parallel is not supported yet (issue 34): one rank only"
             )
         if self.pipeline_parallel_size > 1:
             if not self.device.startswith("cpu"):

@@ -44,6 +44,8 @@ class Request:
     # Key under which output lengths are observed for admission's estimate (model + endpoint by default).
     route: str = ""
     cache_salt: str | None = None
+    # The LoRA adapter it runs (its LoRARequest's lora_name); None: the base model.
+    lora_name: str | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     # All tokens, prompt then output, grown in place: the step loop never concatenates.

@@ -30,6 +30,8 @@ from chunkwise.engine.loop.calibration import (
     profile_kv_blocks,
 )
 from chunkwise.engine.loop.tp_ranks import EngineRanks, RankSizes, check_devices, check_sizes
+from chunkwise.engine.lora.slots import LoRASlots
+from chunkwise.engine.lora.store import AdapterStore
 from chunkwise.engine.model.layers import warm_up_onednn
 from chunkwise.engine.model.loader import LoadedModel, checkpoint_dtype, load_model
 from chunkwise.engine.sampling.structured.compiler import GrammarCompiler
@@ -77,6 +79,7 @@ class EngineParts:
     scheduler: Scheduler
     num_blocks: int
     model_info: ModelInfo
+    adapters: AdapterStore | None = None  # the LoRA adapters it knows (None: enable_lora off)
 
 
 def build_engine(config: EngineConfig) -> EngineParts:
@@ -131,6 +134,7 @@ def _build(
         )
     # Loaded before the KV cache is sized: its weights and its KV blocks take device memory too.
     draft = _load_draft(config, loaded, dtype, device, backend)
+    adapters, lora_slots = _lora(config, loaded, dtype, device)
     # On each rank, over its stage's layers; every rank has the same number of blocks (the block ids the
     # scheduler hands out are every rank's), so the largest stage's size them.
     stage_layers_max = max(map(len, stage_layers(mcfg.num_hidden_layers, config.pipeline_parallel_size)))
@@ -209,6 +213,7 @@ def _build(
         proposer=proposer,
         grammars=structured,
     )
+    runner.lora = lora_slots
     if ranks is not None:
         # Every rank's cache has the same blocks (the block ids the scheduler hands out are every rank's).
         ranks.setup(RankSizes(num_blocks, num_host_blocks, max_model_len_))
@@ -239,7 +244,13 @@ def _build(
             adaptive=config.spec.adaptive,
         )
     _set_up_graphs(runner, config, device, backend)
-    scheduler = Scheduler.from_config(sched_cfg, kv, cost_model, draft_length=draft_length)
+    scheduler = Scheduler.from_config(
+        sched_cfg,
+        kv,
+        cost_model,
+        draft_length=draft_length,
+        max_loras=config.max_loras if config.enable_lora else None,
+    )
     model_info = ModelInfo(
         model=config.model,
         vocab_size=mcfg.vocab_size,
@@ -264,7 +275,31 @@ def _build(
         scheduler=scheduler,
         num_blocks=num_blocks,
         model_info=model_info,
+        adapters=adapters,
     )
+
+
+def _lora(
+    config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, device: torch.device
+) -> tuple[AdapterStore | None, LoRASlots | None]:
+    """With enable_lora: the adapter store and the device's slots, their weights attached to the model's
+    projections (allocated before the KV cache is sized, whose memory they share)."""
+    if not config.enable_lora:
+        return None, None
+    store = AdapterStore(loaded.config, config.max_lora_rank, config.max_cpu_loras or config.max_loras)
+    slots = LoRASlots(
+        loaded.model.lora_targets(), store, config.max_loras, config.max_lora_rank, dtype, device
+    )
+    loaded.model.attach_lora(slots)
+    mib = sum(t.numel() * t.element_size() for t in (*slots.a.values(), *slots.b.values())) / (1 << 20)
+    log.info(
+        "LoRA: %d adapter slots of rank up to %d, %.1f MiB (%d adapters kept in host memory)",
+        config.max_loras,
+        config.max_lora_rank,
+        mib,
+        store.max_cpu_loras,
+    )
+    return store, slots
 
 
 def _set_up_graphs(
@@ -274,6 +309,10 @@ def _set_up_graphs(
         return  # graphs are CUDA's; the flag's help says it does nothing elsewhere
     if config.enforce_eager:
         log.info("CUDA graphs off (--enforce-eager): every step runs eagerly")
+        return
+    if config.enable_lora:
+        # A step's adapter rows change from step to step, and their gathers are not captured.
+        log.info("CUDA graphs off with LoRA adapters (their per-row matmuls are not captured yet; issue 34)")
         return
     if config.world_size > 1:
         # Every rank would have to capture, in step, with its collectives inside: not built yet.

@@ -13,12 +13,14 @@ from collections.abc import Iterable, Sequence
 from chunkwise.engine.cache.events import KVEventLog
 from chunkwise.engine.cache.kv_cache_manager import KVCacheManager
 from chunkwise.engine.datatypes.config import EngineConfig
+from chunkwise.engine.datatypes.lora import LoRARequest
 from chunkwise.engine.datatypes.outputs import RequestOutput
 from chunkwise.engine.datatypes.request import Request, RequestStatus, resolve_max_tokens
 from chunkwise.engine.datatypes.sampling_params import SamplingParams
 from chunkwise.engine.loop.builder import ModelInfo, build_engine
 from chunkwise.engine.loop.output_processor import OutputProcessor
 from chunkwise.engine.loop.step import StepStats, StepUpdate
+from chunkwise.engine.lora.store import AdapterStore
 from chunkwise.engine.model.loader import LoadedModel
 from chunkwise.engine.sampling.structured.compiler import GrammarCompiler
 from chunkwise.engine.sched.draft_length import AdaptiveDraftLength
@@ -52,6 +54,7 @@ class EngineCore:
         self.num_blocks: int = parts.num_blocks
         self.last_step: StepStats | None = None
         self.model_info: ModelInfo = parts.model_info
+        self.adapters: AdapterStore | None = parts.adapters
 
     def close(self) -> None:
         """Stop the engine's other processes (tensor and pipeline parallel's worker ranks; none at one rank). Idempotent;
@@ -87,10 +90,18 @@ class EngineCore:
         arrival_time: float | None = None,
         route: str = "",
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[Request, str | None]:
         """Validate and tokenize; raises ValueError with a clear message for bad input."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if lora_request is not None:
+            if self.adapters is None:
+                raise ValueError(
+                    f"request names LoRA adapter {lora_request.lora_name!r} but the engine serves none "
+                    "(start it with enable_lora / --enable-lora)"
+                )
+            self.adapters.register(lora_request)  # read and checked here: a bad adapter is the caller's
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
@@ -118,6 +129,7 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             route=route,
             cache_salt=cache_salt,
+            lora_name=lora_request.lora_name if lora_request is not None else None,
         )
         # n past the batch, or more KV than the whole cache: refused here, never left waiting forever.
         self.scheduler.prepare(req)
@@ -138,8 +150,11 @@ class EngineCore:
         arrival_time: float | None = None,
         route: str = "",
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
-        req, text = self.make_request(request_id, prompt, params, arrival_time, route, cache_salt)
+        req, text = self.make_request(
+            request_id, prompt, params, arrival_time, route, cache_salt, lora_request
+        )
         self.add(req, text)
         return req
 

@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Sequence
 
 from chunkwise.engine.datatypes.config import engine_config_from_kwargs
+from chunkwise.engine.datatypes.lora import LoRARequest
 from chunkwise.engine.datatypes.outputs import RequestOutput
 from chunkwise.engine.datatypes.sampling_params import SamplingParams
 from chunkwise.engine.loop.core import EngineCore
@@ -47,7 +48,10 @@ class LLM:
         self,
         prompts: str | Sequence[str] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """vLLM's: one output per prompt. `lora_request` is one adapter for every prompt, or one per prompt
+        (None: the base model); it needs enable_lora."""
         if isinstance(prompts, str):
             prompts = [prompts]
         prompt_list: list[str | Sequence[int]] = list(prompts)
@@ -59,10 +63,16 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompt_list):
                 raise ValueError(f"{len(prompt_list)} prompts but {len(params)} sampling params")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras: list[LoRARequest | None] = [lora_request] * len(prompt_list)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompt_list):
+                raise ValueError(f"{len(prompt_list)} prompts but {len(loras)} LoRA requests")
         # Validate everything before queueing anything, so one bad prompt leaves no half-run batch.
         reqs = [
-            self.engine.make_request(f"offline-{next(self._ids)}", p, sp)
-            for p, sp in zip(prompt_list, params)
+            self.engine.make_request(f"offline-{next(self._ids)}", p, sp, lora_request=lora)
+            for p, sp, lora in zip(prompt_list, params, loras)
         ]
         results: dict[str, RequestOutput] = {}
         for req, text in reqs:

@@ -22,6 +22,7 @@ from torch import nn
 
 from chunkwise.engine.datatypes.config import RopeScaling
 from chunkwise.engine.hardware import configure_onednn, cpu_has_avx512
+from chunkwise.engine.lora.rows import LoRARows, add_lora
 from chunkwise.engine.model.rope import rope_frequencies
 
 log = logging.getLogger(__name__)
@@ -201,6 +202,10 @@ class Linear(nn.Module):
         self._out_dtype: torch.dtype | None = None
         # Half-precision weights held as fp32 (a CPU without bf16 units): inputs widened, outputs narrowed.
         self._widen = False
+        # LoRA (lora/slots.py): every resident adapter's A [slots, rank, in] and B [slots, out, rank] for this
+        # projection, when the engine serves adapters.
+        self.lora_a: torch.Tensor | None = None
+        self.lora_b: torch.Tensor | None = None
 
     def prepare(self, widen_half_on_cpu: bool) -> None:
         w = self.weight.detach()
@@ -228,7 +233,14 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(w.contiguous(), requires_grad=False)
         self.kernel = "small-m+onednn" if _small_m_kernel_for(w) else "onednn"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRARows | None = None) -> torch.Tensor:
+        """x W^T (+ b), plus each adapter's update on the rows `lora` assigns to it."""
+        y = self._base(x)
+        if lora is not None and self.lora_a is not None and self.lora_b is not None:
+            add_lora(y, x, self.lora_a, self.lora_b, lora)
+        return y
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "torch":
             return F.linear(x, self.weight, self.bias)
         if x.shape[0] == 0:  # a step whose last layer keeps no rows; oneDNN refuses empty inputs

@@ -28,6 +28,8 @@ from torch import nn
 from chunkwise.engine.attention.backend import AttentionBackend, AttentionMetadata, AttentionPlan
 from chunkwise.engine.datatypes.config import ModelConfig
 from chunkwise.engine.distributed import SINGLE_RANK, PipelineStage, TPGroup, TPLayout, single_stage
+from chunkwise.engine.lora.rows import LoRARows, LoRAStep
+from chunkwise.engine.lora.slots import LoRASlots, Target
 from chunkwise.engine.model.layers import Linear, Part, RMSNorm, Rope, RotaryEmbedding, SiluAndMul
 from chunkwise.engine.model.parallel import VocabParallelEmbedding
 
@@ -78,9 +80,10 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         plan: AttentionPlan,
         keep: torch.Tensor | None = None,
+        lora: LoRAStep | None = None,
     ) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x, lora.rows if lora else None)
         # q and k sit side by side in the fused output: one rotation covers both.
         qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
@@ -94,7 +97,8 @@ class Attention(nn.Module):
         self.backend.write_kv(k, v, kv_cache, plan.meta.slot_mapping)
         o = self.backend.attend(q, kv_cache, plan, self.scale).reshape(t, self.q_size)
         # Row parallel: each rank's heads' share of the projection, summed over the ranks.
-        return self.tp.all_reduce(self.o_proj(o if keep is None else o.index_select(0, keep)))
+        kept = lora.kept if lora else None
+        return self.tp.all_reduce(self.o_proj(o if keep is None else o.index_select(0, keep), kept))
 
 
 class MLP(nn.Module):
@@ -110,9 +114,9 @@ class MLP(nn.Module):
         self.down_proj = Linear(size, config.hidden_size, columns=(start, total))
         self.tp = tp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRARows | None = None) -> torch.Tensor:
         # Row parallel, as o_proj: this rank's intermediate columns' share, summed over the ranks.
-        return self.tp.all_reduce(self.down_proj(self.act(self.gate_up_proj(x))))
+        return self.tp.all_reduce(self.down_proj(self.act(self.gate_up_proj(x, lora)), lora))
 
 
 class DecoderLayer(nn.Module):
@@ -138,6 +142,7 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         plan: AttentionPlan,
         keep: torch.Tensor | None = None,
+        lora: LoRAStep | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output, residual stream before it): the layer's output is their sum, which the next layer's
         norm adds (or the model's final norm), so that each residual add is fused with the norm after it
@@ -149,11 +154,11 @@ class DecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             residual, h = self.input_layernorm.add(x, residual)
-        attn = self.self_attn(h, rope, kv_cache, plan, keep)
+        attn = self.self_attn(h, rope, kv_cache, plan, keep, lora)
         if keep is not None:
             residual = residual.index_select(0, keep)
         residual, h = self.post_attention_layernorm.add(attn, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, lora.kept if lora else None), residual
 
 
 class MissingLayer(nn.Module):
@@ -202,6 +207,7 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
         plan: AttentionPlan | None = None,
         keep: torch.Tensor | None = None,
+        lora: LoRAStep | None = None,
     ) -> torch.Tensor:
         """Final hidden states [T, hidden], or [len(keep), hidden] for the token rows `keep` lists.
 
@@ -231,8 +237,13 @@ class LlamaModel(nn.Module):
             )
         rope = self.rotary.lookup(positions, x.dtype)
         last = self.config.num_hidden_layers - 1
+        # Before the last layer every row goes on: its adapters' rows are the step's rows throughout.
+        every = LoRAStep(lora.rows, lora.rows) if lora is not None else None
         for i, kv_cache in zip(own, kv_caches):
-            x, residual = self.layers[i](x, residual, rope, kv_cache, plan, keep if i == last else None)
+            if i == last:
+                x, residual = self.layers[i](x, residual, rope, kv_cache, plan, keep, lora)
+            else:
+                x, residual = self.layers[i](x, residual, rope, kv_cache, plan, None, every)
         assert residual is not None  # a stage has a layer
         if self.norm is None:
             self.pp.send_hidden(x, residual)
@@ -299,11 +310,35 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         plan: AttentionPlan | None = None,
         keep: torch.Tensor | None = None,
+        lora: LoRAStep | None = None,
     ) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden] (or of the rows in `keep`, see
         LlamaModel.forward); logits are left to compute_logits, which the runner calls on the few rows it
         samples from (not every prefill token)."""
-        return self.model(input_ids, positions, kv_caches, meta, plan, keep)
+        return self.model(input_ids, positions, kv_caches, meta, plan, keep, lora)
+
+    def lora_targets(self) -> dict[str, Target]:
+        """The projections adapters may target (every layer's q/k/v, o, gate/up and down), by module name."""
+        targets: dict[str, Target] = {}
+        for name, module in self.named_modules():
+            if not isinstance(module, Linear) or module is self.lm_head:
+                continue
+            layer = int(name.split(".")[2])  # model.layers.N.<self_attn|mlp>.<proj>
+            proj = name.rsplit(".", 1)[1]
+            parts, row = [], 0
+            for part in module.parts or (Part(proj, module.out_features),):
+                parts.append((part.name or proj, row, part.rows))
+                row += part.rows
+            targets[name] = Target(layer, module.in_features, tuple(parts))
+        return targets
+
+    def attach_lora(self, slots: LoRASlots) -> None:
+        """Each target projection reads its stacked adapter weights from `slots`."""
+        modules = dict(self.named_modules())
+        for name in slots.targets:
+            linear = modules[name]
+            assert isinstance(linear, Linear)
+            linear.lora_a, linear.lora_b = slots.a[name], slots.b[name]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # The projection runs in the model's dtype (upcasting a large vocab's weight every step is a real

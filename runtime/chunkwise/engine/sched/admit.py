@@ -12,7 +12,7 @@ from chunkwise.engine.datatypes.config import SchedulerConfig
 from chunkwise.engine.datatypes.request import Request, RequestStatus
 from chunkwise.engine.sched.fork import Forks
 from chunkwise.engine.sched.output import SchedulerStats
-from chunkwise.engine.sched.policies import SchedulerPolicies
+from chunkwise.engine.sched.policies import AdapterLimit, SchedulerPolicies
 
 
 class Admitter:
@@ -39,6 +39,7 @@ class Admitter:
         self.batching = policies.batching
         self.admission = policies.admission
         self.reuse = policies.reuse
+        self.adapters = policies.adapters
         self.forks = forks
         self.stats = stats
         self.running = running
@@ -48,10 +49,16 @@ class Admitter:
         """Swapped requests back in, oldest first, recording their blocks' copies in swap_in."""
         # A parent not yet forked (n > 1) takes a seat for each of the children it will fork into.
         seats = self.forks.seats()
+        adapters = AdapterLimit.running(self.running) if self.adapters is not None else set()
         while self.swapped and len(self.running) + seats < self.config.max_num_seqs:
             req = self.swapped[0]
             if not self.kv.can_swap_in(req):
                 break
+            if self.adapters is not None:
+                if not self.adapters.admits(adapters, req):
+                    break  # oldest first: the swapped wait for a slot in their order
+                if req.lora_name is not None:
+                    adapters.add(req.lora_name)
             if req.fork_hold:
                 if len(self.running) + seats + req.sampling_params.n > self.config.max_num_seqs:
                     break
@@ -83,7 +90,10 @@ class Admitter:
         scanned = 0
         # Seats the running parents' children will take when they fork (n > 1): counted as taken.
         seats = self.forks.seats() if self.forks.parents else 0
+        adapters = AdapterLimit.running(self.running) if self.adapters is not None else set()
         for req in self.waiting.candidates(num_long):
+            if self.adapters is not None and not self.adapters.admits(adapters, req):
+                continue  # its adapter would be one too many this step: those behind it go ahead
             if len(self.running) + seats >= self.config.max_num_seqs:
                 break
             if req.fork_hold and len(self.running) + seats + req.sampling_params.n > self.config.max_num_seqs:
@@ -132,6 +142,8 @@ class Admitter:
             req.reserved_blocks = need + len(cached)
             outstanding += max(0, req.reserved_blocks - len(self.kv.block_tables[req.request_id]))
             self.running.append(req)
+            if req.lora_name is not None:
+                adapters.add(req.lora_name)
             if req.is_prefilling:
                 num_prefilling += 1
                 if self.waiting.is_long(req):

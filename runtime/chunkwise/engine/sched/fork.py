@@ -96,6 +96,7 @@ class Forks:
             eos_token_ids=parent.eos_token_ids,
             route=parent.route,
             cache_salt=parent.cache_salt,
+            lora_name=parent.lora_name,
         )
         child.parent_id = parent.request_id
         child.index = index

@@ -7,6 +7,7 @@ which uses this factory, so a replay runs the policies a server runs.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -75,6 +76,24 @@ class SchedulerPolicies:
     cost_model: PreemptionCostModel
     # Speculative decoding's draft length (None: no speculation).
     draft_length: AdaptiveDraftLength | None = None
+    # LoRA: how many distinct adapters may run at once (None: the engine serves no adapters).
+    adapters: AdapterLimit | None = None
+
+
+class AdapterLimit:
+    """At most `max_loras` distinct LoRA adapters among the running requests: the device's adapter slots.
+    A request whose adapter would be one too many waits, and the requests behind it in the queue go ahead
+    (vLLM's rule): the base model's and the running adapters' requests are never stalled by it."""
+
+    def __init__(self, max_loras: int) -> None:
+        self.max_loras = max_loras
+
+    def admits(self, running: set[str], req: Request) -> bool:
+        return req.lora_name is None or req.lora_name in running or len(running) < self.max_loras
+
+    @staticmethod
+    def running(requests: Iterable[Request]) -> set[str]:
+        return {r.lora_name for r in requests if r.lora_name is not None}
 
 
 def preemption_policy(config: SchedulerConfig, cost_model: PreemptionCostModel) -> Preemption:
@@ -91,6 +110,7 @@ def build_policies(
     cost_model: PreemptionCostModel,
     estimator: OutputLengthEstimator | None = None,
     draft_length: AdaptiveDraftLength | None = None,
+    max_loras: int | None = None,
 ) -> SchedulerPolicies:
     max_model_len = config.resolved_max_model_len()
     estimator = estimator or OutputLengthEstimator(
@@ -121,4 +141,5 @@ def build_policies(
         ),
         cost_model=cost_model,
         draft_length=draft_length,
+        adapters=AdapterLimit(max_loras) if max_loras is not None else None,
     )

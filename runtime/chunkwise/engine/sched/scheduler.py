@@ -76,10 +76,12 @@ class Scheduler:
         cost_model: PreemptionCostModel,
         estimator: OutputLengthEstimator | None = None,
         draft_length: AdaptiveDraftLength | None = None,
+        max_loras: int | None = None,
     ) -> Scheduler:
         """A scheduler with the policies the config names (sched/policies.py), as the engine and the
-        simulator build theirs."""
-        return cls(config, kv, build_policies(config, kv.block_size, cost_model, estimator, draft_length))
+        simulator build theirs; `max_loras` when the engine serves LoRA adapters."""
+        policies = build_policies(config, kv.block_size, cost_model, estimator, draft_length, max_loras)
+        return cls(config, kv, policies)
 
     # -- requests in and out ----------------------------------------------------------------------------
     def prepare(self, req: Request) -> None:

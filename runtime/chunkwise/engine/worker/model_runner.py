@@ -12,6 +12,8 @@ import torch
 
 from chunkwise.engine.attention.backend import AttentionBackend
 from chunkwise.engine.datatypes.config import ModelConfig
+from chunkwise.engine.lora.rows import LoRAStep
+from chunkwise.engine.lora.slots import LoRASlots
 from chunkwise.engine.model.llama import LlamaForCausalLM
 from chunkwise.engine.sampling.sampler import (
     GrammarMask,
@@ -78,6 +80,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.max_model_len = max_model_len
         self.graphs: DecodeGraphRunner | None = None
+        # The adapters resident on the device, when the engine serves LoRA (loop/builder.py).
+        self.lora: LoRASlots | None = None
         self.inputs = InputBatch(
             max_num_tokens=max_num_tokens,
             max_num_reqs=max_num_reqs,
@@ -269,10 +273,23 @@ class ModelRunner:
         step.graphed = (
             decode_only and self.graphs is not None and self.graphs.bucket(meta.num_reqs) is not None
         )
+        if self.lora is not None:
+            step.lora = self._lora_rows(step)
         if not step.graphed:
             heads = self.model.layout  # this rank's heads (all of them at world size 1)
             step.plan = self.backend.plan(meta, heads.num_heads, heads.num_kv_heads, self.config.head_dim)
         return step
+
+    def _lora_rows(self, step: PreparedStep) -> LoRAStep | None:
+        """Each token row's adapter slot (the scheduler admits no more adapters than there are slots)."""
+        assert self.lora is not None
+        names = [sr.lora for sr in step.scheduled]
+        slot = self.lora.activate(n for n in names if n is not None)
+        token_slots: list[int] = []
+        for name, n in zip(names, step.meta.query_lens_host):
+            token_slots += [slot[name] if name is not None else -1] * n
+        token_slots += [-1] * (step.meta.num_tokens - len(token_slots))  # static batching's padding rows
+        return LoRAStep.of(token_slots, step.kept_rows, self.device)
 
     def _keep_rows(self, step: PreparedStep) -> None:
         """Past a mixed step's last attention only the rows that sample go on (the logits' rows, then each
@@ -296,6 +313,7 @@ class ModelRunner:
                 start = row_starts[i]
                 kept += range(start, start + 1 + len(drafts[rid]))
         step.keep = self.inputs.index(kept)
+        step.kept_rows = kept
 
     def _forward(self, step: PreparedStep) -> torch.Tensor:
         """The model over the step's tokens: a captured graph's replay, or the model itself."""
@@ -306,7 +324,13 @@ class ModelRunner:
             return graph_hidden
         assert step.plan is not None
         return self.model(
-            step.inputs.input_ids, step.inputs.positions, self.kv_caches, step.meta, step.plan, step.keep
+            step.inputs.input_ids,
+            step.inputs.positions,
+            self.kv_caches,
+            step.meta,
+            step.plan,
+            step.keep,
+            step.lora,
         )
 
     def _logits(self, step: PreparedStep, hidden: torch.Tensor) -> torch.Tensor | None:

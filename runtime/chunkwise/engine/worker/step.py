@@ -10,6 +10,7 @@ import torch
 
 from chunkwise.engine.attention.backend import AttentionMetadata, AttentionPlan
 from chunkwise.engine.datatypes.outputs import TokenLogprob
+from chunkwise.engine.lora.rows import LoRAStep
 from chunkwise.engine.sampling.sampler import SamplerOutput, SamplingBatch
 from chunkwise.engine.sampling.structured.state import GrammarRow
 from chunkwise.engine.sched.output import ScheduledRequest, SchedulerOutput
@@ -69,11 +70,13 @@ class PreparedStep:
     batch: SamplingBatch | None = None
     grammar_rows: list[GrammarRow] = field(default_factory=list)
     keep: torch.Tensor | None = None  # the token rows kept past the last attention
+    kept_rows: list[int] | None = None  # the same, on the host
     last: torch.Tensor | None = None  # the plain rows' last tokens, when every row is kept (prompt scoring)
     verify_at: dict[str, int] = field(default_factory=dict)  # a speculating row's first kept row
     row_starts: list[int] = field(default_factory=list)  # each row's first token row
     graphed: bool = False
     plan: AttentionPlan | None = None
+    lora: LoRAStep | None = None  # which rows run which adapter (None: every row the base model)
 
     @property
     def meta(self) -> AttentionMetadata:

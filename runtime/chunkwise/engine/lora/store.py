@@ -1,0 +1,73 @@
+"""The adapters an engine knows, by name: where each lives, and the most recently used ones read into host
+memory (max_cpu_loras of them; an adapter pushed out is read again from its directory when next needed)."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from chunkwise.engine.datatypes.config import ModelConfig
+from chunkwise.engine.datatypes.lora import LoRARequest
+from chunkwise.engine.lora.adapter import LoRAAdapter, read_adapter
+
+
+class AdapterStore:
+    def __init__(self, base: ModelConfig, max_lora_rank: int, max_cpu_loras: int) -> None:
+        self.base = base
+        self.max_lora_rank = max_lora_rank
+        self.max_cpu_loras = max_cpu_loras
+        self._known: dict[str, LoRARequest] = {}
+        self._host: OrderedDict[str, LoRAAdapter] = OrderedDict()
+        # The server's request threads register adapters while the engine thread reads them.
+        self._lock = threading.Lock()
+
+    def register(self, request: LoRARequest) -> LoRAAdapter:
+        """Know `request`'s adapter (read and checked now, so that a bad one is the caller's error, never the
+        step loop's). One name is one adapter: the same name at another path is refused."""
+        with self._lock:
+            known = self._known.get(request.lora_name)
+            if known is not None and known.lora_path != request.lora_path:
+                raise ValueError(
+                    f"LoRA adapter {request.lora_name!r} is already loaded from {known.lora_path!r}, not "
+                    f"{request.lora_path!r}: unload it first, or give the new one another name"
+                )
+            adapter = self._host.get(request.lora_name)
+            if adapter is None:
+                adapter = read_adapter(request.lora_name, request.lora_path, self.base, self.max_lora_rank)
+                self._remember(adapter)
+            else:
+                self._host.move_to_end(request.lora_name)
+            self._known[request.lora_name] = request
+            return adapter
+
+    def get(self, name: str) -> LoRAAdapter:
+        with self._lock:
+            adapter = self._host.get(name)
+            if adapter is not None:
+                self._host.move_to_end(name)
+                return adapter
+            request = self._known.get(name)
+            if request is None:
+                raise KeyError(f"LoRA adapter {name!r} is not loaded")
+            adapter = read_adapter(name, request.lora_path, self.base, self.max_lora_rank)
+            self._remember(adapter)
+            return adapter
+
+    def remove(self, name: str) -> bool:
+        """Forget an adapter; False when it was not known."""
+        with self._lock:
+            self._host.pop(name, None)
+            return self._known.pop(name, None) is not None
+
+    def known(self) -> dict[str, LoRARequest]:
+        with self._lock:
+            return dict(self._known)
+
+    def in_host_memory(self) -> list[str]:
+        with self._lock:
+            return list(self._host)
+
+    def _remember(self, adapter: LoRAAdapter) -> None:
+        self._host[adapter.name] = adapter
+        while len(self._host) > self.max_cpu_loras:
+            self._host.popitem(last=False)

@@ -1,0 +1,172 @@
+"""LoRA adapters in the engine: a step mixing two adapters and the base model gives each prompt the greedy
+tokens of the PEFT-merged model (transformers, float32); no step runs more adapters than max_loras; the same
+prompt under two adapters shares no KV; unsupported adapters are refused naming the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from chunkwise import LLM, LoRARequest, SamplingParams
+from tests.hf_models import peft_merged_greedy, save_random_family, save_random_lora
+
+PROMPTS = [
+    [5, 17, 93, 41, 8, 77, 120, 3],
+    [9, 9, 200, 31],
+    [44, 12, 150, 7, 66, 81, 19, 230, 2, 14, 90],
+    [71, 3],
+]
+MAX_NEW = [10, 12, 9, 11]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("lora")
+    base = save_random_family(tmp, "qwen3", seed=3)
+    # Different ranks and targets: q and v only (an adapter on q but not on k, inside the fused q/k/v), and
+    # every projection with rsLoRA scaling.
+    qv = save_random_lora(base, tmp / "qv", r=4, targets=["q_proj", "v_proj"], alpha=8.0, seed=1)
+    every = save_random_lora(
+        base,
+        tmp / "every",
+        r=8,
+        targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        alpha=4.0,
+        use_rslora=True,
+        seed=2,
+    )
+    return {"base": base, "qv": qv, "every": every, "tmp": tmp}
+
+
+def _generate(llm: LLM, loras: list[LoRARequest | None]) -> list[list[int]]:
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_NEW]
+    outs = llm.generate(PROMPTS, params, lora_request=loras)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_a_step_mixing_two_adapters_and_the_base_model_matches_peft_merged(models: dict[str, Path]) -> None:
+    qv = LoRARequest("qv", 1, str(models["qv"]))
+    every = LoRARequest("every", 2, str(models["every"]))
+    loras = [qv, every, None, qv]
+    expected = [
+        peft_merged_greedy(models["base"], models[lo.lora_name] if lo else None, [p], [n], models["tmp"])[0]
+        for p, n, lo in zip(PROMPTS, MAX_NEW, loras)
+    ]
+    # The adapters change the tokens (else the check below would not tell them apart).
+    base_only = peft_merged_greedy(models["base"], None, PROMPTS, MAX_NEW, models["tmp"])
+    assert expected[0] != base_only[0] and expected[1] != base_only[1]
+    llm = LLM(str(models["base"]), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8)
+    steps: list[set[str]] = []
+    activate = llm.engine.runner.lora.activate
+
+    def recording(names):  # type: ignore[no-untyped-def]
+        names = list(names)
+        steps.append(set(names))
+        return activate(names)
+
+    llm.engine.runner.lora.activate = recording  # type: ignore[method-assign]
+    assert _generate(llm, loras) == expected
+    assert {"qv", "every"} in steps  # both adapters did share a step with the base model's row
+
+
+def test_one_slot_runs_one_adapter_per_step_and_swaps_them_in_turn(models: dict[str, Path]) -> None:
+    qv = LoRARequest("qv", 1, str(models["qv"]))
+    every = LoRARequest("every", 2, str(models["every"]))
+    loras = [qv, every, None, qv]
+    expected = [
+        peft_merged_greedy(models["base"], models[lo.lora_name] if lo else None, [p], [n], models["tmp"])[0]
+        for p, n, lo in zip(PROMPTS, MAX_NEW, loras)
+    ]
+    llm = LLM(str(models["base"]), dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8)
+    slots = llm.engine.runner.lora
+    widest = 0
+    activate = slots.activate
+
+    def recording(names):  # type: ignore[no-untyped-def]
+        nonlocal widest
+        names = list(names)
+        widest = max(widest, len(set(names)))
+        return activate(names)
+
+    slots.activate = recording  # type: ignore[method-assign]
+    assert _generate(llm, loras) == expected
+    assert widest == 1  # the scheduler held "every" back while "qv" ran, the base row beside either
+    assert slots.loads >= 2
+
+
+def test_the_same_prompt_under_two_adapters_shares_no_kv(models: dict[str, Path]) -> None:
+    qv = LoRARequest("qv", 1, str(models["qv"]))
+    llm = LLM(str(models["base"]), dtype="float32", enable_lora=True, block_size=4)
+    prompt = list(range(3, 40))
+    sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    def cached(lora: LoRARequest | None) -> int:
+        req = llm.engine.add_request(f"r{cached.n}", prompt, sp, lora_request=lora)  # type: ignore[attr-defined]
+        cached.n += 1  # type: ignore[attr-defined]
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+        return req.num_cached_tokens
+
+    cached.n = 0  # type: ignore[attr-defined]
+    assert cached(qv) == 0
+    assert cached(None) == 0  # the base model's KV of the same prompt is not the adapter's
+    assert cached(qv) > 0 and cached(None) > 0  # each is reused under its own key
+
+
+def _adapter(models: dict[str, Path], name: str, **changes: object) -> Path:
+    """A copy of the q/v adapter with its adapter_config.json changed."""
+    out = models["tmp"] / name
+    out.mkdir(exist_ok=True)
+    cfg = json.loads((models["qv"] / "adapter_config.json").read_text())
+    cfg.update(changes)
+    (out / "adapter_config.json").write_text(json.dumps(cfg))
+    (out / "adapter_model.safetensors").write_bytes((models["qv"] / "adapter_model.safetensors").read_bytes())
+    return out
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"use_dora": True}, "use_dora: DoRA"),
+        ({"r": 32}, "r 32 is above max_lora_rank 16"),
+        ({"bias": "all"}, "bias 'all' is not supported"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"peft_type": "IA3"}, "peft_type 'IA3' is not supported"),
+    ],
+)
+def test_unsupported_adapters_are_refused_naming_the_field(
+    models: dict[str, Path], changes: dict[str, object], message: str
+) -> None:
+    llm = LLM(str(models["base"]), dtype="float32", enable_lora=True)
+    bad = _adapter(models, f"bad-{next(iter(changes))}", **changes)
+    with pytest.raises(ValueError, match=message):
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2), lora_request=LoRARequest("bad", 9, str(bad)))
+    assert not llm.engine.has_unfinished()
+
+
+def test_other_bad_requests_are_refused(models: dict[str, Path], tmp_path: Path) -> None:
+    qv = LoRARequest("qv", 1, str(models["qv"]))
+    plain = LLM(str(models["base"]), dtype="float32")
+    with pytest.raises(ValueError, match=r"the engine serves none .*--enable-lora"):
+        plain.generate([PROMPTS[0]], lora_request=qv)
+    llm = LLM(str(models["base"]), dtype="float32", enable_lora=True)
+    with pytest.raises(ValueError, match=r"no adapter_config\.json"):
+        llm.generate([PROMPTS[0]], lora_request=LoRARequest("x", 2, str(tmp_path)))
+    llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1), lora_request=qv)
+    with pytest.raises(ValueError, match="already loaded from"):
+        llm.generate([PROMPTS[0]], lora_request=LoRARequest("qv", 1, str(models["every"])))
+    # An adapter of a wider model: its shapes do not fit.
+    from safetensors.torch import load_file, save_file
+
+    foreign = _adapter(models, "foreign")
+    tensors = load_file(str(foreign / "adapter_model.safetensors"))
+    key = next(k for k in tensors if k.endswith("q_proj.lora_A.weight"))
+    tensors[key] = torch.zeros(tensors[key].shape[0], 2 * tensors[key].shape[1])
+    save_file(tensors, str(foreign / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="an adapter for another model"):
+        llm.generate([PROMPTS[0]], lora_request=LoRARequest("foreign", 3, str(foreign)))
+    with pytest.raises(ValueError, match="enable_lora with tensor or pipeline parallel is not supported"):
+        LLM(str(models["base"]), enable_lora=True, tensor_parallel_size=2)
