@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -40,3 +41,20 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text}")
     return value
+
+
+def lora_module(value: str) -> tuple[str, str]:
+    """--lora-modules: NAME=PATH, or vLLM's JSON form {"name": ..., "path": ...}."""
+    if value.lstrip().startswith("{"):
+        try:
+            data = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{value!r} is not valid JSON ({e})") from e
+        name, path = (data.get("name"), data.get("path")) if isinstance(data, dict) else (None, None)
+    else:
+        name, sep, path = value.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"{value!r} is not NAME=PATH")
+    if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+        raise argparse.ArgumentTypeError(f"{value!r} needs a non-empty name and path")
+    return name, path

@@ -17,6 +17,8 @@ OUTPUT_LENGTH_ESTIMATE = "chunkwise:output_length_estimate_tokens"
 SPEC_DRAFT_LENGTH = "chunkwise:spec_draft_length"
 # vLLM's info metric; its num_gpu_blocks label is the KV cache's capacity in blocks.
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
+# vLLM's: the running and waiting requests' LoRA adapters (comma-separated labels) and max_lora.
+LORA_REQUESTS_INFO = "vllm:lora_requests_info"
 
 # Counters.
 NUM_PREEMPTIONS = "vllm:num_preemptions_total"

@@ -118,9 +118,9 @@ def test_openai_client_through_the_router(replicas: list[str], start_router: obj
 def test_replica_errors_pass_through(replicas: list[str], start_router: object) -> None:
     router = start_router(replicas)  # type: ignore[operator]
     c = client(router)
-    with pytest.raises(openai.BadRequestError) as info:
+    with pytest.raises(openai.NotFoundError) as info:
         c.completions.create(model="not-served", prompt="x", max_tokens=2)
-    assert info.value.status_code == 400
+    assert info.value.status_code == 404
     assert info.value.body["code"] == "model_not_found"  # type: ignore[index]
     # The raw answer is the replica's own, byte for byte, plus the header naming it.
     direct = httpx.post(replicas[0] + "/v1/completions", json={"model": "tiny", "prompt": 5}, trust_env=False)

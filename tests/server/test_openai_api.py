@@ -225,7 +225,9 @@ def test_n_past_its_bound_is_a_clear_400(client: openai.OpenAI) -> None:
     assert isinstance(body, dict) and "n must be in [1, 64]" in body["message"] and body["param"] == "n"
 
 
-def test_unknown_model_is_400(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as e:
+def test_unknown_model_is_404(client: openai.OpenAI) -> None:
+    # OpenAI's and vLLM's status for a model nobody serves.
+    with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-17", messages=[{"role": "user", "content": "x"}])
+    assert e.value.status_code == 404
     assert isinstance(e.value.body, dict) and e.value.body["code"] == "model_not_found"

@@ -23,6 +23,7 @@ from chunkwise.server.args import DEFAULT_MAX_REQUEST_BYTES
 from chunkwise.server.endpoints import CHAT, COMPLETIONS
 from chunkwise.server.errors import APIError, bad_request, install_error_handlers, validation_message
 from chunkwise.server.kv_events import add_kv_event_routes
+from chunkwise.server.lora import add_lora_routes
 from chunkwise.server.openapi import install_openapi, request_body
 from chunkwise.server.protocol import ChatCompletionRequest, CompletionRequest
 from chunkwise.server.serving import UNAVAILABLE_RETRY_AFTER_S, ServerState, serve
@@ -121,6 +122,7 @@ def build_app(
     queue_delay_slo_s: float | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     metrics: EngineMetrics | None = None,
+    allow_runtime_lora: bool = False,
 ) -> FastAPI:
     """An app serving `engine` (which the caller starts and shuts down).
 
@@ -136,7 +138,7 @@ def build_app(
         max_waiting = engine.model_info.max_waiting
     shedding = SheddingPolicy(max_waiting=max_waiting, queue_delay_slo_s=queue_delay_slo_s)
     metrics = metrics or EngineMetrics(served_model_name)
-    state = ServerState(engine, served_model_name, shedding, metrics)
+    state = ServerState(engine, served_model_name, shedding, metrics, allow_runtime_lora)
 
     app = FastAPI(title="chunkwise", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     install_openapi(
@@ -165,7 +167,7 @@ def build_app(
         if state.engine is not None:
             card["root"] = state.engine.model_info.model
             card["max_model_len"] = state.engine.model_info.max_model_len
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card, *state.adapters.cards(state.created)]}
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -181,4 +183,5 @@ def build_app(
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     add_kv_event_routes(app, state)
+    add_lora_routes(app, state.adapters, state.require_engine)
     return app

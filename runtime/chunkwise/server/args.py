@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from chunkwise.argtypes import LOG_LEVELS, non_negative_float, port, positive_int
+from chunkwise.argtypes import LOG_LEVELS, lora_module, non_negative_float, port, positive_int
 from chunkwise.engine.args import add_engine_args
 
 DEFAULT_HOST = "127.0.0.1"
@@ -61,5 +61,20 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="on CPU, build oneDNN's kernel for every row count a step can run its layers at while the model loads "
         "(/health answers 503 until it is ready; a second or two for a small model), so the first requests do "
         "not pay for it (default on)",
+    )
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters to serve from the start (needs --enable-lora): each NAME a model clients may send, "
+        'PATH a PEFT adapter directory; vLLM\'s JSON form {"name": ..., "path": ...} too (default: none)',
+    )
+    g.add_argument(
+        "--allow-runtime-lora",
+        action="store_true",
+        help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they read paths the client "
+        "names; vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING) (default off)",
     )
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default info)")

@@ -100,12 +100,16 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         logger.error("invalid engine arguments: %s", e)
         return 2
+    if (args.lora_modules or args.allow_runtime_lora) and not config.enable_lora:
+        logger.error("invalid engine arguments: --lora-modules and --allow-runtime-lora need --enable-lora")
+        return 2
     app = build_app(
         None,
         served_model_name=args.served_model_name or args.model,
         max_waiting=args.max_waiting,
         queue_delay_slo_s=args.queue_delay_slo_seconds or None,
         max_request_bytes=args.max_request_bytes,
+        allow_runtime_lora=args.allow_runtime_lora,
     )
     state: ServerState = app.state.chunkwise
     uv_config = uvicorn.Config(
@@ -137,6 +141,9 @@ def serve(args: argparse.Namespace) -> int:
             engine = AsyncEngine(config, on_death=on_death)
             engine.start()
             engines.append(engine)
+            for name, path in args.lora_modules:
+                state.adapters.load(engine, name, path)
+                logger.info("LoRA adapter %s from %s", name, path)
             state.attach(engine)
             logger.info("model %s ready in %.1fs", config.model, time.monotonic() - t0)
         except BaseException as e:

@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from chunkwise.engine.datatypes.lora import LoRARequest
 from chunkwise.engine.datatypes.outputs import RequestFailed
 from chunkwise.engine.loop.metrics import EngineMetrics
 from chunkwise.engine.sched.shedding import Overloaded, SheddingPolicy
@@ -32,6 +33,7 @@ from chunkwise.server.endpoints import B, Endpoint, Generation
 from chunkwise.server.endpoints import chat_prompt_ids as chat_prompt_ids
 from chunkwise.server.errors import APIError, from_value_error
 from chunkwise.server.formatters import CollectedResponse, Formatter, Prompt, ResponseHead, Usage
+from chunkwise.server.lora import ServedAdapters
 
 if TYPE_CHECKING:
     from chunkwise.engine import AsyncEngine, RequestStream
@@ -50,9 +52,11 @@ class ServerState:
         served_model_name: str,
         shedding: SheddingPolicy,
         metrics: EngineMetrics,
+        allow_runtime_lora: bool = False,
     ) -> None:
         self.engine: AsyncEngine | None = None
         self.served_model_name = served_model_name
+        self.adapters = ServedAdapters(served_model_name, allow_runtime_lora)
         self.shedding = shedding
         self.metrics = metrics
         self.draining = False
@@ -93,17 +97,13 @@ class ServerState:
             503, messages[status], code=status, headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)}
         )
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
-            raise APIError(
-                400,
-                f"the model {model!r} does not exist; this server serves {self.served_model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
-
     def add(
-        self, engine: AsyncEngine, endpoint: Endpoint[Any], gen: Generation, request_id: str
+        self,
+        engine: AsyncEngine,
+        endpoint: Endpoint[Any],
+        gen: Generation,
+        request_id: str,
+        lora: LoRARequest | None = None,
     ) -> list[RequestStream]:
         """One engine request per prompt (ids `request_id`, or `request_id-k` for a batch); if one is
         refused, the ones already queued are aborted before the error is raised."""
@@ -111,7 +111,7 @@ class ServerState:
         try:
             for k, prompt in enumerate(gen.prompts):
                 rid = request_id if len(gen.prompts) == 1 else f"{request_id}-{k}"
-                streams.append(self._add_one(engine, endpoint, gen, prompt, rid))
+                streams.append(self._add_one(engine, endpoint, gen, prompt, rid, lora))
         except BaseException:
             for s in streams:
                 s.close()
@@ -125,14 +125,18 @@ class ServerState:
         gen: Generation,
         prompt: str | list[int],
         request_id: str,
+        lora: LoRARequest | None,
     ) -> RequestStream:
+        model = lora.lora_name if lora is not None else self.served_model_name
         try:
             return engine.add_request(
                 prompt,
                 gen.params,
                 request_id=request_id,
-                route=f"{self.served_model_name}:{endpoint.route}",
+                # An adapter's outputs have lengths of their own: admission learns them apart.
+                route=f"{model}:{endpoint.route}",
                 shedding=self.shedding,
+                lora_request=lora,
             )
         except Overloaded as e:
             d = e.decision
@@ -157,15 +161,16 @@ class ServerState:
 # -- the one path ------------------------------------------------------------------------------------------
 async def serve(state: ServerState, endpoint: Endpoint[B], body: B, request: Request) -> Response:
     engine = state.require_engine()
-    state.check_model(body.model)
+    lora = state.adapters.resolve(body.model)
     gen = endpoint.prepare(body, engine)
     rid = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
-    streams = state.add(engine, endpoint, gen, rid)
+    streams = state.add(engine, endpoint, gen, rid, lora)
     prompts = tuple(
         Prompt(s.prompt_token_ids, _prompt_text(engine, p, s.prompt_token_ids) if gen.options.echo else "")
         for p, s in zip(gen.prompts, streams)
     )
-    head = ResponseHead(rid, int(time.time()), state.served_model_name, prompts, gen.params.n)
+    model = lora.lora_name if lora is not None else state.served_model_name
+    head = ResponseHead(rid, int(time.time()), model, prompts, gen.params.n)
     fmt = endpoint.formatter(head, gen.options, functools.partial(state.token_text, engine))
     if gen.options.stream:
         return EngineStreamResponse(_events(fmt, streams), streams)

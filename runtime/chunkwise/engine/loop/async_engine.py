@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from chunkwise.engine.cache.events import KVEventLog
 from chunkwise.engine.datatypes.config import EngineConfig
+from chunkwise.engine.datatypes.lora import LoRARequest
 from chunkwise.engine.datatypes.outputs import RequestOutput
 from chunkwise.engine.datatypes.request import Request
 from chunkwise.engine.datatypes.sampling_params import SamplingParams
@@ -165,6 +166,7 @@ class AsyncEngine:
         route: str = "",
         cache_salt: str | None = None,
         shedding: SheddingPolicy | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Validate, check admission and queue one request; never blocks on the step loop.
 
@@ -173,7 +175,9 @@ class AsyncEngine:
         if not self._accepting():
             raise RuntimeError("the engine is not running")
         rid = request_id or f"req-{next(self._ids)}"
-        req, text = self.core.make_request(rid, prompt, params, route=route, cache_salt=cache_salt)
+        req, text = self.core.make_request(
+            rid, prompt, params, route=route, cache_salt=cache_salt, lora_request=lora_request
+        )
         q: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         with self._lock:
@@ -208,15 +212,29 @@ class AsyncEngine:
         request_id: str | None = None,
         route: str = "",
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield deltas for one request. Raises ValueError for bad input before anything is queued.
         Leaving the iterator early (a client disconnect) aborts the request."""
-        stream = self.add_request(prompt, params, request_id, route=route, cache_salt=cache_salt)
+        stream = self.add_request(
+            prompt, params, request_id, route=route, cache_salt=cache_salt, lora_request=lora_request
+        )
         try:
             async for out in stream:
                 yield out
         finally:
             stream.close()
+
+    def register_adapter(self, lora: LoRARequest) -> None:
+        """Serve a LoRA adapter (read and checked now: ValueError for a bad one)."""
+        if self.core.adapters is None:
+            raise ValueError("the engine serves no LoRA adapters (start it with --enable-lora)")
+        self.core.adapters.register(lora)
+
+    def remove_adapter(self, name: str) -> None:
+        """Stop serving a LoRA adapter; requests in flight on it finish."""
+        if self.core.adapters is not None:
+            self.core.adapters.remove(name)
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(request_id)

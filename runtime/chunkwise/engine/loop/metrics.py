@@ -93,6 +93,16 @@ class _SchedulerCollector(Collector):
             s.num_swapped,
         )
         yield gauge(N.KV_CACHE_USAGE, "Fraction of KV cache blocks in use (1 = full).", s.kv_usage)
+        if s.max_lora:
+            lora = GaugeMetricFamily(
+                N.LORA_REQUESTS_INFO,
+                "The LoRA adapters of the running and the waiting requests (vLLM's labels); the value is when "
+                "they were read.",
+                labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+            )
+            running, waiting = ",".join(s.running_lora_adapters), ",".join(s.waiting_lora_adapters)
+            lora.add_metric([running, waiting, str(s.max_lora)], time.time())
+            yield lora
         yield gauge(
             N.OUTPUT_LENGTH_ESTIMATE,
             "Output length admission reserved for the last admitted request.",

@@ -103,6 +103,11 @@ class SchedulerStats:
     num_padding_rows: int = 0  # static batching's padding rows computed, on top of those
     # Requests the watchdog failed: a step with work waiting, nothing running and nothing admitted.
     num_stalled_requests: int = 0
+    # LoRA (vLLM's vllm:lora_requests_info): the adapters of the running and of the waiting requests, each
+    # name once, and the slots (0: the engine serves no adapters).
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_lora: int = 0
 
 
 @dataclass

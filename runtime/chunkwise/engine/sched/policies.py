@@ -16,6 +16,7 @@ from chunkwise.engine.datatypes.request import Request
 from chunkwise.engine.sched.batching import ContinuousBatching, StaticBatching
 from chunkwise.engine.sched.budget import TokenBudget
 from chunkwise.engine.sched.draft_length import AdaptiveDraftLength
+from chunkwise.engine.sched.output import SchedulerStats
 from chunkwise.engine.sched.preemption import Mode, PreemptionCostModel, VictimPolicy
 from chunkwise.engine.sched.queue import PrefixPreference, WaitingQueue
 from chunkwise.engine.sched.reservation import OutputLengthEstimator, ReservationAdmission
@@ -94,6 +95,12 @@ class AdapterLimit:
     @staticmethod
     def running(requests: Iterable[Request]) -> set[str]:
         return {r.lora_name for r in requests if r.lora_name is not None}
+
+    def publish(self, stats: SchedulerStats, running: Iterable[Request], queued: Iterable[Request]) -> None:
+        """The gauges of vLLM's vllm:lora_requests_info."""
+        stats.max_lora = self.max_loras
+        stats.running_lora_adapters = tuple(sorted(self.running(running)))
+        stats.waiting_lora_adapters = tuple(sorted(self.running(queued)))
 
 
 def preemption_policy(config: SchedulerConfig, cost_model: PreemptionCostModel) -> Preemption:

@@ -80,8 +80,9 @@ class Scheduler:
     ) -> Scheduler:
         """A scheduler with the policies the config names (sched/policies.py), as the engine and the
         simulator build theirs; `max_loras` when the engine serves LoRA adapters."""
-        policies = build_policies(config, kv.block_size, cost_model, estimator, draft_length, max_loras)
-        return cls(config, kv, policies)
+        return cls(
+            config, kv, build_policies(config, kv.block_size, cost_model, estimator, draft_length, max_loras)
+        )
 
     # -- requests in and out ----------------------------------------------------------------------------
     def prepare(self, req: Request) -> None:
@@ -398,3 +399,5 @@ class Scheduler:
         s.num_waiting = len(self.waiting)
         s.num_swapped = len(self.swapped)
         s.kv_usage = self.kv.pool.usage
+        if self.policies.adapters is not None:
+            self.policies.adapters.publish(s, self.running, (*self.waiting, *self.swapped))
