@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from chunkwise.argtypes import positive_float, positive_int
+from chunkwise.argtypes import non_negative_int, positive_float, positive_int
 from chunkwise.bench.commands import run_bench
 from chunkwise.bench.workload_args import WORKLOADS, add_workload_args, build_workload, describe
 
@@ -204,6 +204,17 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         default=1,
         help="ranks each engine shards the model over (throughput mode), the --cpus split evenly between "
         "them (1)",
+    )
+    vl.add_argument(
+        "--lora-adapters",
+        type=non_negative_int,
+        default=0,
+        help="throughput mode: serve this many random LoRA adapters in both engines (every projection, "
+        "--lora-rank) and give every request one by Zipf popularity; 0: the base model alone (0)",
+    )
+    vl.add_argument("--lora-rank", type=positive_int, default=8, help="the adapters' rank (8)")
+    vl.add_argument(
+        "--lora-zipf", type=positive_float, default=1.0, help="the k-th adapter's weight is 1/k^s (1.0)"
     )
     vl.add_argument(
         "--max-concurrency",

@@ -38,7 +38,9 @@ ENGINES = ("chunkwise", "vllm")
 DTYPES = ("float32", "bfloat16", "float16")
 
 # Generate: prompts (token ids) and each one's max_tokens -> each one's output token ids.
-Generate = Callable[[list[list[int]], list[int]], list[list[int]]]
+# Each request's LoRA adapter by name (None: the base model), or None for a workload without adapters.
+LoRAs = list[str | None] | None
+Generate = Callable[[list[list[int]], list[int], LoRAs], list[list[int]]]
 
 
 def parse_cpus(text: str) -> list[int]:
@@ -83,9 +85,10 @@ def send(out: TextIO, obj: dict[str, Any]) -> None:
     out.flush()
 
 
-def load_workload(path: str) -> tuple[list[list[int]], list[int]]:
+def load_workload(path: str) -> tuple[list[list[int]], list[int], list[str | None]]:
     prompts: list[list[int]] = []
     max_tokens: list[int] = []
+    loras: list[str | None] = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -96,9 +99,10 @@ def load_workload(path: str) -> tuple[list[list[int]], list[int]]:
                 raise ValueError(f"{path}:{lineno}: each request needs prompt_token_ids and max_tokens >= 1")
             prompts.append([int(t) for t in ids])
             max_tokens.append(n)
+            loras.append(obj.get("lora"))
     if not prompts:
         raise ValueError(f"{path}: no requests")
-    return prompts, max_tokens
+    return prompts, max_tokens, loras
 
 
 # -- engines ------------------------------------------------------------------------------------------------
@@ -107,8 +111,9 @@ def chunkwise_engine(args: argparse.Namespace, threads: int) -> tuple[Generate, 
 
     torch.set_num_threads(threads)
     import chunkwise
-    from chunkwise import LLM, SamplingParams
+    from chunkwise import LLM, LoRARequest, SamplingParams
 
+    lora = {"enable_lora": True, "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank}
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
@@ -118,11 +123,14 @@ def chunkwise_engine(args: argparse.Namespace, threads: int) -> tuple[Generate, 
         max_model_len=args.max_model_len,
         kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),
         seed=0,
+        **(lora if args.lora_modules else {}),
     )
+    adapters = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(args.lora_modules)}
 
-    def generate(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    def generate(prompts: list[list[int]], max_tokens: list[int], loras: LoRAs = None) -> list[list[int]]:
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
-        outs = llm.generate(prompts, params)
+        requests = [adapters[name] if name else None for name in loras or [None] * len(prompts)]
+        outs = llm.generate(prompts, params, lora_request=requests)
         return [list(o.outputs[0].token_ids) for o in outs]
 
     return generate, {"version": chunkwise.__version__, "torch": torch.__version__, "threads": threads}
@@ -143,6 +151,7 @@ def vllm_engine(args: argparse.Namespace, threads: int) -> tuple[Generate, dict[
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    lora = {"enable_lora": True, "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank}
     llm = LLM(
         model=args.model,
         tensor_parallel_size=args.tensor_parallel_size,
@@ -152,15 +161,22 @@ def vllm_engine(args: argparse.Namespace, threads: int) -> tuple[Generate, dict[
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         seed=0,
+        **(lora if args.lora_modules else {}),
     )
+    adapters = {}
+    if args.lora_modules:
+        from vllm.lora.request import LoRARequest
 
-    def generate(prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+        adapters = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(args.lora_modules)}
+
+    def generate(prompts: list[list[int]], max_tokens: list[int], loras: LoRAs = None) -> list[list[int]]:
         params = [
             SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
             for n in max_tokens
         ]
         inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-        outs = llm.generate(inputs, params, use_tqdm=False)
+        requests = [adapters[name] if name else None for name in loras or [None] * len(prompts)]
+        outs = llm.generate(inputs, params, use_tqdm=False, lora_request=requests if adapters else None)
         return [list(o.outputs[0].token_ids) for o in outs]
 
     return generate, {"version": vllm.__version__, "torch": torch.__version__, "threads": threads}
@@ -171,9 +187,9 @@ FACTORIES = {"chunkwise": chunkwise_engine, "vllm": vllm_engine}
 
 # -- the loop -----------------------------------------------------------------------------------------------
 def run_once(generate: Generate, path: str, with_tokens: bool) -> dict[str, Any]:
-    prompts, max_tokens = load_workload(path)
+    prompts, max_tokens, loras = load_workload(path)
     wall0, cpu0 = time.perf_counter(), time.process_time()
-    outputs = generate(prompts, max_tokens)
+    outputs = generate(prompts, max_tokens, loras if any(loras) else None)
     seconds, cpu_seconds = time.perf_counter() - wall0, time.process_time() - cpu0
     reply: dict[str, Any] = {
         "output_tokens": sum(len(o) for o in outputs),
@@ -217,7 +233,7 @@ def serve(generate: Generate, commands: TextIO, out: TextIO) -> int:
 
 def warm_up(generate: Generate) -> None:
     """A few short requests, so the first measured run pays for no first-touch allocation or lazy init."""
-    generate([[3 + (i + j) % 200 for j in range(32)] for i in range(4)], [4] * 4)
+    generate([[3 + (i + j) % 200 for j in range(32)] for i in range(4)], [4] * 4, None)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -236,6 +252,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=1,
         help="ranks the model is sharded over, --cpus split (1)",
     )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=lambda v: tuple(v.split("=", 1)),
+        default=[],
+        help="LoRA adapters NAME=PATH both engines serve (the workload's requests name them)",
+    )
+    p.add_argument("--max-loras", type=int, default=1, help="adapters resident at once (1)")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank (16)")
     return p.parse_args(argv)
 
 

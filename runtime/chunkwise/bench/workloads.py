@@ -41,6 +41,7 @@ class WorkItem:
     arrival_s: float = 0.0
     prompt: str | None = None
     target_len: int | None = None
+    lora: str | None = None  # the LoRA adapter it runs (None: the base model)
 
     def __post_init__(self) -> None:
         if (self.prompt_token_ids is None) == (self.prompt is None):
@@ -218,11 +219,13 @@ def item_to_json(item: WorkItem) -> dict[str, object]:
     out["arrival_s"] = item.arrival_s
     if item.target_len is not None:
         out["target_len"] = item.target_len
+    if item.lora is not None:
+        out["lora"] = item.lora
     return out
 
 
 def item_from_json(obj: dict[str, object], where: str = "") -> WorkItem:
-    known = {"prompt", "prompt_token_ids", "max_tokens", "arrival_s", "target_len"}
+    known = {"prompt", "prompt_token_ids", "max_tokens", "arrival_s", "target_len", "lora"}
     unknown = sorted(set(obj) - known)
     if unknown:
         raise ValueError(f"{where}unknown field(s) {unknown}; known: {sorted(known)}")
@@ -241,6 +244,9 @@ def item_from_json(obj: dict[str, object], where: str = "") -> WorkItem:
         raise ValueError(f"{where}target_len must be an integer")
     if not isinstance(arrival, int | float):
         raise ValueError(f"{where}arrival_s must be a number")
+    lora = obj.get("lora")
+    if lora is not None and not isinstance(lora, str):
+        raise ValueError(f"{where}lora must be an adapter name")
     try:
         return WorkItem(
             tuple(ids) if ids is not None else None,
@@ -248,6 +254,7 @@ def item_from_json(obj: dict[str, object], where: str = "") -> WorkItem:
             float(arrival),
             prompt=prompt,
             target_len=target,
+            lora=lora,
         )
     except ValueError as e:
         raise ValueError(f"{where}{e}") from None

@@ -425,9 +425,9 @@ def _run_one_batch(
     forward_rows: list[int] = []  # rows each forward computed (unbucketed: real + padding)
     forward = runner.model.forward
 
-    def counted(input_ids, positions, kv_caches, meta, plan=None, keep=None):  # type: ignore[no-untyped-def]
+    def counted(input_ids, positions, kv_caches, meta, *rest, **kw):  # type: ignore[no-untyped-def]
         forward_rows.append(meta.num_reqs)
-        return forward(input_ids, positions, kv_caches, meta, plan, keep)
+        return forward(input_ids, positions, kv_caches, meta, *rest, **kw)
 
     runner.model.forward = counted  # type: ignore[method-assign]
     padding_blocks: set[int] = set()  # the cache blocks padding rows wrote into

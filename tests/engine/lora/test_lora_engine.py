@@ -5,6 +5,7 @@ prompt under two adapters shares no KV; unsupported adapters are refused naming 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,10 @@ import torch
 from chunkwise import LLM, LoRARequest, SamplingParams
 from tests.hf_models import peft_merged_greedy, save_random_family, save_random_lora
 
+# The same checks on a GPU: CHUNKWISE_TEST_DEVICE=cuda (run by hand on the device machine; docs/benchmarks.md).
+DEVICE = os.environ.get("CHUNKWISE_TEST_DEVICE", "cpu")
+# A small cache, sized explicitly: on a GPU the default takes 90% of it, and this module builds many engines.
+ON_DEVICE = {"device": DEVICE, "kv_cache_memory_bytes": 1 << 26}
 PROMPTS = [
     [5, 17, 93, 41, 8, 77, 120, 3],
     [9, 9, 200, 31],
@@ -58,7 +63,9 @@ def test_a_step_mixing_two_adapters_and_the_base_model_matches_peft_merged(model
     # The adapters change the tokens (else the check below would not tell them apart).
     base_only = peft_merged_greedy(models["base"], None, PROMPTS, MAX_NEW, models["tmp"])
     assert expected[0] != base_only[0] and expected[1] != base_only[1]
-    llm = LLM(str(models["base"]), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8)
+    llm = LLM(
+        str(models["base"]), dtype="float32", enable_lora=True, **ON_DEVICE, max_loras=2, max_lora_rank=8
+    )
     steps: list[set[str]] = []
     activate = llm.engine.runner.lora.activate
 
@@ -80,7 +87,9 @@ def test_one_slot_runs_one_adapter_per_step_and_swaps_them_in_turn(models: dict[
         peft_merged_greedy(models["base"], models[lo.lora_name] if lo else None, [p], [n], models["tmp"])[0]
         for p, n, lo in zip(PROMPTS, MAX_NEW, loras)
     ]
-    llm = LLM(str(models["base"]), dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8)
+    llm = LLM(
+        str(models["base"]), dtype="float32", enable_lora=True, **ON_DEVICE, max_loras=1, max_lora_rank=8
+    )
     slots = llm.engine.runner.lora
     widest = 0
     activate = slots.activate
@@ -99,7 +108,7 @@ def test_one_slot_runs_one_adapter_per_step_and_swaps_them_in_turn(models: dict[
 
 def test_the_same_prompt_under_two_adapters_shares_no_kv(models: dict[str, Path]) -> None:
     qv = LoRARequest("qv", 1, str(models["qv"]))
-    llm = LLM(str(models["base"]), dtype="float32", enable_lora=True, block_size=4)
+    llm = LLM(str(models["base"]), dtype="float32", enable_lora=True, **ON_DEVICE, block_size=4)
     prompt = list(range(3, 40))
     sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 
@@ -140,7 +149,7 @@ def _adapter(models: dict[str, Path], name: str, **changes: object) -> Path:
 def test_unsupported_adapters_are_refused_naming_the_field(
     models: dict[str, Path], changes: dict[str, object], message: str
 ) -> None:
-    llm = LLM(str(models["base"]), dtype="float32", enable_lora=True)
+    llm = LLM(str(models["base"]), dtype="float32", enable_lora=True, **ON_DEVICE)
     bad = _adapter(models, f"bad-{next(iter(changes))}", **changes)
     with pytest.raises(ValueError, match=message):
         llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2), lora_request=LoRARequest("bad", 9, str(bad)))
@@ -152,7 +161,7 @@ def test_other_bad_requests_are_refused(models: dict[str, Path], tmp_path: Path)
     plain = LLM(str(models["base"]), dtype="float32")
     with pytest.raises(ValueError, match=r"the engine serves none .*--enable-lora"):
         plain.generate([PROMPTS[0]], lora_request=qv)
-    llm = LLM(str(models["base"]), dtype="float32", enable_lora=True)
+    llm = LLM(str(models["base"]), dtype="float32", enable_lora=True, **ON_DEVICE)
     with pytest.raises(ValueError, match=r"no adapter_config\.json"):
         llm.generate([PROMPTS[0]], lora_request=LoRARequest("x", 2, str(tmp_path)))
     llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1), lora_request=qv)

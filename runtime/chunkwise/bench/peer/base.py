@@ -89,6 +89,10 @@ class PeerSettings:
     kv_cache_gib: float = 2.0
     # Ranks each engine shards the model over, each on its own share of `cpus` (the throughput mode).
     tensor_parallel_size: int = 1
+    # LoRA adapters both engines serve, (name, PEFT directory); the workload's requests name them.
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 1
+    max_lora_rank: int = 16
     chunkwise_python: str = sys.executable
     vllm_python: str = sys.executable
 

@@ -3,6 +3,7 @@ and the printed report."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -167,6 +168,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         )
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")
+    if args.lora_adapters and args.mode != "throughput":
+        raise SystemExit("--lora-adapters applies to the throughput mode")
     if args.mode == "convoy" and args.workload != "convoy":
         raise SystemExit("--mode convoy runs the convoy workload (--workload convoy)")
     if args.mode != "convoy" and args.workload == "convoy":
@@ -206,12 +209,31 @@ def run_from_args(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         vllm_python=args.vllm_python,
     )
+    # Kept afterwards: it holds the engines' logs, which are what one reads when a ratio looks wrong.
+    workdir = Path(tempfile.mkdtemp(prefix="chunkwise-peer-"))
+    names: list[str] = []
+    if args.lora_adapters:
+        from chunkwise.bench.lora import write_random_adapter
+
+        names = [f"adapter-{i}" for i in range(args.lora_adapters)]
+        modules = tuple(
+            (name, str(write_random_adapter(model, workdir / "adapters" / name, args.lora_rank, seed=i)))
+            for i, name in enumerate(names)
+        )
+        # Every adapter resident at once in both engines: the comparison is of the per-row work.
+        settings = dataclasses.replace(
+            settings, lora_modules=modules, max_loras=len(names), max_lora_rank=args.lora_rank
+        )
+        _log(f"{len(names)} LoRA adapter(s) of rank {args.lora_rank} in {workdir / 'adapters'}")
 
     def make_workload(rep: int) -> list[WorkItem]:
+        from chunkwise.bench.lora import spread_over_adapters
+
         # A fresh seed per repeat: no engine ever sees a prompt (or a prefix) twice.
-        return build_workload(
+        items = build_workload(
             _argparse.Namespace(**{**vars(args), "seed": args.seed + rep}), vocab_size=vocab
         )
+        return spread_over_adapters(items, names, args.lora_zipf, args.seed + rep)
 
     first = make_workload(0)
     too_long = [it for it in first if len(it.token_ids()) + it.output_len > args.max_model_len]
@@ -226,8 +248,6 @@ def run_from_args(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise SystemExit(str(e)) from None
     _log(f"workload: {describe(first)}; {args.repeats} repeat(s), a fresh seed each")
-    # Kept afterwards: it holds the engines' logs, which are what one reads when a ratio looks wrong.
-    workdir = Path(tempfile.mkdtemp(prefix="chunkwise-peer-"))
     _log(f"workloads and engine logs in {workdir}")
     load_before = os.getloadavg()[0]
     if args.mode == "throughput":

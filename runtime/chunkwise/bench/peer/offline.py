@@ -130,6 +130,9 @@ class WorkerProcess(_Process):
             *("--kv-cache-gib", str(settings.kv_cache_gib)),
             *("--tensor-parallel-size", str(settings.tensor_parallel_size)),
         ]
+        if settings.lora_modules:
+            cmd += ["--lora-modules", *(f"{name}={path}" for name, path in settings.lora_modules)]
+            cmd += ["--max-loras", str(settings.max_loras), "--max-lora-rank", str(settings.max_lora_rank)]
         env = _vllm_env() if engine == "vllm" else _chunkwise_env()
         self._log = open(log_path, "wb")  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(

@@ -1,55 +1,63 @@
-"""Which rows of a step run which adapter, and the update an adapter adds to a projection's output.
+"""Which rows of a step run which adapter, and the update the adapters add to a projection's output.
 
-A step mixes rows of several adapters and of the base model. Each projection that an adapter may target
-holds every resident adapter's A and B stacked by slot (lora/slots.py); per slot, its rows are gathered,
-run through A then B, and added back: one pair of small matmuls per adapter in the step, whatever the number
-of rows (vLLM's punica kernels do the same in one launch on a GPU)."""
+A step mixes rows of several adapters and of the base model. Each projection an adapter may target holds
+every slot's A stacked along the rank ([slots x width, in]) and every slot's B side by side ([out, slots x
+width]), width being the rank times the projection's parts (lora/slots.py). One step's update is then three
+operations whatever the number of adapters: every row through every slot's A, the columns of the slots that
+are not the row's zeroed by a mask (a base-model row's are all zeroed), and the result through B added to the
+output. The extra work is the few rank columns of every slot; vLLM's punica kernels compute only the row's
+own on a GPU, in one launch. The shapes do not depend on which rows run which adapter."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 
-@dataclass(frozen=True)
 class LoRARows:
-    """The rows of one activation that run an adapter, grouped by slot (rows of the base model are in none)."""
+    """The adapter slot of each row of one activation (-1: the base model), and its column masks."""
 
-    groups: tuple[tuple[int, torch.Tensor], ...]
+    def __init__(self, slots: torch.Tensor, num_slots: int) -> None:
+        self.slots = slots  # [rows] on the model's device
+        self.num_slots = num_slots
+        self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
-    @staticmethod
-    def of(slots: torch.Tensor, device: torch.device) -> LoRARows:
-        """From each row's slot on the host (-1: the base model), the row indices on `device`."""
-        present = sorted(int(s) for s in torch.unique(slots).tolist() if s >= 0)
-        return LoRARows(tuple((s, torch.nonzero(slots == s).squeeze(1).to(device)) for s in present))
+    def mask(self, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """[rows, slots x width]: 1 in the columns of the row's own slot, made once per width a step."""
+        key = (width, dtype)
+        m = self._masks.get(key)
+        if m is None:
+            cols = torch.arange(self.num_slots * width, device=self.slots.device) // width
+            m = (cols.unsqueeze(0) == self.slots.unsqueeze(1)).to(dtype)
+            self._masks[key] = m
+        return m
 
 
-@dataclass(frozen=True)
 class LoRAStep:
     """A step's rows: every token (`rows`), and the rows kept past the last layer's attention (`kept`: the
-    same as `rows` when the step keeps every row)."""
+    same object as `rows` when the step keeps every row)."""
 
-    rows: LoRARows
-    kept: LoRARows
+    def __init__(self, rows: LoRARows, kept: LoRARows) -> None:
+        self.rows = rows
+        self.kept = kept
 
     @staticmethod
-    def of(token_slots: list[int], kept: list[int] | None, device: torch.device) -> LoRAStep | None:
+    def of(
+        token_slots: list[int], kept: list[int] | None, num_slots: int, device: torch.device
+    ) -> LoRAStep | None:
         """From each token's slot (-1: the base model) and the token rows the step keeps past its last
         attention (None: all); None when no token runs an adapter (the model then runs as without LoRA)."""
         if max(token_slots, default=-1) < 0:
             return None
         slots = torch.tensor(token_slots, dtype=torch.long)
-        rows = LoRARows.of(slots, device)
+        rows = LoRARows(slots.to(device), num_slots)
         if kept is None:
             return LoRAStep(rows, rows)
-        return LoRAStep(rows, LoRARows.of(slots[kept], device))
+        return LoRAStep(rows, LoRARows(slots[kept].to(device), num_slots))
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: LoRARows) -> None:
-    """y[rows of slot s] += x[those rows] a[s]^T b[s]^T for each slot in `rows`, in place.
-    a: [slots, rank, in], b: [slots, out, rank] (the scaling folded into b)."""
-    for slot, idx in rows.groups:
-        xs = x.index_select(0, idx)
-        delta = (xs @ a[slot].t()) @ b[slot].t()
-        y.index_add_(0, idx, delta.to(y.dtype))
+    """y += ((x a^T) * the rows' masks) b^T, in place. a: [slots x width, in], b: [out, slots x width] (the
+    scaling folded into b)."""
+    h = x @ a.t()
+    h.mul_(rows.mask(a.shape[0] // rows.num_slots, h.dtype))
+    y.addmm_(h, b.t())

@@ -44,13 +44,14 @@ class LoRASlots:
         self.store = store
         self.max_loras = max_loras
         self.max_rank = max_rank
-        # Per target: A [slots, rank x parts, in], B [slots, out, rank x parts].
+        # Per target: A [slots x width, in] (slot s's rows s*width ..), B [out, slots x width] (its columns),
+        # width = max_rank x parts (lora/rows.py multiplies by both at once).
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, torch.Tensor] = {}
         for name, t in targets.items():
             width = max_rank * len(t.parts)
-            self.a[name] = torch.zeros(max_loras, width, t.in_features, dtype=dtype, device=device)
-            self.b[name] = torch.zeros(max_loras, t.out_features, width, dtype=dtype, device=device)
+            self.a[name] = torch.zeros(max_loras * width, t.in_features, dtype=dtype, device=device)
+            self.b[name] = torch.zeros(t.out_features, max_loras * width, dtype=dtype, device=device)
         self._resident: OrderedDict[str, int] = OrderedDict()  # adapter -> slot, least recently used first
         self.loads = 0  # adapters copied into a slot since start (the metrics' count)
 
@@ -88,7 +89,9 @@ class LoRASlots:
         adapter = self.store.get(name)
         r = adapter.rank
         for target_name, t in self.targets.items():
-            a, b = self.a[target_name][slot], self.b[target_name][slot]
+            width = self.max_rank * len(t.parts)
+            own = slice(slot * width, (slot + 1) * width)
+            a, b = self.a[target_name][own], self.b[target_name][:, own]
             a.zero_()
             b.zero_()
             for j, (proj, row, rows) in enumerate(t.parts):
