@@ -19,6 +19,8 @@ SPEC_DRAFT_LENGTH = "chunkwise:spec_draft_length"
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
 # vLLM's: the running and waiting requests' LoRA adapters (comma-separated labels) and max_lora.
 LORA_REQUESTS_INFO = "vllm:lora_requests_info"
+# Exposed only by an engine configured for them (as vLLM's are), with why.
+CONDITIONAL = {LORA_REQUESTS_INFO: "--enable-lora"}
 
 # Counters.
 NUM_PREEMPTIONS = "vllm:num_preemptions_total"

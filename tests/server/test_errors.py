@@ -55,7 +55,6 @@ BAD_COMPLETIONS = [
     (completion(n=10**6), "n"),
     (completion(best_of=3), "best_of"),
     (completion(stop=[""]), "stop"),
-    (completion(model="no-such-model"), "model"),
     (completion(prompt=""), "prompt"),
     (completion(prompt=[]), "prompt"),
     (completion(prompt=["one", ""]), "prompt"),
@@ -104,7 +103,6 @@ BAD_CHATS = [
     # Supported since issue 21 (tests/server/test_structured.py); what is still refused:
     (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "x"}}}]), "tools"),
     (chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format"),
-    (chat(model="gpt-4o"), "model"),
     (chat(temperature=-1), "temperature"),
     (chat(n=0), "n"),
     (chat(logit_bias={"1": 5.0}), "logit_bias"),
@@ -114,6 +112,15 @@ BAD_CHATS = [
 @pytest.mark.parametrize(("body", "param"), BAD_CHATS)
 def test_bad_chat_is_400(http: httpx.Client, body: dict[str, Any], param: str) -> None:
     assert_error(http.post("/v1/chat/completions", json=body), 400, param)
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [("/v1/completions", completion(model="no-such-model")), ("/v1/chat/completions", chat(model="gpt-4o"))],
+)
+def test_a_model_nobody_serves_is_404(http: httpx.Client, path: str, body: dict[str, Any]) -> None:
+    err = assert_error(http.post(path, json=body), 404, "model")
+    assert err["code"] == "model_not_found"
 
 
 @pytest.mark.parametrize(

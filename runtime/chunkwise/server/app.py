@@ -23,9 +23,14 @@ from chunkwise.server.args import DEFAULT_MAX_REQUEST_BYTES
 from chunkwise.server.endpoints import CHAT, COMPLETIONS
 from chunkwise.server.errors import APIError, bad_request, install_error_handlers, validation_message
 from chunkwise.server.kv_events import add_kv_event_routes
-from chunkwise.server.lora import add_lora_routes
+from chunkwise.server.lora import load_adapter, unload_adapter
 from chunkwise.server.openapi import install_openapi, request_body
-from chunkwise.server.protocol import ChatCompletionRequest, CompletionRequest
+from chunkwise.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
 from chunkwise.server.serving import UNAVAILABLE_RETRY_AFTER_S, ServerState, serve
 
 if TYPE_CHECKING:
@@ -183,5 +188,15 @@ def build_app(
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     add_kv_event_routes(app, state)
-    add_lora_routes(app, state.adapters, state.require_engine)
+
+    @app.post("/v1/load_lora_adapter", openapi_extra=request_body(LoadLoRAAdapterRequest))
+    async def load_lora_adapter(request: Request) -> Response:
+        body = await parse_body(request, LoadLoRAAdapterRequest)
+        return await load_adapter(state.adapters, state.require_engine, body.lora_name, body.lora_path)
+
+    @app.post("/v1/unload_lora_adapter", openapi_extra=request_body(UnloadLoRAAdapterRequest))
+    async def unload_lora_adapter(request: Request) -> Response:
+        body = await parse_body(request, UnloadLoRAAdapterRequest)
+        return unload_adapter(state.adapters, state.require_engine, body.lora_name)
+
     return app

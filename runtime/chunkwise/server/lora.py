@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI
-from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from chunkwise.engine.datatypes.lora import LoRARequest
@@ -90,53 +88,36 @@ class ServedAdapters:
         return True
 
 
-async def _body(request: Request, *fields: str) -> dict[str, str]:
+def _runtime(adapters: ServedAdapters) -> None:
+    if not adapters.allow_runtime:
+        raise APIError(
+            404,
+            "loading LoRA adapters at run time is off (start the server with --allow-runtime-lora)",
+            code="not_found",
+        )
+
+
+async def load_adapter(
+    adapters: ServedAdapters, engine_of: Callable[[], AsyncEngine], name: str, path: str
+) -> JSONResponse:
+    """POST /v1/load_lora_adapter: 200, or 409 for a name already served, 400 naming a bad adapter."""
+    _runtime(adapters)
+    engine = engine_of()
     try:
-        data = json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad_request(f"malformed JSON body: {e}") from e
-    if not isinstance(data, dict):
-        raise bad_request("the request body must be a JSON object")
-    for f in fields:
-        if not isinstance(data.get(f), str) or not data[f]:
-            raise bad_request(f"{f} is required (a non-empty string)", param=f)
-    return data
+        # Reading the weights is disk work: off the event loop.
+        await asyncio.to_thread(adapters.load, engine, name, path)
+    except KeyError:
+        raise APIError(
+            409, f"the LoRA adapter {name!r} is already loaded", param="lora_name", code="conflict"
+        ) from None
+    except ValueError as e:
+        raise bad_request(str(e), param="lora_path") from e
+    return JSONResponse({"lora_name": name, "lora_path": path, "status": "loaded"})
 
 
-def add_lora_routes(app: FastAPI, adapters: ServedAdapters, engine_of: Any) -> None:
-    """vLLM's run-time endpoints; `engine_of()` is the running engine (503 while loading or draining)."""
-
-    def runtime_engine() -> AsyncEngine:
-        if not adapters.allow_runtime:
-            raise APIError(
-                404,
-                "loading LoRA adapters at run time is off (start the server with --allow-runtime-lora)",
-                code="not_found",
-            )
-        return engine_of()
-
-    @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(request: Request) -> JSONResponse:
-        engine = runtime_engine()
-        data = await _body(request, "lora_name", "lora_path")
-        name, path = data["lora_name"], data["lora_path"]
-        try:
-            # Reading the weights is disk work: off the event loop.
-            await asyncio.to_thread(adapters.load, engine, name, path)
-        except KeyError:
-            raise APIError(
-                409, f"the LoRA adapter {name!r} is already loaded", param="lora_name", code="conflict"
-            ) from None
-        except ValueError as e:
-            raise bad_request(str(e), param="lora_path") from e
-        return JSONResponse({"lora_name": name, "lora_path": path, "status": "loaded"})
-
-    @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(request: Request) -> JSONResponse:
-        engine = runtime_engine()
-        name = (await _body(request, "lora_name"))["lora_name"]
-        if not adapters.unload(engine, name):
-            raise APIError(
-                404, f"the LoRA adapter {name!r} is not loaded", param="lora_name", code="not_found"
-            )
-        return JSONResponse({"lora_name": name, "status": "unloaded"})
+def unload_adapter(adapters: ServedAdapters, engine_of: Callable[[], AsyncEngine], name: str) -> JSONResponse:
+    """POST /v1/unload_lora_adapter: 200, or 404 for a name not served."""
+    _runtime(adapters)
+    if not adapters.unload(engine_of(), name):
+        raise APIError(404, f"the LoRA adapter {name!r} is not loaded", param="lora_name", code="not_found")
+    return JSONResponse({"lora_name": name, "status": "unloaded"})

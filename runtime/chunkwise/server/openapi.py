@@ -18,7 +18,12 @@ from chunkwise import __version__
 from chunkwise.engine.datatypes.sampling_params import MAX_LOGPROBS, MAX_N, MAX_PENALTY
 from chunkwise.server.chat import ROLES
 from chunkwise.server.endpoints import MAX_BATCH_PROMPTS
-from chunkwise.server.protocol import ChatCompletionRequest, CompletionRequest
+from chunkwise.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
 
 if TYPE_CHECKING:
     from chunkwise.engine.loop.core import ModelInfo
@@ -137,7 +142,12 @@ def install_openapi(app: FastAPI, model_info: Callable[[], ModelInfo | None], se
             return app.openapi_schema
         doc = get_openapi(title="chunkwise", version=__version__, routes=app.routes)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-        for model in (CompletionRequest, ChatCompletionRequest):
+        for model in (
+            CompletionRequest,
+            ChatCompletionRequest,
+            LoadLoRAAdapterRequest,
+            UnloadLoRAAdapterRequest,
+        ):
             schema = model.model_json_schema(ref_template=REF)
             schemas.update(schema.pop("$defs", {}))
             schemas[model.__name__] = schema

@@ -124,3 +124,16 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     response_format: ResponseFormat | None = None
+
+
+class LoadLoRAAdapterRequest(_Strict):
+    """vLLM's POST /v1/load_lora_adapter body."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(_Strict):
+    """vLLM's POST /v1/unload_lora_adapter body."""
+
+    lora_name: str = Field(min_length=1)

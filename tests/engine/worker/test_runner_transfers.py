@@ -103,7 +103,7 @@ def test_a_mixed_step_with_speculating_rows_copies_once_from_pinned_buffers_and_
     forward = runner.model.forward
 
     def recording_forward(*args: Any) -> torch.Tensor:
-        kept.append(args[-1])
+        kept.append(args[5])  # input_ids, positions, kv_caches, meta, plan, keep, lora
         return forward(*args)
 
     monkeypatch.setattr(runner.model, "forward", recording_forward)
