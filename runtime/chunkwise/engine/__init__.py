@@ -10,6 +10,7 @@ sched/       the Scheduler and its collaborators (admission, composition, forks,
 cache/       paged KV blocks: the pool, prefix hashing, per-request block tables, swap, KV events
 sampling/    the batched sampler and structured outputs' token masks
 model/       Llama-family models, presets, the checkpoint loader, the bundled checkpoints
+lora/        LoRA adapters: PEFT adapters read and checked, the device's slots, the per-row update
 attention/   one backend interface over paged KV: torch reference, CPU kernels, Triton
 distributed/ tensor parallelism's group of ranks (all_reduce, all_gather; none at world size 1; on CPU a
              shared-memory all-reduce) and what each rank holds of a model (heads, KV heads, MLP columns, vocabulary)
