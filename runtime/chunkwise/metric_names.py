@@ -19,8 +19,15 @@ SPEC_DRAFT_LENGTH = "chunkwise:spec_draft_length"
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
 # vLLM's: the running and waiting requests' LoRA adapters (comma-separated labels) and max_lora.
 LORA_REQUESTS_INFO = "vllm:lora_requests_info"
+# chunkwise's, for a router's LoRA affinity: each adapter served (label lora_name) and whether its weights
+# are on the device now (label resident), and the slot fills with their time.
+LORA_ADAPTERS = "chunkwise:lora_adapters"
+LORA_LOADS = "chunkwise:lora_loads_total"
+LORA_LOAD_SECONDS = "chunkwise:lora_load_seconds_total"
 # Exposed only by an engine configured for them (as vLLM's are), with why.
-CONDITIONAL = {LORA_REQUESTS_INFO: "--enable-lora"}
+CONDITIONAL = {
+    name: "--enable-lora" for name in (LORA_REQUESTS_INFO, LORA_ADAPTERS, LORA_LOADS, LORA_LOAD_SECONDS)
+}
 
 # Counters.
 NUM_PREEMPTIONS = "vllm:num_preemptions_total"

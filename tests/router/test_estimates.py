@@ -40,6 +40,7 @@ def test_parse_reads_the_engines_own_exposition() -> None:
         itl_seconds=pytest.approx(0.01),
         itl_count=2.0,
         cache_blocks=None,
+        model_name="tiny",  # the metrics' model_name label: the base model a request's model is held to
     )
 
 

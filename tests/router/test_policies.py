@@ -6,10 +6,12 @@ from collections import Counter
 
 import pytest
 
+from chunkwise.engine.cache.hashing import block_extra, hash_prefix_blocks
 from chunkwise.router.args import POLICY_NAMES
-from chunkwise.router.cost import CostModel, Defaults
+from chunkwise.router.cost import DEFAULT_LORA_LOAD_S, CostModel, Defaults
 from chunkwise.router.estimates import MetricsSample
 from chunkwise.router.policies import POLICIES, make_policy
+from chunkwise.router.prompt import RoutedRequest
 from chunkwise.router.replica import Replica
 
 from .conftest import BLOCK, URLS, Clock, MakeRouter, request
@@ -188,3 +190,58 @@ def test_a_stale_tpot_drifts_to_the_fleets(make_router: MakeRouter) -> None:
     # Measured slow once, then idle for two intervals: a quarter of the old measurement is left.
     a.estimates.staleness = 2
     assert router.cost.tpot(a) == pytest.approx(0.25 * 0.09 + 0.75 * 0.05)
+
+
+def test_a_replica_holding_the_requests_adapter_wins_while_queues_are_comparable(
+    make_router: MakeRouter,
+) -> None:
+    router = make_router(urls=URLS[:2])
+    holding, cold = router.replicas[URLS[1]], router.replicas[URLS[0]]
+    served = frozenset({"sql", "chat"})
+    for r, resident in ((holding, frozenset({"sql"})), (cold, frozenset({"chat"}))):
+        r.observe(
+            MetricsSample(time=0, model_name="base", lora_adapters=served, lora_resident=resident),
+            now=router.clock(),
+        )
+    req = RoutedRequest(path="/v1/completions", prompt_tokens=50, output_tokens=10, model="sql")
+    # Cold: the default load time until some replica has measured one; the holder pays nothing.
+    assert router.cost.predict(holding, req, router.clock()).adapter_s == 0.0
+    assert router.cost.predict(cold, req, router.clock()).adapter_s == DEFAULT_LORA_LOAD_S
+    # The base model and a name no replica serves as an adapter cost nothing to bring in anywhere.
+    for model in ("base", None, "gpt-x"):
+        plain = RoutedRequest(path="/v1/completions", prompt_tokens=50, output_tokens=10, model=model)
+        assert router.cost.predict(cold, plain, router.clock()).adapter_s == 0.0
+    # URLS[0] (cold) comes first, so without the adapter's term the tie would go to it.
+    assert router.pick(req).replica is holding  # type: ignore[union-attr]
+    # A measured fill replaces the default: 0.4 s over two fills since the last scrape.
+    cold.observe(
+        MetricsSample(
+            time=1,
+            model_name="base",
+            lora_adapters=served,
+            lora_resident=served,
+            lora_loads=2,
+            lora_load_seconds=0.4,
+        ),
+        now=router.clock(),
+    )
+    assert cold.estimates.lora_load_s == pytest.approx(0.2)
+
+
+def test_an_adapters_prompt_is_matched_under_its_own_block_hashes(make_router: MakeRouter) -> None:
+    router = make_router()
+    r = router.replicas[URLS[0]]
+    r.observe(MetricsSample(time=0, model_name="base", lora_adapters=frozenset({"sql"})), now=router.clock())
+    adapter_hashes = tuple(hash_prefix_blocks(SYSTEM, BLOCK, block_extra(None, "sql")))
+    r.index.insert(adapter_hashes)  # what the engine caches for the adapter's requests
+    base = request(SYSTEM)
+    as_sql = RoutedRequest(
+        path=base.path,
+        prompt_tokens=base.prompt_tokens,
+        block_hashes=base.block_hashes,
+        output_tokens=base.output_tokens,
+        model="sql",
+        adapter_block_hashes=adapter_hashes,
+    )
+    assert router.cost.cached_tokens(r, as_sql) == len(SYSTEM) - 1
+    assert router.cost.cached_tokens(r, base) == 0  # the base model's blocks of it are not cached there

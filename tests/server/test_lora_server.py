@@ -83,6 +83,13 @@ def test_the_lora_info_metric_names_the_running_adapters(served: tuple[Served, d
     stream.close()
     line = next(x for x in text.splitlines() if x.startswith("vllm:lora_requests_info{"))
     assert 'running_lora_adapters="sql"' in line and 'max_lora="2"' in line, line
+    # What a router reads of it: the base model, the adapters served, the one on the device, its fill's time.
+    from chunkwise.router.estimates import parse_metrics
+
+    sample = parse_metrics(text, now=0.0)
+    assert sample.model_name == s.model
+    assert "sql" in sample.lora_adapters and "sql" in sample.lora_resident
+    assert sample.lora_loads >= 1 and sample.lora_load_seconds > 0
 
 
 def test_adapters_load_and_unload_while_serving(served: tuple[Served, dict[str, Path]]) -> None:

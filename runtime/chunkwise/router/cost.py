@@ -15,6 +15,9 @@ The cost model is the predicted completion time of docs/scheduling.md ("Prefix-a
 - TPOT: the replica's measured inter-token latency, moved by the marginal cost of the decode rows added or
   gone since that measurement (one token each, at the prefill rate's per-token cost).
 - l: max_tokens, or the router's default when the client sets none.
+- LoRA: a request whose model is an adapter the replica does not hold on its device adds the time to bring it
+  in (the replica's measured slot fills, else the fleet's, else a default), so a replica holding it wins while
+  queues are comparable, and the prefix index is read under the adapter's own block hashes.
 """
 
 from __future__ import annotations
@@ -32,20 +35,26 @@ from chunkwise.router.replica import Replica
 MIN_TPOT_FRACTION = 0.5
 
 
+# What bringing a LoRA adapter into a slot is taken to cost before any replica has measured one: reading a
+# small adapter from local disk and copying it in.
+DEFAULT_LORA_LOAD_S = 0.05
+
+
 @dataclass(frozen=True)
 class Prediction:
     cached_tokens: int
     queue_s: float
     prefill_s: float
     decode_s: float
+    adapter_s: float = 0.0  # bringing the request's LoRA adapter onto the device (0: resident, or none)
 
     @property
     def ttft(self) -> float:
-        return self.queue_s + self.prefill_s
+        return self.queue_s + self.adapter_s + self.prefill_s
 
     @property
     def completion(self) -> float:
-        return self.queue_s + self.prefill_s + self.decode_s
+        return self.queue_s + self.adapter_s + self.prefill_s + self.decode_s
 
 
 @dataclass(frozen=True)
@@ -100,10 +109,36 @@ class CostModel:
         return round(sum(known) / len(known)) if known else None
 
     def cached_tokens(self, replica: Replica, request: RoutedRequest) -> int:
-        if not request.block_hashes:
+        hashes = request.block_hashes
+        if request.adapter_block_hashes and self.is_adapter(replica, request):
+            hashes = request.adapter_block_hashes  # an adapter's KV is its own (engine/cache/hashing.py)
+        if not hashes:
             return 0
-        matched = replica.cached_blocks(request.block_hashes) * self.block_size
+        matched = replica.cached_blocks(hashes) * self.block_size
         return min(matched, request.prompt_tokens - 1)
+
+    @staticmethod
+    def is_adapter(replica: Replica, request: RoutedRequest) -> bool:
+        scrape = replica.scrape
+        return scrape is not None and request.model is not None and request.model in scrape.lora_adapters
+
+    def adapter_load_s(self, replica: Replica, request: RoutedRequest) -> float:
+        """0 for the base model or an adapter on the replica's device; else the time to bring it in."""
+        scrape = replica.scrape
+        if request.model is None or scrape is None or request.model == scrape.model_name:
+            return 0.0
+        if request.model in scrape.lora_resident:
+            return 0.0
+        if request.model not in scrape.lora_adapters and request.model not in self.adapter_names():
+            return 0.0  # not an adapter anywhere: the base model under another name, or a 404 to be
+        own = replica.estimates.lora_load_s
+        if own is not None:
+            return own
+        return fleet_mean((r.estimates.lora_load_s for r in self._fleet()), DEFAULT_LORA_LOAD_S)
+
+    def adapter_names(self) -> set[str]:
+        """Every adapter some replica serves."""
+        return {n for r in self._fleet() if r.scrape is not None for n in r.scrape.lora_adapters}
 
     def predict(self, replica: Replica, request: RoutedRequest, now: float) -> Prediction:
         rate = self.prefill_rate(replica)
@@ -128,4 +163,5 @@ class CostModel:
             queue_s=queue_s,
             prefill_s=(request.prompt_tokens - cached) / rate,
             decode_s=request.output_tokens * tpot,
+            adapter_s=self.adapter_load_s(replica, request),
         )

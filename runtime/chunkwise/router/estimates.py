@@ -33,6 +33,10 @@ STEP = metric_names.STEP_DURATION
 ITERATION_TOKENS = metric_names.ITERATION_TOKENS
 ITL = metric_names.INTER_TOKEN_LATENCY
 CACHE_CONFIG_INFO = metric_names.CACHE_CONFIG_INFO
+LORA_ADAPTERS = metric_names.LORA_ADAPTERS
+LORA_REQUESTS_INFO = metric_names.LORA_REQUESTS_INFO
+LORA_LOADS = metric_names.LORA_LOADS
+LORA_LOAD_SECONDS = metric_names.LORA_LOAD_SECONDS
 
 # Forgetting factor of the step-cost fit per scrape: about the last 10 intervals count.
 FIT_DECAY = 0.9
@@ -60,14 +64,31 @@ class MetricsSample:
     itl_seconds: float = 0.0
     itl_count: float = 0.0
     cache_blocks: int | None = None
+    # LoRA: the base model's name (the metrics' model_name label), the adapters served, those whose weights
+    # are on the device (a vLLM replica shows only its running ones), and the slot fills with their time.
+    model_name: str | None = None
+    lora_adapters: frozenset[str] = frozenset()
+    lora_resident: frozenset[str] = frozenset()
+    lora_loads: float = 0.0
+    lora_load_seconds: float = 0.0
 
 
 def parse_metrics(text: str, now: float) -> MetricsSample:
     values: dict[str, float] = {}
     cache_blocks: int | None = None
+    model_name: str | None = None
+    adapters: set[str] = set()
+    resident: set[str] = set()
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             values[s.name] = values.get(s.name, 0.0) + float(s.value)
+            model_name = model_name or s.labels.get("model_name")
+            if s.name == LORA_ADAPTERS and s.labels.get("lora_name"):
+                adapters.add(s.labels["lora_name"])
+                if s.labels.get("resident") == "true":
+                    resident.add(s.labels["lora_name"])
+            elif s.name == LORA_REQUESTS_INFO:
+                resident.update(n for n in s.labels.get("running_lora_adapters", "").split(",") if n)
             if s.name == CACHE_CONFIG_INFO and "num_gpu_blocks" in s.labels:
                 try:
                     cache_blocks = int(float(s.labels["num_gpu_blocks"]))
@@ -90,6 +111,11 @@ def parse_metrics(text: str, now: float) -> MetricsSample:
         itl_seconds=get(ITL + "_sum"),
         itl_count=get(ITL + "_count"),
         cache_blocks=cache_blocks,
+        model_name=model_name,
+        lora_adapters=frozenset(adapters),
+        lora_resident=frozenset(resident),
+        lora_loads=get(LORA_LOADS),
+        lora_load_seconds=get(LORA_LOAD_SECONDS),
     )
 
 
@@ -143,6 +169,8 @@ class ReplicaEstimates:
         # Scrape intervals since the TPOT estimate last saw a token.
         self.staleness = 0
         self.last: MetricsSample | None = None
+        # Seconds to bring a LoRA adapter into a device slot, smoothed over the fills seen.
+        self.lora_load_s: float | None = None
 
     def observe(self, sample: MetricsSample) -> None:
         prev, self.last = self.last, sample
@@ -162,6 +190,11 @@ class ReplicaEstimates:
             if solved is not None and self.fit.intervals >= MIN_FIT_INTERVALS:
                 self.step_overhead, per_token = solved
                 self.prefill_rate = 1.0 / per_token
+        d_loads = sample.lora_loads - prev.lora_loads
+        d_load_s = sample.lora_load_seconds - prev.lora_load_seconds
+        if d_loads > 0 and d_load_s >= 0:
+            load_s = d_load_s / d_loads
+            self.lora_load_s = load_s if self.lora_load_s is None else 0.7 * self.lora_load_s + 0.3 * load_s
         d_itl = sample.itl_count - prev.itl_count
         d_itl_s = sample.itl_seconds - prev.itl_seconds
         if d_itl > 0 and d_itl_s >= 0 and warm:

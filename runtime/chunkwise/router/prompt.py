@@ -10,11 +10,11 @@ error it would give a direct client.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from chunkwise.engine.cache.hashing import BlockHash, hash_prefix_blocks
+from chunkwise.engine.cache.hashing import BlockHash, block_extra, hash_prefix_blocks
 from chunkwise.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from chunkwise.server.chat import ChatMessage, ChatTemplateError, message_text, render_chat
 
@@ -35,6 +35,9 @@ class RoutedRequest:
     output_tokens: int = 0
     stream: bool = False
     model: str | None = None
+    # The prompt's block hashes as a LoRA adapter named `model` would cache them (empty: not computed);
+    # the cost model reads them at a replica that serves `model` as an adapter.
+    adapter_block_hashes: tuple[BlockHash, ...] = ()
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
@@ -45,12 +48,21 @@ def load_tokenizer(spec: str) -> Tokenizer:
 
 
 class PromptReader:
-    def __init__(self, tokenizer: Tokenizer, block_size: int, default_output_tokens: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        block_size: int,
+        default_output_tokens: int,
+        adapters: Callable[[], Collection[str]] = frozenset,
+    ) -> None:
+        """`adapters`: the LoRA adapter names the fleet serves (its replicas' metrics say), whose requests'
+        prompts are hashed as their adapter caches them too."""
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.tokenizer = tokenizer
         self.block_size = block_size
         self.default_output_tokens = default_output_tokens
+        self.adapters = adapters
 
     def read(self, path: str, body: bytes) -> RoutedRequest:
         try:
@@ -76,6 +88,9 @@ class PromptReader:
             ids = None  # the replica will say what is wrong with it
         if not ids:
             return RoutedRequest(path=path, output_tokens=output_tokens, stream=stream, model=model)
+        adapter_hashes: tuple[BlockHash, ...] = ()
+        if model is not None and model in self.adapters():
+            adapter_hashes = tuple(hash_prefix_blocks(ids, self.block_size, block_extra(None, model)))
         return RoutedRequest(
             path=path,
             prompt_tokens=len(ids),
@@ -83,6 +98,7 @@ class PromptReader:
             output_tokens=output_tokens,
             stream=stream,
             model=model,
+            adapter_block_hashes=adapter_hashes,
         )
 
     def _output_tokens(self, path: str, data: Mapping[str, Any]) -> int:

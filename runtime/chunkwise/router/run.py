@@ -37,10 +37,12 @@ def make_client() -> httpx.AsyncClient:
 
 def build(args: argparse.Namespace) -> tuple[Router, Starlette]:
     """The router and its app, from parsed flags; the app's lifespan runs discovery and the poller."""
-    reader = PromptReader(load_tokenizer(args.tokenizer), args.block_size, args.default_max_tokens)
     cost = CostModel(
         args.block_size,
         Defaults(prefill_rate=args.default_prefill_rate, tpot_s=args.default_tpot_seconds),
+    )
+    reader = PromptReader(
+        load_tokenizer(args.tokenizer), args.block_size, args.default_max_tokens, cost.adapter_names
     )
     router = Router(
         policy=args.policy,

@@ -79,7 +79,14 @@ class EngineCore:
 
     def snapshot(self, routes: Iterable[str] = ()) -> SchedulerSnapshot:
         """The scheduler's queues and stats as of now (for load shedding and metrics)."""
-        return self.scheduler.snapshot(routes)
+        snap = self.scheduler.snapshot(routes)
+        slots = self.runner.lora
+        if slots is not None and self.adapters is not None:
+            s = snap.stats  # a copy: the adapters' side of it is the runner's and the store's
+            s.served_lora_adapters = tuple(sorted(self.adapters.known()))
+            s.resident_lora_adapters = tuple(slots.resident)
+            s.lora_loads, s.lora_load_seconds = slots.loads, slots.load_seconds
+        return snap
 
     # -- requests ---------------------------------------------------------------------------------------
     def make_request(

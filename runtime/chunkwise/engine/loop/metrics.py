@@ -103,6 +103,21 @@ class _SchedulerCollector(Collector):
             running, waiting = ",".join(s.running_lora_adapters), ",".join(s.waiting_lora_adapters)
             lora.add_metric([running, waiting, str(s.max_lora)], time.time())
             yield lora
+            adapters = GaugeMetricFamily(
+                N.LORA_ADAPTERS,
+                "Each LoRA adapter served (1), and whether its weights are on the device now.",
+                labels=["model_name", "lora_name", "resident"],
+            )
+            resident = set(s.resident_lora_adapters)
+            for name in s.served_lora_adapters:
+                adapters.add_metric([self.model_name, name, str(name in resident).lower()], 1.0)
+            yield adapters
+            yield counter(N.LORA_LOADS, "LoRA adapters copied into a device slot.", s.lora_loads)
+            yield counter(
+                N.LORA_LOAD_SECONDS,
+                "Time spent copying LoRA adapters into device slots (reading them first if needed).",
+                s.lora_load_seconds,
+            )
         yield gauge(
             N.OUTPUT_LENGTH_ESTIMATE,
             "Output length admission reserved for the last admitted request.",

@@ -7,6 +7,7 @@ columns and output rows, so that an adapter on q but not on k adds nothing to k'
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -53,7 +54,8 @@ class LoRASlots:
             self.a[name] = torch.zeros(max_loras * width, t.in_features, dtype=dtype, device=device)
             self.b[name] = torch.zeros(t.out_features, max_loras * width, dtype=dtype, device=device)
         self._resident: OrderedDict[str, int] = OrderedDict()  # adapter -> slot, least recently used first
-        self.loads = 0  # adapters copied into a slot since start (the metrics' count)
+        self.loads = 0  # adapters copied into a slot since start, and the time it took (the metrics')
+        self.load_seconds = 0.0
 
     @property
     def resident(self) -> list[str]:
@@ -86,7 +88,8 @@ class LoRASlots:
         self._resident.pop(name, None)
 
     def _fill(self, slot: int, name: str) -> None:
-        adapter = self.store.get(name)
+        t0 = time.perf_counter()
+        adapter = self.store.get(name)  # read again from its directory if pushed out of host memory
         r = adapter.rank
         for target_name, t in self.targets.items():
             width = self.max_rank * len(t.parts)
@@ -103,3 +106,4 @@ class LoRASlots:
                 a[cols].copy_(wa)
                 b[row : row + rows, cols].copy_(wb)
         self.loads += 1
+        self.load_seconds += time.perf_counter() - t0

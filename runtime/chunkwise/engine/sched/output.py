@@ -108,6 +108,12 @@ class SchedulerStats:
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
     max_lora: int = 0
+    # Filled by EngineCore.snapshot (the runner owns the slots): the adapters served, those resident on the
+    # device, and the slot fills so far with their time (what a router weighs against a resident adapter).
+    served_lora_adapters: tuple[str, ...] = ()
+    resident_lora_adapters: tuple[str, ...] = ()
+    lora_loads: int = 0
+    lora_load_seconds: float = 0.0
 
 
 @dataclass
