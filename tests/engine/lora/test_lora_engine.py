@@ -179,3 +179,21 @@ def test_other_bad_requests_are_refused(models: dict[str, Path], tmp_path: Path)
         llm.generate([PROMPTS[0]], lora_request=LoRARequest("foreign", 3, str(foreign)))
     with pytest.raises(ValueError, match="enable_lora with tensor or pipeline parallel is not supported"):
         LLM(str(models["base"]), enable_lora=True, tensor_parallel_size=2)
+
+
+def test_host_memory_keeps_max_cpu_loras_and_reads_the_others_again(models: dict[str, Path]) -> None:
+    from chunkwise.engine.lora.store import AdapterStore
+    from chunkwise.engine.model.loader import read_checkpoint
+
+    store = AdapterStore(read_checkpoint(models["base"])[0], max_lora_rank=8, max_cpu_loras=1)
+    qv = store.register(LoRARequest("qv", 1, str(models["qv"])))
+    store.register(LoRARequest("every", 2, str(models["every"])))
+    assert store.in_host_memory() == ["every"]  # qv pushed out
+    again = store.get("qv")  # read again from its directory: the same weights
+    assert again is not qv and again.weights.keys() == qv.weights.keys()
+    assert all(torch.equal(again.weights[k][1], qv.weights[k][1]) for k in qv.weights)
+    # Removed (unloaded): no longer served, but a request still in flight finds its weights.
+    assert store.remove("qv") and "qv" not in store.known()
+    assert store.get("qv").rank == 4
+    with pytest.raises(KeyError, match="never loaded"):
+        store.get("nope")
