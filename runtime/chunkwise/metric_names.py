@@ -24,9 +24,11 @@ LORA_REQUESTS_INFO = "vllm:lora_requests_info"
 LORA_ADAPTERS = "chunkwise:lora_adapters"
 LORA_LOADS = "chunkwise:lora_loads_total"
 LORA_LOAD_SECONDS = "chunkwise:lora_load_seconds_total"
+LORA_REQUESTS = "chunkwise:lora_requests_total"
 # Exposed only by an engine configured for them (as vLLM's are), with why.
 CONDITIONAL = {
-    name: "--enable-lora" for name in (LORA_REQUESTS_INFO, LORA_ADAPTERS, LORA_LOADS, LORA_LOAD_SECONDS)
+    name: "--enable-lora"
+    for name in (LORA_REQUESTS_INFO, LORA_ADAPTERS, LORA_LOADS, LORA_LOAD_SECONDS, LORA_REQUESTS)
 }
 
 # Counters.

@@ -86,6 +86,8 @@ def test_the_lora_info_metric_names_the_running_adapters(served: tuple[Served, d
     # What a router reads of it: the base model, the adapters served, the one on the device, its fill's time.
     from chunkwise.router.estimates import parse_metrics
 
+    # Each adapter's finished requests (the earlier tests' greedy runs of sql finished two).
+    assert 'chunkwise:lora_requests_total{lora_name="sql",model_name=' in text
     sample = parse_metrics(text, now=0.0)
     assert sample.model_name == s.model
     assert "sql" in sample.lora_adapters and "sql" in sample.lora_resident

@@ -198,6 +198,13 @@ class EngineMetrics:
         )
         for reason in FINISHED_REASONS:
             self.request_success.labels(model_name, reason)
+        # Per LoRA adapter: no series until an adapter's first request ends (none without --enable-lora).
+        self.lora_requests = Counter(
+            N.LORA_REQUESTS,
+            "Finished requests that ran a LoRA adapter, by adapter.",
+            [*labels, "lora_name"],
+            registry=r,
+        )
         self.ttft = Histogram(
             N.TIME_TO_FIRST_TOKEN,
             "Time to first token.",
@@ -320,6 +327,8 @@ class EngineMetrics:
             self._last_token_time.pop(req.request_id, None)
             reason = ended.get(req.request_id) or req.finish_reason or "abort"
             self.request_success.labels(self.model_name, reason).inc()
+            if req.lora_name is not None:
+                self.lora_requests.labels(self.model_name, req.lora_name).inc()
             if req.finished_time is not None:
                 self.e2e.observe(max(0.0, req.finished_time - req.arrival_time))
             if req.first_scheduled_time is not None:
