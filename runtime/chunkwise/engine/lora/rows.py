@@ -57,7 +57,14 @@ class LoRAStep:
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: LoRARows) -> None:
     """y += ((x a^T) * the rows' masks) b^T, in place. a: [slots x width, in], b: [out, slots x width] (the
-    scaling folded into b)."""
+    scaling folded into b). On a GPU, Triton's kernels compute each row's own adapter instead
+    (lora/triton_lora.py)."""
+    if x.is_cuda:
+        from chunkwise.engine.lora import triton_lora
+
+        if triton_lora.supports(y, x, a, b):
+            triton_lora.add_lora_triton(y, x, a, b, rows.slots, rows.num_slots)
+            return
     h = x @ a.t()
     h.mul_(rows.mask(a.shape[0] // rows.num_slots, h.dtype))
     y.addmm_(h, b.t())
