@@ -64,6 +64,7 @@ NOT_DEFAULT: dict[str, object] = {
     "max_loras": 2,
     "max_lora_rank": 8,
     "max_cpu_loras": 3,
+    "lora_kernel": "triton",
 }
 
 

@@ -177,6 +177,8 @@ def test_other_bad_requests_are_refused(models: dict[str, Path], tmp_path: Path)
     save_file(tensors, str(foreign / "adapter_model.safetensors"))
     with pytest.raises(ValueError, match="an adapter for another model"):
         llm.generate([PROMPTS[0]], lora_request=LoRARequest("foreign", 3, str(foreign)))
+    with pytest.raises(ValueError, match="lora_kernel 'triton' needs a CUDA device, not 'cpu'"):
+        LLM(str(models["base"]), enable_lora=True, lora_kernel="triton")
     with pytest.raises(ValueError, match="enable_lora with tensor or pipeline parallel is not supported"):
         LLM(str(models["base"]), enable_lora=True, tensor_parallel_size=2)
 

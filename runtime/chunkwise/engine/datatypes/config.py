@@ -20,6 +20,7 @@ Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 Estimator = Literal["quantile", "mean"]
 AttentionBackend = Literal["auto", "torch", "cpu", "triton"]
 DistributedBackend = Literal["auto", "nccl", "gloo"]
+LoRAKernel = Literal["torch", "triton"]
 
 # The step token budget B = decode rows + prefill chunk. docs/scheduling.md puts the usual knee at 512-2048; on the
 # CPU presets 1024 keeps a step under ~100 ms with `small` while amortising per-step overhead.
@@ -347,6 +348,13 @@ class EngineConfig:
     max_cpu_loras: int | None = option(
         None, help="adapters kept read in host memory (least recently used dropped)", unset="--max-loras"
     )
+    # torch's masked form ran on an H200 (docs/benchmarks.md); the Triton kernels have run only in the
+    # interpreter so far, so they are asked for, not chosen.
+    lora_kernel: LoRAKernel = option(
+        "torch",
+        help="the LoRA update: torch (every slot's rank columns, masked per row; CPU and GPU) or triton (each "
+        "row's own adapter, on CUDA; tested in Triton's interpreter, not yet run on a GPU)",
+    )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
@@ -363,6 +371,9 @@ class EngineConfig:
                 f"distributed_port must be a port below 65535 (two are used), got {self.distributed_port}"
             )
         _positive("max_loras", self.max_loras)
+        _one_of("lora_kernel", self.lora_kernel, get_args(LoRAKernel))
+        if self.lora_kernel == "triton" and not self.device.startswith("cuda"):
+            raise ValueError(f"lora_kernel 'triton' needs a CUDA device, not {self.device!r}")
         _positive("max_lora_rank", self.max_lora_rank)
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(

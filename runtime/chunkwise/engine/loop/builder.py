@@ -288,7 +288,13 @@ def _lora(
         return None, None
     store = AdapterStore(loaded.config, config.max_lora_rank, config.max_cpu_loras or config.max_loras)
     slots = LoRASlots(
-        loaded.model.lora_targets(), store, config.max_loras, config.max_lora_rank, dtype, device
+        loaded.model.lora_targets(),
+        store,
+        config.max_loras,
+        config.max_lora_rank,
+        dtype,
+        device,
+        kernel=config.lora_kernel,
     )
     loaded.model.attach_lora(slots)
     mib = sum(t.numel() * t.element_size() for t in (*slots.a.values(), *slots.b.values())) / (1 << 20)

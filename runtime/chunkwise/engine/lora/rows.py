@@ -16,9 +16,10 @@ import torch
 class LoRARows:
     """The adapter slot of each row of one activation (-1: the base model), and its column masks."""
 
-    def __init__(self, slots: torch.Tensor, num_slots: int) -> None:
+    def __init__(self, slots: torch.Tensor, num_slots: int, triton: bool = False) -> None:
         self.slots = slots  # [rows] on the model's device
         self.num_slots = num_slots
+        self.triton = triton  # the update by lora/triton_lora.py's kernels (lora_kernel="triton")
         self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
     def mask(self, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -42,24 +43,28 @@ class LoRAStep:
 
     @staticmethod
     def of(
-        token_slots: list[int], kept: list[int] | None, num_slots: int, device: torch.device
+        token_slots: list[int],
+        kept: list[int] | None,
+        num_slots: int,
+        device: torch.device,
+        triton: bool = False,
     ) -> LoRAStep | None:
         """From each token's slot (-1: the base model) and the token rows the step keeps past its last
         attention (None: all); None when no token runs an adapter (the model then runs as without LoRA)."""
         if max(token_slots, default=-1) < 0:
             return None
         slots = torch.tensor(token_slots, dtype=torch.long)
-        rows = LoRARows(slots.to(device), num_slots)
+        rows = LoRARows(slots.to(device), num_slots, triton)
         if kept is None:
             return LoRAStep(rows, rows)
-        return LoRAStep(rows, LoRARows(slots[kept].to(device), num_slots))
+        return LoRAStep(rows, LoRARows(slots[kept].to(device), num_slots, triton))
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: LoRARows) -> None:
     """y += ((x a^T) * the rows' masks) b^T, in place. a: [slots x width, in], b: [out, slots x width] (the
-    scaling folded into b). On a GPU, Triton's kernels compute each row's own adapter instead
+    scaling folded into b). With lora_kernel="triton", Triton's kernels compute each row's own adapter instead
     (lora/triton_lora.py)."""
-    if x.is_cuda:
+    if rows.triton:
         from chunkwise.engine.lora import triton_lora
 
         if triton_lora.supports(y, x, a, b):

@@ -40,8 +40,10 @@ class LoRASlots:
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        kernel: str = "torch",
     ) -> None:
         self.targets = targets
+        self.kernel = kernel  # EngineConfig.lora_kernel
         self.store = store
         self.max_loras = max_loras
         self.max_rank = max_rank

@@ -289,7 +289,8 @@ class ModelRunner:
         for name, n in zip(names, step.meta.query_lens_host):
             token_slots += [slot[name] if name is not None else -1] * n
         token_slots += [-1] * (step.meta.num_tokens - len(token_slots))  # static batching's padding rows
-        return LoRAStep.of(token_slots, step.kept_rows, self.lora.max_loras, self.device)
+        triton = self.lora.kernel == "triton"
+        return LoRAStep.of(token_slots, step.kept_rows, self.lora.max_loras, self.device, triton)
 
     def _keep_rows(self, step: PreparedStep) -> None:
         """Past a mixed step's last attention only the rows that sample go on (the logits' rows, then each
