@@ -118,7 +118,15 @@ def test_adapters_load_and_unload_while_serving(served: tuple[Served, dict[str, 
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="chat", prompt=[5], max_tokens=1)
     assert post("/v1/unload_lora_adapter", {"lora_name": "chat"}).status_code == 404
-    # Loaded again under its name and path: served again, the same tokens.
+    # Loaded again under its name from another directory (the operator's changed URI): the new weights.
+    r = post("/v1/load_lora_adapter", {"lora_name": "chat", "lora_path": str(paths["sql"])})
+    assert r.status_code == 200, r.text
+    assert (
+        _greedy(client, "chat")[0]
+        == peft_merged_greedy(paths["base"], paths["sql"], PROMPTS[:1], MAX_NEW[:1], paths["tmp"])[0]
+    )
+    assert post("/v1/unload_lora_adapter", {"lora_name": "chat"}).status_code == 200
+    # And back under its first name and path: served again, its first tokens.
     assert (
         post("/v1/load_lora_adapter", {"lora_name": "chat", "lora_path": str(paths["chat"])}).status_code
         == 200

@@ -188,7 +188,7 @@ def test_host_memory_keeps_max_cpu_loras_and_reads_the_others_again(models: dict
     from chunkwise.engine.model.loader import read_checkpoint
 
     store = AdapterStore(read_checkpoint(models["base"])[0], max_lora_rank=8, max_cpu_loras=1)
-    qv = store.register(LoRARequest("qv", 1, str(models["qv"])))
+    qv = store.get(store.register(LoRARequest("qv", 1, str(models["qv"]))))
     store.register(LoRARequest("every", 2, str(models["every"])))
     assert store.in_host_memory() == ["every"]  # qv pushed out
     again = store.get("qv")  # read again from its directory: the same weights
@@ -199,3 +199,17 @@ def test_host_memory_keeps_max_cpu_loras_and_reads_the_others_again(models: dict
     assert store.get("qv").rank == 4
     with pytest.raises(KeyError, match="never loaded"):
         store.get("nope")
+
+
+def test_a_name_loaded_again_from_another_path_runs_the_new_weights_and_none_of_the_old_kv(
+    models: dict[str, Path],
+) -> None:
+    llm = LLM(str(models["base"]), dtype="float32", enable_lora=True, block_size=4, **ON_DEVICE)
+    prompt = list(range(3, 40))
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    old = llm.generate([prompt], sp, lora_request=LoRARequest("x", 1, str(models["qv"])))[0]
+    assert llm.engine.adapters is not None and llm.engine.adapters.remove("x")
+    new = llm.generate([prompt], sp, lora_request=LoRARequest("x", 2, str(models["every"])))[0]
+    assert new.num_cached_tokens == 0  # the old weights' blocks of this prompt are not the new ones'
+    expected = peft_merged_greedy(models["base"], models["every"], [prompt], [6], models["tmp"])[0]
+    assert new.outputs[0].token_ids == expected != old.outputs[0].token_ids

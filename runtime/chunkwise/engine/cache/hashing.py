@@ -38,12 +38,12 @@ def _packer(n: int) -> struct.Struct:
     return struct.Struct(f"<{n}q")
 
 
-def block_extra(cache_salt: str | None, lora_name: str | None) -> str | None:
-    """What a request's first block hashes beside its tokens: its cache salt and its LoRA adapter, so that
-    the same prompt under two adapters (whose KV differs) never shares a block."""
-    if lora_name is None:
+def block_extra(cache_salt: str | None, lora_key: str | None) -> str | None:
+    """What a request's first block hashes beside its tokens: its cache salt and its LoRA adapter's key, so
+    that the same prompt under two adapters (whose KV differs) never shares a block."""
+    if lora_key is None:
         return cache_salt
-    return f"{cache_salt or ''}\x00lora\x00{lora_name}"
+    return f"{cache_salt or ''}\x00lora\x00{lora_key}"
 
 
 def hash_prefix_blocks(

@@ -55,7 +55,7 @@ class KVCacheManager:
                 hash_prefix_blocks(
                     req.token_ids,
                     self.block_size,
-                    block_extra(req.cache_salt, req.lora_name),
+                    block_extra(req.cache_salt, req.lora_key),
                     start=len(hashes),
                     parent=hashes[-1] if hashes else None,
                     end=full,

@@ -44,8 +44,10 @@ class Request:
     # Key under which output lengths are observed for admission's estimate (model + endpoint by default).
     route: str = ""
     cache_salt: str | None = None
-    # The LoRA adapter it runs (its LoRARequest's lora_name); None: the base model.
+    # The LoRA adapter it runs: its name (what metrics show), and its key, which the engine runs, caches and
+    # counts slots by (lora/store.py: the name, or "name#k" for a name loaded again with other weights).
     lora_name: str | None = None
+    lora_key: str | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     # All tokens, prompt then output, grown in place: the step loop never concatenates.

@@ -84,7 +84,7 @@ class EngineCore:
         if slots is not None and self.adapters is not None:
             s = snap.stats  # a copy: the adapters' side of it is the runner's and the store's
             s.served_lora_adapters = tuple(sorted(self.adapters.known()))
-            s.resident_lora_adapters = tuple(slots.resident)
+            s.resident_lora_adapters = tuple(sorted({self.adapters.name_of(k) for k in slots.resident}))
             s.lora_loads, s.lora_load_seconds = slots.loads, slots.load_seconds
         return snap
 
@@ -102,13 +102,16 @@ class EngineCore:
         """Validate and tokenize; raises ValueError with a clear message for bad input."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        lora_key: str | None = None
         if lora_request is not None:
             if self.adapters is None:
                 raise ValueError(
                     f"request names LoRA adapter {lora_request.lora_name!r} but the engine serves none "
                     "(start it with enable_lora / --enable-lora)"
                 )
-            self.adapters.register(lora_request)  # read and checked here: a bad adapter is the caller's
+            lora_key = self.adapters.register(
+                lora_request
+            )  # read and checked here: a bad one is the caller's
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
@@ -137,6 +140,7 @@ class EngineCore:
             route=route,
             cache_salt=cache_salt,
             lora_name=lora_request.lora_name if lora_request is not None else None,
+            lora_key=lora_key,
         )
         # n past the batch, or more KV than the whole cache: refused here, never left waiting forever.
         self.scheduler.prepare(req)

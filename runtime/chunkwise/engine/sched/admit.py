@@ -57,8 +57,8 @@ class Admitter:
             if self.adapters is not None:
                 if not self.adapters.admits(adapters, req):
                     break  # oldest first: the swapped wait for a slot in their order
-                if req.lora_name is not None:
-                    adapters.add(req.lora_name)
+                if req.lora_key is not None:
+                    adapters.add(req.lora_key)
             if req.fork_hold:
                 if len(self.running) + seats + req.sampling_params.n > self.config.max_num_seqs:
                     break
@@ -142,8 +142,8 @@ class Admitter:
             req.reserved_blocks = need + len(cached)
             outstanding += max(0, req.reserved_blocks - len(self.kv.block_tables[req.request_id]))
             self.running.append(req)
-            if req.lora_name is not None:
-                adapters.add(req.lora_name)
+            if req.lora_key is not None:
+                adapters.add(req.lora_key)
             if req.is_prefilling:
                 num_prefilling += 1
                 if self.waiting.is_long(req):

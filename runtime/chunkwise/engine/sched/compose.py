@@ -73,7 +73,7 @@ class StepComposer:
                     all_token_ids=req.token_ids if num_spec else None,
                     req=req,
                     prompt_token_ids=req.prompt_token_ids if scores else None,
-                    lora=req.lora_name,
+                    lora=req.lora_key,
                 )
             )
             num_tokens += n
@@ -143,7 +143,7 @@ class StepComposer:
             if row is None or row.block_table is not table:
                 params = req.sampling_params
                 row = rows[req.request_id] = ScheduledRequest(
-                    req.request_id, [token], start, table, True, params, req=req, lora=req.lora_name
+                    req.request_id, [token], start, table, True, params, req=req, lora=req.lora_key
                 )
                 if params.has_penalty:
                     row.output_token_ids = req.output_token_ids

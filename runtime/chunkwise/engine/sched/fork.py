@@ -97,6 +97,7 @@ class Forks:
             route=parent.route,
             cache_salt=parent.cache_salt,
             lora_name=parent.lora_name,
+            lora_key=parent.lora_key,
         )
         child.parent_id = parent.request_id
         child.index = index

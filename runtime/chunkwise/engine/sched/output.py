@@ -31,7 +31,7 @@ class ScheduledRequest:
     # The prompt (live reference), while a request that asked for its prompt's log-probs prefills it: the
     # tokens each position's logits are scored against.
     prompt_token_ids: list[int] | None = None
-    # The LoRA adapter its rows run (None: the base model).
+    # The LoRA adapter its rows run, by key (lora/store.py; None: the base model).
     lora: str | None = None
 
 

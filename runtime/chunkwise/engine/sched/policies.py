@@ -90,17 +90,17 @@ class AdapterLimit:
         self.max_loras = max_loras
 
     def admits(self, running: set[str], req: Request) -> bool:
-        return req.lora_name is None or req.lora_name in running or len(running) < self.max_loras
+        return req.lora_key is None or req.lora_key in running or len(running) < self.max_loras
 
     @staticmethod
     def running(requests: Iterable[Request]) -> set[str]:
-        return {r.lora_name for r in requests if r.lora_name is not None}
+        return {r.lora_key for r in requests if r.lora_key is not None}
 
     def publish(self, stats: SchedulerStats, running: Iterable[Request], queued: Iterable[Request]) -> None:
         """The gauges of vLLM's vllm:lora_requests_info."""
         stats.max_lora = self.max_loras
-        stats.running_lora_adapters = tuple(sorted(self.running(running)))
-        stats.waiting_lora_adapters = tuple(sorted(self.running(queued)))
+        stats.running_lora_adapters = tuple(sorted({r.lora_name for r in running if r.lora_name is not None}))
+        stats.waiting_lora_adapters = tuple(sorted({r.lora_name for r in queued if r.lora_name is not None}))
 
 
 def preemption_policy(config: SchedulerConfig, cost_model: PreemptionCostModel) -> Preemption:
