@@ -221,10 +221,17 @@ async def test_runtime_updates_load_and_unload_adapters_without_a_rollout(
     )
     assert template(cluster, "chat") == before
 
+    # The same name from another URI (a new version of the adapter): unloaded, then loaded from the new one.
+    moved = {**CHAT, "uri": "s3://adapters/chat-v2/"}
+    await cluster.patch_isvc("chat", {"spec": {"adapters": [moved]}})
+    for r in (first, second):
+        await eventually(lambda r=r: r.loaded() == {"chat": moved["uri"]}, what="chat reloaded from v2")
+
     # A replica that starts later (a scale up, a restart) gets every adapter once it is ready.
     third = await add_replica(cluster, replicas, "chat")
-    await eventually(lambda: third.loaded() == {"chat": CHAT["uri"]}, what="the new replica is given chat")
-    assert first.loads() == ["sql", "chat"]  # each load once: nothing is loaded again and again
+    await eventually(lambda: third.loaded() == {"chat": moved["uri"]}, what="the new replica is given chat")
+    assert first.loads() == ["sql", "chat", "chat"]  # each load once: nothing is loaded again and again
+    assert template(cluster, "chat") == before
     assert operator.failures() == []
 
 
