@@ -535,6 +535,13 @@ class Reconciler:
             current = self.kube.get_inference_service(namespace, name)
             if current is None or _deleting(current):
                 raise ServiceGone(f"{namespace}/{name}")
+            fresh = parse_service(name, current)
+            if (
+                not isinstance(fresh, ServiceSpec)
+                or fresh.adapters != parsed.adapters
+                or fresh.engine.runtime_lora_updates != parsed.engine.runtime_lora_updates
+            ):
+                return  # the spec changed during the pass: the next pass reports on the new one
             stored = (current.get("status") or {}).get("adapters")
             if stored == items:
                 return
