@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import kopf
 
+from chunkwise_operator.adapters import Failure as AdapterFailure
 from chunkwise_operator.kube import CHILD_KINDS, DEFAULT_API_TIMEOUT_S, ApiException, ChildKind, Kube
 from chunkwise_operator.manifests import LABEL_MANAGED_BY, MANAGER
 from chunkwise_operator.reconcile import ObjectBusy, Reconciler, ServiceGone
@@ -27,6 +28,9 @@ from chunkwise_operator.spec import GROUP, PLURAL, UPGRADE_RUNTIME_ANNOTATION, V
 # Seconds between autoscaler evaluations of one InferenceService (each scrapes every ready runtime pod).
 AUTOSCALER_INTERVAL_ENV = "CHUNKWISE_AUTOSCALER_INTERVAL_SECONDS"
 DEFAULT_AUTOSCALER_INTERVAL_S = 15.0
+# Seconds between passes of the LoRA adapter sync over one InferenceService's ready replicas (adapters.py).
+ADAPTER_INTERVAL_ENV = "CHUNKWISE_ADAPTER_INTERVAL_SECONDS"
+DEFAULT_ADAPTER_INTERVAL_S = 10.0
 # Seconds between status refreshes of one InferenceService (a list of its runtime pods).
 STATUS_INTERVAL_ENV = "CHUNKWISE_STATUS_INTERVAL_SECONDS"
 DEFAULT_STATUS_INTERVAL_S = 30.0
@@ -103,6 +107,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.Log
     settings.watching.client_timeout = WATCH_CLIENT_TIMEOUT_S
     memo.autoscaler_interval = _env_float(AUTOSCALER_INTERVAL_ENV, DEFAULT_AUTOSCALER_INTERVAL_S)
     memo.status_interval = _env_float(STATUS_INTERVAL_ENV, DEFAULT_STATUS_INTERVAL_S)
+    memo.adapter_interval = _env_float(ADAPTER_INTERVAL_ENV, DEFAULT_ADAPTER_INTERVAL_S)
     if not settings.peering.clusterwide:
         # Namespaced (a Role, no cluster-wide reads): no watch on CRDs and namespaces, which a Role cannot
         # grant; the resources found at start-up are served.
@@ -230,6 +235,46 @@ async def autoscaler(
             except (ApiException, ObjectBusy, httpx.HTTPError, OSError) as e:
                 # The next evaluation retries; a failed one changes nothing.
                 logger.warning(f"Autoscaler evaluation failed: {type(e).__name__}: {e}")
+            await stopped.wait(interval)
+
+
+def _serves_adapters(spec: kopf.Spec, **_: Any) -> bool:
+    """spec.adapters names some, or the replicas take them at run time (the engine's --enable-lora)."""
+    engine = spec.get("engine")
+    adapters = spec.get("adapters")
+    runtime = isinstance(engine, Mapping) and engine.get("runtimeLoraUpdates") is True
+    return runtime or (isinstance(adapters, list) and len(adapters) > 0)
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, id="adapters", when=_serves_adapters, cancellation_timeout=5)
+async def adapter_sync(
+    stopped: kopf.DaemonStopped,
+    name: str,
+    namespace: str | None,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    **_: Any,
+) -> None:
+    """Every interval, one pass of the LoRA adapter sync over this InferenceService's ready replicas.
+
+    A daemon, as the autoscaler is: Kopf starts it once the spec names adapters (or turns runtime loading on)
+    and stops it when neither holds any more. Adding an adapter with runtime loading on thus reaches every
+    ready replica within one interval, without a rollout.
+    """
+    if namespace is None:
+        return
+    reconciler = _reconciler(memo)
+    interval = float(memo.get("adapter_interval") or DEFAULT_ADAPTER_INTERVAL_S)
+    failures: dict[tuple[str, str], AdapterFailure] = {}
+    # Pod IPs are cluster addresses: never through a proxy from the environment.
+    async with httpx.AsyncClient(trust_env=False) as client:
+        while not stopped:
+            try:
+                await reconciler.sync_adapters(namespace, name, failures, client, logger)
+            except ServiceGone:
+                return
+            except (ApiException, ObjectBusy, httpx.HTTPError, OSError) as e:
+                logger.warning(f"Adapter sync failed: {type(e).__name__}: {e}")
             await stopped.wait(interval)
 
 

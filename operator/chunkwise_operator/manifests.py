@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 from chunkwise_operator import gateway
-from chunkwise_operator.spec import GROUP, ServiceSpec
+from chunkwise_operator.spec import GROUP, Adapter, ServiceSpec
 
 RUNTIME_PORT = 8000
 ROUTER_PORT = 8080
@@ -77,6 +77,12 @@ LWS_INSTALL_HINT = (
 LWS_RESTART_POLICY = "RecreateGroupOnPodRestart"
 # Workers start with the leader, not after it is ready: the leader is ready only once every stage has joined.
 LWS_STARTUP_POLICY = "LeaderCreated"
+# LoRA adapters (spec.adapters) fetched by init containers, one directory each (/adapters/<name>), on an emptyDir
+# of their own: a preset or PVC model has no cache volume to share. Bounded per adapter: 2Gi holds a rank-64
+# adapter on every projection of a 70B Llama in bf16 (about 1.7 GB); typical ones are tens of megabytes.
+ADAPTERS_VOLUME = "adapters"
+ADAPTERS_MOUNT_PATH = "/adapters"
+ADAPTER_CACHE_GIB_PER_ADAPTER = 2
 # The router's tokenizer emptyDir: tokenizer.json and its configs, tens of megabytes.
 ROUTER_TOKENIZER_CACHE_SIZE = "1Gi"
 
@@ -206,8 +212,44 @@ def engine_command(spec: ServiceSpec) -> list[str]:
         argv += ["--tensor-parallel-size", str(e.tensor_parallel_size)]
     if e.pipeline_parallel_size > 1:
         argv += ["--pipeline-parallel-size", str(e.pipeline_parallel_size)]
+    argv += lora_flags(spec)
     # Last, so the runtime's own parser is the judge of them (a bad one becomes the pod's termination message).
     return argv + list(e.extra_args)
+
+
+def lora_flags(spec: ServiceSpec) -> list[str]:
+    """The engine's LoRA flags (vLLM's names); none for a service without adapters or runtime updates.
+
+    Adapters fetched at start are named by --lora-modules. With runtime updates the command names none, so
+    that it (and the pod template) is the same whatever spec.adapters holds: the operator loads them into the
+    running replicas (adapters.py), and a change of the list restarts no pod.
+    """
+    if not spec.lora_enabled:
+        return []
+    e = spec.engine
+    argv = ["--enable-lora"]
+    if static_adapters(spec):
+        argv += ["--lora-modules", *(f"{a.name}={adapter_directory(a.name)}" for a in spec.adapters)]
+    argv += ["--max-loras", str(e.max_loras), "--max-lora-rank", str(e.max_lora_rank)]
+    if e.max_cpu_loras is not None:
+        argv += ["--max-cpu-loras", str(e.max_cpu_loras)]
+    if e.runtime_lora_updates:
+        argv.append("--allow-runtime-lora")
+    return argv
+
+
+def static_adapters(spec: ServiceSpec) -> bool:
+    """Whether the adapters are part of the pod: fetched by init containers, passed as --lora-modules."""
+    return bool(spec.adapters) and not spec.engine.runtime_lora_updates
+
+
+def adapter_directory(name: str) -> str:
+    """Where an adapter's init container fetches it (an adapter name is a DNS label: a safe directory name)."""
+    return f"{ADAPTERS_MOUNT_PATH}/{name}"
+
+
+def adapter_fetch_container_name(name: str) -> str:
+    return f"fetch-adapter-{name}"
 
 
 def fetch_command(spec: ServiceSpec, tokenizer_only: bool = False) -> list[str]:
@@ -422,6 +464,28 @@ def _fetch_container(spec: ServiceSpec, tokenizer_only: bool, resources: Manifes
     return container
 
 
+def _adapter_fetch_container(spec: ServiceSpec, adapter: Adapter, resources: Manifest) -> Manifest:
+    """The init container that fetches one adapter into /adapters/<name> (the model's fetcher's shape)."""
+    container: Manifest = {
+        "name": adapter_fetch_container_name(adapter.name),
+        "image": spec.image,
+        "command": ["chunkwise"],
+        "args": ["fetch-model", adapter.uri, adapter_directory(adapter.name), "--adapter"],
+        "resources": copy.deepcopy(resources),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": container_security_context(),
+        "volumeMounts": [{"name": ADAPTERS_VOLUME, "mountPath": ADAPTERS_MOUNT_PATH}],
+    }
+    if spec.image_pull_policy is not None:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    env = _env(spec)
+    if env:
+        container["env"] = env
+    if spec.model.credentials_secret is not None:
+        container["envFrom"] = [{"secretRef": {"name": spec.model.credentials_secret}}]
+    return container
+
+
 def _model_volumes(spec: ServiceSpec) -> tuple[list[Manifest], list[Manifest]]:
     """The engine's model volume(s) and its mounts: a claim read-only, or the fetched cache."""
     model = spec.model
@@ -475,6 +539,10 @@ def _runtime_pod_template(name: str, spec: ServiceSpec, worker: bool = False) ->
     drain = spec.engine.drain_grace_seconds
     argv = engine_command(spec)
     volumes, mounts = _model_volumes(spec)
+    if static_adapters(spec):
+        size = f"{ADAPTER_CACHE_GIB_PER_ADAPTER * len(spec.adapters)}Gi"
+        volumes.append({"name": ADAPTERS_VOLUME, "emptyDir": {"sizeLimit": size}})
+        mounts.append({"name": ADAPTERS_VOLUME, "mountPath": ADAPTERS_MOUNT_PATH, "readOnly": True})
     # /dev/shm as a memory emptyDir: the runtime's default 64Mi is too small for torch's shared tensors and
     # for NCCL's shared-memory transport between the ranks of a tensor-parallel pod.
     volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.pod.shm_size}})
@@ -525,6 +593,9 @@ def _runtime_pod_template(name: str, spec: ServiceSpec, worker: bool = False) ->
     env = _env(spec, triton_cache=_triton_cache(spec))
     if env:
         container["env"] = env
+    if spec.engine.runtime_lora_updates and spec.model.credentials_secret is not None:
+        # With runtime updates the engine fetches each adapter's uri itself, with the model's credentials.
+        container["envFrom"] = [{"secretRef": {"name": spec.model.credentials_secret}}]
 
     annotations: dict[str, str] = {}
     if not worker:
@@ -547,10 +618,15 @@ def _runtime_pod_template(name: str, spec: ServiceSpec, worker: bool = False) ->
     }
     if spec.pod.runtime_class_name is not None:
         pod["runtimeClassName"] = spec.pod.runtime_class_name
+    r = spec.resources
+    fetch_resources = {"requests": {"cpu": r.cpu, "memory": r.memory}, "limits": {"memory": r.memory}}
+    init: list[Manifest] = []
     if spec.model.source == "uri":
-        r = spec.resources
-        fetch_resources = {"requests": {"cpu": r.cpu, "memory": r.memory}, "limits": {"memory": r.memory}}
-        pod["initContainers"] = [_fetch_container(spec, False, fetch_resources)]
+        init.append(_fetch_container(spec, False, fetch_resources))
+    if static_adapters(spec):
+        init += [_adapter_fetch_container(spec, a, fetch_resources) for a in spec.adapters]
+    if init:
+        pod["initContainers"] = init
     _pod_overrides(pod, spec)
     tolerations = _tolerations(spec)
     if tolerations:

@@ -36,7 +36,7 @@ from typing import Any, cast
 import httpx
 import kopf
 
-from chunkwise_operator import autoscale, gateway, manifests, prometheus, scrape, status
+from chunkwise_operator import adapters, autoscale, gateway, manifests, prometheus, scrape, status
 from chunkwise_operator.kube import (
     DEFAULT_API_TIMEOUT_S,
     INFERENCE_POOL,
@@ -487,6 +487,67 @@ class Reconciler:
         if found is None and self.kube.serves(LEADER_WORKER_SET):
             found = read(runtime, (manifests.LWS_API_VERSION, manifests.LWS_KIND))
         return found
+
+    # -- LoRA adapters -------------------------------------------------------------------------------------
+    async def sync_adapters(
+        self,
+        namespace: str,
+        name: str,
+        failures: MutableMapping[tuple[str, str], adapters.Failure],
+        client: httpx.AsyncClient,
+        logger: Any,
+    ) -> list[adapters.ReplicaState] | None:
+        """One pass over the ready replicas: read the adapters each serves and, with runtime updates, load and
+        unload them to match spec.adapters; then write status.adapters (and AdaptersReady).
+
+        Like the autoscaler's scrape, the calls to the replicas are made without the object's lock (a load may
+        take minutes: the replica fetches the adapter); only the status write takes it. `failures` holds the
+        loads replicas refused (kept by the caller between passes). None when there is nothing to do.
+        """
+        body = await asyncio.to_thread(self.kube.get_inference_service, namespace, name)
+        if body is None or _deleting(body):
+            raise ServiceGone(f"{namespace}/{name}")
+        parsed = parse_service(name, body)
+        if isinstance(parsed, SpecError) or not parsed.lora_enabled:
+            return None
+        pods = await asyncio.to_thread(
+            self.kube.list_pods, namespace, manifests.match_labels(name, manifests.RUNTIME)
+        )
+        want = adapters.wanted(parsed)
+        runtime = parsed.engine.runtime_lora_updates
+        states = await adapters.sync(client, adapters.replicas(pods), want, runtime, failures, self._wall())
+        for state in states:
+            pod = state.replica.name
+            for change in state.changes:
+                logger.info(f"Adapters: {change} on pod {pod}")
+            for adapter, message in state.failed:
+                text = f"adapter {adapter} on pod {pod}: {message}"
+                logger.warning(f"Adapters: could not load {text}")
+                _event(body, WARNING, adapters.LOAD_FAILED, f"Could not load {text}")
+        items = adapters.entries(parsed.adapters, want, states, failures)
+        await asyncio.to_thread(self._write_adapters, namespace, name, parsed, items)
+        return states
+
+    def _write_adapters(
+        self, namespace: str, name: str, parsed: ServiceSpec, items: list[dict[str, Any]]
+    ) -> None:
+        with self._lock(namespace, name):
+            current = self.kube.get_inference_service(namespace, name)
+            if current is None or _deleting(current):
+                raise ServiceGone(f"{namespace}/{name}")
+            fresh = parse_service(name, current)
+            if (
+                not isinstance(fresh, ServiceSpec)
+                or fresh.adapters != parsed.adapters
+                or fresh.engine.runtime_lora_updates != parsed.engine.runtime_lora_updates
+            ):
+                return  # the spec changed during the pass: the next pass reports on the new one
+            stored = (current.get("status") or {}).get("adapters")
+            if stored == items:
+                return
+            # A list is replaced whole by a merge patch; then the refresh derives AdaptersReady from it.
+            self.kube.patch_inference_service_status(namespace, name, {"adapters": items})
+            self._refresh(namespace, name, parsed=parsed, generation=status.KEEP, failure=status.KEEP)
 
     # -- the autoscaler ------------------------------------------------------------------------------------
     async def evaluate_autoscaler(

@@ -68,7 +68,8 @@ class PodSample:
         return self.step_buckets[-1][1] if self.step_buckets else 0.0
 
 
-def _ready(pod: Mapping[str, Any]) -> bool:
+def ready(pod: Mapping[str, Any]) -> bool:
+    """A pod the kubelet reports Ready, with an IP, and not being deleted: one to scrape (or to call)."""
     status = pod.get("status") or {}
     if (pod.get("metadata") or {}).get("deletionTimestamp") or not status.get("podIP"):
         return False
@@ -95,7 +96,7 @@ def targets(pods: Iterable[Mapping[str, Any]]) -> list[Target]:
     """The ready pods' metrics URLs (from their Prometheus annotations, as the pod template sets them)."""
     result = []
     for pod in pods:
-        if not _ready(pod):
+        if not ready(pod):
             continue
         meta = pod.get("metadata") or {}
         ip = str(pod["status"]["podIP"])

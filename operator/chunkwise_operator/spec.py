@@ -77,6 +77,19 @@ PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 TOLERATION_OPERATORS = ("Exists", "Equal")
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 
+# LoRA adapters (spec.adapters, issue 34). A name is what clients send as `model`, a directory name under
+# /adapters and part of its fetcher's container name (fetch-adapter-<name>, at most 63 characters).
+ADAPTER_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+MAX_ADAPTER_NAME_LENGTH = 48
+# Init containers run one after another, and each runtime-loaded adapter is a call per replica: a bound that
+# keeps both, and the CRD's CEL cost, small. KubeAI and vLLM deployments serve tens.
+MAX_ADAPTERS = 64
+ADAPTER_URI_SCHEMES = ("hf", "s3", "gs", "http", "https")
+# vLLM's bounds: --max-lora-rank up to 512; the resident and host-memory counts are capped well past any GPU's.
+MAX_LORAS = 256
+MAX_LORA_RANK = 512
+MAX_CPU_LORAS = 4096
+
 # Children are named `<name>` and `<name>-router`; Services need DNS-1035 labels of at most 63 characters.
 MAX_NAME_LENGTH = 63 - len("-router")
 
@@ -183,6 +196,17 @@ class EngineSpec:
     tensor_parallel_size: int = 1
     # --pipeline-parallel-size: pods per replica. Above 1 the replica is a LeaderWorkerSet group.
     pipeline_parallel_size: int = 1
+    # LoRA (issue 34), vLLM's flags; rendered only when the service serves adapters (ServiceSpec.lora_enabled).
+    # --max-loras: adapters resident on the device at once (a step mixes at most this many).
+    max_loras: int = 1
+    # --max-lora-rank: the largest rank an adapter may have; a higher one is refused at load.
+    max_lora_rank: int = 16
+    # --max-cpu-loras: adapters kept in host memory (an LRU); None: the engine's default.
+    max_cpu_loras: int | None = None
+    # spec.engine.runtimeLoraUpdates: adapters are loaded into running replicas through their
+    # /v1/load_lora_adapter endpoint (--allow-runtime-lora), so that adding or removing one restarts no pod;
+    # off, they are fetched by init containers and passed as --lora-modules (a change rolls the pods).
+    runtime_lora_updates: bool = False
 
 
 @dataclass(frozen=True)
@@ -296,6 +320,15 @@ class PodOverrides:
 
 
 @dataclass(frozen=True)
+class Adapter:
+    """One LoRA adapter of spec.adapters: the name clients send as `model`, and where its files come from."""
+
+    name: str
+    # What `chunkwise fetch-model --adapter` fetches: hf://, s3://, gs:// or an http(s) archive.
+    uri: str
+
+
+@dataclass(frozen=True)
 class ServiceSpec:
     model: ModelSpec
     image: str
@@ -307,6 +340,12 @@ class ServiceSpec:
     router: RouterSpec = field(default_factory=RouterSpec)
     gateway: GatewaySpec = field(default_factory=GatewaySpec)
     pod: PodOverrides = field(default_factory=PodOverrides)
+    adapters: tuple[Adapter, ...] = ()
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether the engine runs with --enable-lora: it serves adapters, or may be given some at run time."""
+        return bool(self.adapters) or self.engine.runtime_lora_updates
 
 
 # ---------------------------------------------------------------------------------------------- readers
@@ -668,7 +707,7 @@ def _engine(spec: Mapping[str, Any], gpu: int) -> EngineSpec:
         or sd.method,
         num_tokens=_req_int(spec_data, "numTokens", p + "speculation.", reason, sd.num_tokens, 1, 16),
     )
-    return EngineSpec(
+    result = EngineSpec(
         dtype=_str(data, "dtype", p, reason, d.dtype, choices=DTYPES) or d.dtype,
         max_num_seqs=_req_int(data, "maxNumSeqs", p, reason, d.max_num_seqs, 1, 4096),
         max_num_batched_tokens=_req_int(
@@ -698,7 +737,19 @@ def _engine(spec: Mapping[str, Any], gpu: int) -> EngineSpec:
         pipeline_parallel_size=_req_int(
             data, "pipelineParallelSize", p, reason, d.pipeline_parallel_size, 1, MAX_PIPELINE_PARALLEL
         ),
+        max_loras=_req_int(data, "maxLoras", p, reason, d.max_loras, 1, MAX_LORAS),
+        max_lora_rank=_req_int(data, "maxLoraRank", p, reason, d.max_lora_rank, 1, MAX_LORA_RANK),
+        max_cpu_loras=_int(data, "maxCpuLoras", p, reason, None, 1, MAX_CPU_LORAS),
+        runtime_lora_updates=_bool(data, "runtimeLoraUpdates", p, reason, d.runtime_lora_updates),
     )
+    if result.max_cpu_loras is not None and result.max_cpu_loras < result.max_loras:
+        # The host LRU holds every adapter resident on the device (vLLM refuses the same).
+        raise SpecError(
+            reason,
+            f"{p}maxCpuLoras ({result.max_cpu_loras}) must be at least {p}maxLoras ({result.max_loras}): "
+            "the host cache holds every adapter on the device",
+        )
+    return result
 
 
 def _tensor_parallel_size(data: Mapping[str, Any], p: str, reason: str, gpu: int) -> int:
@@ -742,6 +793,12 @@ MODELED_FLAGS = {
     "--drain-timeout-seconds": "spec.engine.drainGraceSeconds",
     "--tensor-parallel-size": "spec.engine.tensorParallelSize",
     "--pipeline-parallel-size": "spec.engine.pipelineParallelSize",
+    "--enable-lora": "spec.adapters",
+    "--lora-modules": "spec.adapters",
+    "--max-loras": "spec.engine.maxLoras",
+    "--max-lora-rank": "spec.engine.maxLoraRank",
+    "--max-cpu-loras": "spec.engine.maxCpuLoras",
+    "--allow-runtime-lora": "spec.engine.runtimeLoraUpdates",
 }
 
 
@@ -766,6 +823,72 @@ def _extra_args(data: Mapping[str, Any], p: str, reason: str) -> tuple[str, ...]
     if not raw[0].startswith("-"):
         raise SpecError(reason, f"{p}extraArgs must start with a flag, got {raw[0]!r}")
     return tuple(raw)
+
+
+def _adapters(spec: Mapping[str, Any], model: ModelSpec) -> tuple[Adapter, ...]:
+    """spec.adapters: unique DNS-label names, none the base model's own, each with a fetchable URI."""
+    reason = "InvalidAdapters"
+    p = "spec.adapters"
+    raw = spec.get("adapters")
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise SpecError(reason, f"{p} must be a list of {{name, uri}} objects, got {raw!r}")
+    if len(raw) > MAX_ADAPTERS:
+        raise SpecError(reason, f"{p} holds {len(raw)} adapters; at most {MAX_ADAPTERS}")
+    result: list[Adapter] = []
+    for i, item in enumerate(raw):
+        ap = f"{p}[{i}]."
+        if not isinstance(item, Mapping):
+            raise SpecError(reason, f"{ap[:-1]} must be an object, got {item!r}")
+        name = item.get("name")
+        if (
+            not isinstance(name, str)
+            or not re.fullmatch(ADAPTER_NAME_PATTERN, name)
+            or len(name) > MAX_ADAPTER_NAME_LENGTH
+        ):
+            raise SpecError(
+                reason,
+                f"{ap}name must be a DNS label (lowercase letters, digits and '-', starting with a letter) of at "
+                f"most {MAX_ADAPTER_NAME_LENGTH} characters, got {name!r}",
+            )
+        if name == model.served_name:
+            raise SpecError(
+                reason,
+                f"{ap}name {name!r} is the base model's served name: clients could not tell them apart",
+            )
+        if any(a.name == name for a in result):
+            raise SpecError(reason, f"{p} names {name!r} twice: adapter names must be unique")
+        uri = item.get("uri")
+        if not isinstance(uri, str):
+            raise SpecError(reason, f"{ap}uri is required (hf://, s3://, gs:// or http(s)://), got {uri!r}")
+        result.append(Adapter(name=name, uri=_adapter_uri(uri, ap, reason)))
+    return tuple(result)
+
+
+def _adapter_uri(uri: str, ap: str, reason: str) -> str:
+    """An adapter's URI: one `chunkwise fetch-model` fetches (pvc:// is a mount, which adapters do not get)."""
+    scheme, sep, rest = uri.partition("://")
+    if (
+        len(uri) > 4096
+        or not sep
+        or scheme not in ADAPTER_URI_SCHEMES
+        or not rest
+        or any(c.isspace() for c in uri)
+    ):
+        raise SpecError(
+            reason,
+            f"{ap}uri must start with one of {', '.join(s + '://' for s in ADAPTER_URI_SCHEMES)}; got {uri!r}",
+        )
+    if scheme == "hf" and not re.fullmatch(HF_REPO_PATTERN, rest):
+        raise SpecError(reason, f"{ap}uri {uri!r} must be hf://org/name or hf://org/name@revision")
+    if scheme in ("s3", "gs") and not re.fullmatch(BUCKET_PATTERN, rest):
+        raise SpecError(reason, f"{ap}uri {uri!r} must be {scheme}://bucket/prefix")
+    if scheme in ("http", "https") and not re.fullmatch(
+        URL_REST_PATTERN, rest.split("#", 1)[0].split("?", 1)[0]
+    ):
+        raise SpecError(reason, f"{ap}uri {uri!r} is not an http(s) URL")
+    return uri
 
 
 def _autoscaling(spec: Mapping[str, Any]) -> AutoscalingSpec:
@@ -983,9 +1106,10 @@ def _pod(spec: Mapping[str, Any], default_shm: str = DEFAULT_SHM_SIZE) -> PodOve
 
 
 # Volumes and mount paths of the operator's own; spec.pod.volumes must keep clear of them.
-RESERVED_VOLUMES = ("model", "model-cache", "dshm")
-# /triton-cache: a GPU engine's Triton cache, a directory of the model cache (manifests.TRITON_CACHE_MOUNT_PATH).
-RESERVED_MOUNT_PATHS = ("/models", "/model-cache", "/dev/shm", "/triton-cache")
+RESERVED_VOLUMES = ("model", "model-cache", "dshm", "adapters")
+# /triton-cache: a GPU engine's Triton cache, a directory of the model cache (manifests.TRITON_CACHE_MOUNT_PATH);
+# /adapters: the LoRA adapters the init containers fetch (manifests.ADAPTERS_MOUNT_PATH).
+RESERVED_MOUNT_PATHS = ("/models", "/model-cache", "/dev/shm", "/triton-cache", "/adapters")
 
 
 def _objects(data: Mapping[str, Any], key: str, path: str, reason: str) -> list[Mapping[str, Any]]:
@@ -1039,6 +1163,7 @@ def parse(spec: Mapping[str, Any] | None, pinned_image: str | None = None) -> Se
         router=router,
         gateway=_gateway(spec, router),
         pod=_pod(spec, default_shm_size(resources.gpu, engine)),
+        adapters=_adapters(spec, model),
     )
 
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from chunkwise_operator import gateway, manifests
+from chunkwise_operator import adapters, gateway, manifests
 from chunkwise_operator.autoscale import (
     NO_METRICS,
     SCALED_TO_ZERO,
@@ -42,7 +42,18 @@ REPLICAS_FIGHT_SCALER = "ReplicasFightScaler"
 LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
 # Present while spec.gateway.inferencePool is on: whether the InferencePool could be applied.
 INFERENCE_POOL_READY = gateway.CONDITION
-CONDITION_TYPES = (READY, PROGRESSING, DEGRADED, SCALER_CONFLICT, METRICS_AVAILABLE, INFERENCE_POOL_READY)
+# Present while the service serves LoRA adapters (spec.adapters or runtimeLoraUpdates): whether every adapter
+# is loaded on every ready replica (adapters.condition), from status.adapters.
+ADAPTERS_READY = adapters.CONDITION
+CONDITION_TYPES = (
+    READY,
+    PROGRESSING,
+    DEGRADED,
+    SCALER_CONFLICT,
+    METRICS_AVAILABLE,
+    INFERENCE_POOL_READY,
+    ADAPTERS_READY,
+)
 
 # Everything else under .status (for instance fields a later autoscaler adds) is left alone.
 MANAGED_KEYS = (
@@ -54,6 +65,7 @@ MANAGED_KEYS = (
     "model",
     "conditions",
     "autoscaler",
+    "adapters",
 )
 
 
@@ -579,13 +591,21 @@ def compute_status(
         if parsed.gateway.inference_pool:
             state = _previous_pool(previous) if pool is KEEP else pool
             conditions.append(_condition(INFERENCE_POOL_READY, state.ready, state.reason, state.message, gen))
+        if parsed.lora_enabled:
+            # The adapter sync's last word (status.adapters) for the adapters the spec still names, until it
+            # writes the next; the condition follows it.
+            items = adapters.carried(parsed.adapters, previous.get("adapters"))
+            status["adapters"] = items
+            conditions.append(_condition(ADAPTERS_READY, *adapters.condition(items, run.ready), gen))
     else:
-        for key in ("url", "model", "autoscaler"):
+        for key in ("url", "model", "autoscaler", "adapters"):
             if previous.get(key) is not None:
                 status[key] = previous[key]
-        # The pool, like every child, stays as it was while the spec is invalid: so does its condition.
-        kept = [c for c in previous.get("conditions") or [] if _is_pool_condition(c)]
-        conditions += [{k: v for k, v in c.items() if k != "lastTransitionTime"} for c in kept[:1]]
+        # The pool, like every child, stays as it was while the spec is invalid: so does its condition, and
+        # the adapters' (the replicas keep serving what they served).
+        kept = [c for c in previous.get("conditions") or [] if _is_pool_condition(c)][:1]
+        kept += [c for c in previous.get("conditions") or [] if _is_adapters_condition(c)][:1]
+        conditions += [{k: v for k, v in c.items() if k != "lastTransitionTime"} for c in kept]
     status["conditions"] = _with_times(conditions, list(previous.get("conditions") or []), now)
     return status
 
@@ -613,6 +633,10 @@ def autoscaler_conditions(block: Any) -> tuple[tuple[str, bool | None, str], ...
 
 def _is_pool_condition(cond: Any) -> bool:
     return isinstance(cond, Mapping) and cond.get("type") == INFERENCE_POOL_READY
+
+
+def _is_adapters_condition(cond: Any) -> bool:
+    return isinstance(cond, Mapping) and cond.get("type") == ADAPTERS_READY
 
 
 PENDING_POOL = PoolState(None, gateway.PENDING, "the InferencePool has not been applied yet")

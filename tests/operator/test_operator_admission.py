@@ -27,8 +27,27 @@ def with_(**sections: Any) -> dict[str, Any]:
     return {**BASE, **sections}
 
 
+LORA = {"name": "sql", "uri": "hf://org/sql-lora"}
+
 # (spec, the field both messages must name)
 REFUSED = [
+    pytest.param(with_(adapters=[LORA, {**LORA, "uri": "s3://b/x"}]), "spec.adapters", id="adapter-twice"),
+    pytest.param(with_(adapters=[{**LORA, "name": "SQL_lora"}]), "spec.adapters", id="adapter-name"),
+    pytest.param(with_(adapters=[{**LORA, "name": "tiny"}]), "spec.adapters", id="adapter-is-the-base"),
+    pytest.param(
+        with_(model={"preset": "tiny", "servedName": "base"}, adapters=[{**LORA, "name": "base"}]),
+        "spec.adapters",
+        id="adapter-is-the-served-name",
+    ),
+    pytest.param(with_(adapters=[{**LORA, "uri": "ftp://host/a.tar"}]), "spec.adapters", id="adapter-ftp"),
+    pytest.param(with_(adapters=[{**LORA, "uri": "pvc://claim/a"}]), "spec.adapters", id="adapter-pvc"),
+    pytest.param(with_(adapters=[{**LORA, "uri": "hf://onlyorg"}]), "spec.adapters", id="adapter-hf-shape"),
+    pytest.param(with_(adapters=[{**LORA, "uri": "s3://B/x"}]), "spec.adapters", id="adapter-bucket"),
+    pytest.param(with_(adapters=[{"name": "sql"}]), "spec.adapters", id="adapter-no-uri"),
+    pytest.param(
+        with_(engine={"maxLoras": 4, "maxCpuLoras": 2}), "spec.engine.maxCpuLoras", id="cpu-loras-below"
+    ),
+    pytest.param(with_(engine={"maxLoraRank": 1024}), "spec.engine.maxLoraRank", id="rank-too-high"),
     pytest.param(
         with_(engine={"extraArgs": ["--dtype", "float32"]}), "spec.engine.extraArgs", id="extra-dtype"
     ),
@@ -158,6 +177,17 @@ ACCEPTED = [
     with_(pod={"env": [{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}),
     with_(resources={"gpu": 4}, engine={"tensorParallelSize": 2}),
     with_(resources={"gpu": 0}, engine={"tensorParallelSize": 3, "pipelineParallelSize": 2}),
+    with_(
+        adapters=[
+            LORA,
+            {"name": "chat-v2", "uri": "s3://adapters/chat/v2/"},
+            {"name": "t", "uri": "https://host/a/t.tar.gz#sha256=" + "0" * 64},
+            {"name": "g", "uri": "hf://org/g@v1"},
+        ],
+        engine={"maxLoras": 4, "maxLoraRank": 64, "maxCpuLoras": 4, "runtimeLoraUpdates": True},
+    ),
+    with_(model={"preset": "tiny", "servedName": "base"}, adapters=[{**LORA, "name": "tiny"}]),
+    with_(engine={"runtimeLoraUpdates": True}),
 ]
 
 

@@ -426,7 +426,7 @@ INVALID = [
     (
         with_(MINIMAL, pod={"volumes": [{"name": "dshm", "emptyDir": {}}]}),
         "InvalidPodOverrides",
-        "spec.pod.volumes[0].name 'dshm' is taken (reserved: ('model', 'model-cache', 'dshm'))",
+        "spec.pod.volumes[0].name 'dshm' is taken (reserved: ('model', 'model-cache', 'dshm', 'adapters'))",
         True,
     ),
     (

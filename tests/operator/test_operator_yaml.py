@@ -57,6 +57,7 @@ def test_the_expected_files_exist() -> None:
         "manifests/examples/gpu-service.yaml",
         "manifests/examples/hpa.yaml",
         "manifests/examples/keda-scaledobject.yaml",
+        "manifests/examples/lora-service.yaml",
         "manifests/examples/metrics-networkpolicy.yaml",
         "manifests/examples/pipeline-networkpolicy.yaml",
         "manifests/examples/pipeline-service.yaml",
@@ -150,15 +151,18 @@ def test_status_written_by_the_operator_fits_the_crd() -> None:
         "autoscaling": {"enabled": True},
         "router": {"enabled": True},
         "gateway": {"inferencePool": True},
+        "adapters": [{"name": "sql", "uri": "hf://org/sql-lora"}],
+        "engine": {"runtimeLoraUpdates": True},
     }
     parsed = parse(spec)
+    adapters = [{"name": "sql", "uri": "hf://org/sql-lora", "readyReplicas": 1, "message": "pod p: HTTP 400"}]
     status = compute_status(
         name="tiny",
         namespace="default",
         parsed=parsed,
         runtime=None,
         router=None,
-        previous={},
+        previous={"adapters": adapters},
         now="2030-01-01T00:00:00Z",
         generation=3,
     )
@@ -169,17 +173,26 @@ def test_status_written_by_the_operator_fits_the_crd() -> None:
         "spec": spec,
         "status": status,
     }
-    assert "InferencePoolReady" in [c["type"] for c in status["conditions"]]
+    assert {"InferencePoolReady", "AdaptersReady"} <= {c["type"] for c in status["conditions"]}
+    assert status["adapters"] == adapters
     assert schema_errors(obj) == []
     declared = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
     assert set(status) <= set(declared)
     assert set(status["autoscaler"]) <= set(declared["autoscaler"]["properties"])
+    assert set(status["adapters"][0]) <= set(declared["adapters"]["items"]["properties"])
     for cond in status["conditions"]:
         assert set(cond) <= set(declared["conditions"]["items"]["properties"])
 
 
 @pytest.mark.parametrize(
-    "name", ["service.yaml", "gpu-service.yaml", "gateway-service.yaml", "pipeline-service.yaml"]
+    "name",
+    [
+        "service.yaml",
+        "gpu-service.yaml",
+        "gateway-service.yaml",
+        "pipeline-service.yaml",
+        "lora-service.yaml",
+    ],
 )
 def test_inference_service_examples_match_the_crd_schema(name: str) -> None:
     (doc,) = documents(ROOT / "manifests" / "examples" / name)

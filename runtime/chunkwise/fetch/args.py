@@ -22,14 +22,16 @@ TERMINATION_LOG = Path("/dev/termination-log")
 TERMINATION_LOG_MAX_BYTES = 4096
 
 DESCRIPTION = """\
-Fetch a model into DIR so that `chunkwise serve --model DIR` loads it. URI is one of:
+Fetch a model into DIR so that `chunkwise serve --model DIR` loads it, or (--adapter) a PEFT LoRA
+adapter so that `--lora-modules NAME=DIR` does. URI is one of:
   hf://org/name[@revision]   Hugging Face Hub (HF_ENDPOINT, HF_TOKEN or --token-file)
   s3://bucket/prefix         every object under the prefix (AWS_ENDPOINT_URL[_S3], AWS credentials)
   gs://bucket/prefix         Google Cloud Storage (STORAGE_EMULATOR_HOST; GOOGLE_OAUTH_ACCESS_TOKEN,
                              --token-file or the GKE metadata server's token)
   http(s)://host/model.tgz   a .tar, .tar.gz/.tgz, .tar.xz or .zip archive, extracted into DIR
                              (#sha256=HEX or --sha256 verifies it)
-Downloads resume after a crash or a dropped connection; DIR/.chunkwise-fetch.json is written last and
+A full fetch must find config.json (a model) or adapter_config.json and adapter_model.safetensors
+(an adapter) at its top, else it fails naming what it found. Downloads resume after a crash or a dropped connection; DIR/.chunkwise-fetch.json is written last and
 makes a second run a no-op. Exit codes: 0 done, 2 bad URI or flags, 1 the fetch failed."""
 
 log = logging.getLogger("chunkwise.fetch")
@@ -46,6 +48,12 @@ def add_fetch_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="fetch only what the tokenizer needs (tokenizer.json, tokenizer_config.json, config.json, ...): "
         "the router's pod",
+    )
+    g.add_argument(
+        "--adapter",
+        action="store_true",
+        help="URI is a PEFT LoRA adapter: require adapter_config.json and adapter_model.safetensors at its top "
+        "(without it, an adapter is recognised by its adapter_config.json where no config.json is)",
     )
     g.add_argument(
         "--include",
@@ -146,6 +154,7 @@ def _run(args: argparse.Namespace) -> None:
         backoff_s=args.retry_backoff_seconds,
         timeout_s=args.timeout_seconds,
         progress_interval_s=args.progress_interval_seconds,
+        adapter=args.adapter,
     )
     fetch_model(uri, Path(args.dir), options)
 

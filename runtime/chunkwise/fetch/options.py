@@ -22,3 +22,5 @@ class FetchOptions:
     backoff_s: float = DEFAULT_BACKOFF_S
     timeout_s: float = DEFAULT_TIMEOUT_S
     progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S
+    # --adapter: the URI must be a PEFT LoRA adapter (adapter_config.json, adapter_model.safetensors), not a model.
+    adapter: bool = False

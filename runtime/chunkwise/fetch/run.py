@@ -31,6 +31,13 @@ from chunkwise.fetch.uri import GcsUri, HfUri, HttpUri, ModelUri, S3Uri, redacte
 
 log = logging.getLogger("chunkwise.fetch")
 
+# What a full fetch must hold at its top for `chunkwise serve` to load it: a model (`--model DIR`) has the
+# Hugging Face config.json; a LoRA adapter (`--lora-modules NAME=DIR`, /v1/load_lora_adapter) is in PEFT's
+# format, its config and its weights as safetensors (the engine reads no pickled adapter_model.bin).
+MODEL_CONFIG = "config.json"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
 
 @dataclass(frozen=True)
 class FetchOutcome:
@@ -44,6 +51,10 @@ def fetch_model(uri: ModelUri, dest: Path, options: FetchOptions) -> FetchOutcom
     if isinstance(uri, S3Uri) and options.token:
         raise UsageError(
             "--token-file does not apply to s3:// (boto3 reads AWS credentials from the environment)"
+        )
+    if options.adapter and options.selection.mode != "full":
+        raise UsageError(
+            "--adapter fetches the whole adapter: it cannot be combined with --tokenizer-only or --include"
         )
     try:
         dest.mkdir(parents=True, exist_ok=True)
@@ -98,6 +109,13 @@ def _fetch_locked(uri: ModelUri, dest: Path, options: FetchOptions) -> FetchOutc
         from chunkwise.fetch.http import fetch_archive
 
         revision, records = fetch_archive(uri, options, downloader, dest, partial)
+        if selection.mode == "full":
+            try:
+                kind = checkpoint_kind([r.path for r in records], shown, options.adapter)
+            except FetchError:
+                # Nothing `chunkwise serve` can load: leave no half-model behind (there is no marker either).
+                remove_fetched_files(dest, [r.path for r in records])
+                raise
     else:
         listing = _list(uri, options)
         by_path = {f.path: f for f in listing.files}
@@ -113,6 +131,9 @@ def _fetch_locked(uri: ModelUri, dest: Path, options: FetchOptions) -> FetchOutc
             )
         if not chosen:
             raise FetchError(f"{shown} (revision {listing.revision}) holds no files for {selection.mode}")
+        if selection.mode == "full":
+            # Before a byte is downloaded: a wrong URI fails in a second, not after the whole prefix.
+            kind = checkpoint_kind(chosen, shown, options.adapter)
         files = [by_path[p] for p in chosen]
         sizes = [f.size for f in files]
         total = sum(s for s in sizes if s is not None) if None not in sizes else None
@@ -132,10 +153,6 @@ def _fetch_locked(uri: ModelUri, dest: Path, options: FetchOptions) -> FetchOutc
         records = [downloader.fetch(f).record for f in files]
 
     paths = {r.path for r in records}
-    if selection.mode == "full" and "config.json" not in paths:
-        log.warning(
-            "%s has no config.json at its top: `chunkwise serve --model %s` will not load it", shown, dest
-        )
     if selection.tokenizer_only and not paths & {"tokenizer.json", "tokenizer.model", "vocab.json"}:
         log.warning("%s has no tokenizer.json, tokenizer.model or vocab.json at its top", shown)
     marker = Marker(
@@ -148,8 +165,44 @@ def _fetch_locked(uri: ModelUri, dest: Path, options: FetchOptions) -> FetchOutc
     )
     write_marker(dest, marker)
     remove_partial_dir(dest)
-    log.info("fetched %s into %s: %s", shown, dest, progress.summary())
+    what = f" (a {kind})" if selection.mode == "full" else ""
+    log.info("fetched %s%s into %s: %s", shown, what, dest, progress.summary())
     return FetchOutcome(marker, False)
+
+
+def checkpoint_kind(paths: list[str], shown: str, adapter: bool) -> str:
+    """ "model" or "LoRA adapter": what the files of a full fetch are, judged by the files at their top.
+
+    `adapter` (--adapter): it must be an adapter. Otherwise a model's config.json wins, and an
+    adapter_config.json makes it an adapter. Raises FetchError, naming what is missing, when `chunkwise serve`
+    could load it as neither.
+    """
+    top = {p for p in paths if "/" not in p}
+    if not adapter and MODEL_CONFIG in top:
+        return "model"
+    if ADAPTER_CONFIG in top:
+        if ADAPTER_WEIGHTS not in top:
+            pickled = (
+                " (it has adapter_model.bin: save the adapter with safetensors)"
+                if "adapter_model.bin" in top
+                else ""
+            )
+            raise FetchError(
+                f"{shown} is a LoRA adapter without {ADAPTER_WEIGHTS} at its top{pickled}; "
+                f"the engine loads PEFT adapters as {ADAPTER_CONFIG} + {ADAPTER_WEIGHTS}"
+            )
+        return "LoRA adapter"
+    listed = (", ".join(sorted(top)[:8]) + (", ..." if len(top) > 8 else "")) if top else "no files"
+    if adapter:
+        raise FetchError(
+            f"{shown} is not a PEFT LoRA adapter: it has no {ADAPTER_CONFIG} at its top (it holds {listed})"
+            + ("; it looks like a model (config.json): give it as spec.model" if MODEL_CONFIG in top else "")
+        )
+    raise FetchError(
+        f"{shown} holds neither {MODEL_CONFIG} (a model) nor {ADAPTER_CONFIG} (a PEFT LoRA adapter) at its "
+        f"top, so `chunkwise serve` can load it as neither (it holds {listed}); point the URI at the "
+        "directory that holds them"
+    )
 
 
 def _list(uri: HfUri | S3Uri | GcsUri, options: FetchOptions) -> Listing:
