@@ -83,6 +83,10 @@ LWS_STARTUP_POLICY = "LeaderCreated"
 ADAPTERS_VOLUME = "adapters"
 ADAPTERS_MOUNT_PATH = "/adapters"
 ADAPTER_CACHE_GIB_PER_ADAPTER = 2
+# With runtime updates the engine fetches the URIs it is asked to load into that volume itself
+# (--lora-cache-dir): sized for this many adapters at least, whatever the list (which the pod must not depend
+# on), or for --max-cpu-loras / --max-loras when that is more.
+RUNTIME_ADAPTER_CACHE_MIN_ADAPTERS = 8
 # The router's tokenizer emptyDir: tokenizer.json and its configs, tens of megabytes.
 ROUTER_TOKENIZER_CACHE_SIZE = "1Gi"
 
@@ -234,7 +238,7 @@ def lora_flags(spec: ServiceSpec) -> list[str]:
     if e.max_cpu_loras is not None:
         argv += ["--max-cpu-loras", str(e.max_cpu_loras)]
     if e.runtime_lora_updates:
-        argv.append("--allow-runtime-lora")
+        argv += ["--allow-runtime-lora", "--lora-cache-dir", ADAPTERS_MOUNT_PATH]
     return argv
 
 
@@ -543,6 +547,13 @@ def _runtime_pod_template(name: str, spec: ServiceSpec, worker: bool = False) ->
         size = f"{ADAPTER_CACHE_GIB_PER_ADAPTER * len(spec.adapters)}Gi"
         volumes.append({"name": ADAPTERS_VOLUME, "emptyDir": {"sizeLimit": size}})
         mounts.append({"name": ADAPTERS_VOLUME, "mountPath": ADAPTERS_MOUNT_PATH, "readOnly": True})
+    elif spec.engine.runtime_lora_updates:
+        e = spec.engine
+        count = max(RUNTIME_ADAPTER_CACHE_MIN_ADAPTERS, e.max_cpu_loras or e.max_loras)
+        volumes.append(
+            {"name": ADAPTERS_VOLUME, "emptyDir": {"sizeLimit": f"{ADAPTER_CACHE_GIB_PER_ADAPTER * count}Gi"}}
+        )
+        mounts.append({"name": ADAPTERS_VOLUME, "mountPath": ADAPTERS_MOUNT_PATH})
     # /dev/shm as a memory emptyDir: the runtime's default 64Mi is too small for torch's shared tensors and
     # for NCCL's shared-memory transport between the ranks of a tensor-parallel pod.
     volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.pod.shm_size}})

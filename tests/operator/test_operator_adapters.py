@@ -106,10 +106,13 @@ def test_runtime_updates_render_the_flags_and_no_adapter() -> None:
     lora = engine["args"][engine["args"].index("--enable-lora") :]
     assert lora == [
         "--enable-lora", "--max-loras", "2", "--max-lora-rank", "64", "--max-cpu-loras", "8",
-        "--allow-runtime-lora", "--max-model-len", "4096",
+        "--allow-runtime-lora", "--lora-cache-dir", "/adapters", "--max-model-len", "4096",
     ]  # fmt: skip
     assert [c["name"] for c in pod["initContainers"]] == ["fetch-model"]
-    assert not any(v["name"] == "adapters" for v in pod["volumes"])
+    # The engine fetches the URIs it is asked to load into a writable volume sized by the limits, not the list.
+    (adapters,) = [v for v in pod["volumes"] if v["name"] == "adapters"]
+    assert adapters == {"name": "adapters", "emptyDir": {"sizeLimit": "16Gi"}}
+    assert {"name": "adapters", "mountPath": "/adapters"} in engine["volumeMounts"]
     # The replica fetches each adapter's URI when the operator loads it: it needs the credentials.
     assert engine["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
 

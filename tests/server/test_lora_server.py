@@ -32,6 +32,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Served, d
         ),
     }
     flags = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--allow-runtime-lora"]
+    flags += ["--lora-cache-dir", str(tmp / "fetched")]
     s = _start(str(base), tmp / "serve.log", *flags, "--lora-modules", f"sql={paths['sql']}", parallel=())
     try:
         assert s.proc.poll() is None, s.output()
@@ -133,6 +134,38 @@ def test_adapters_load_and_unload_while_serving(served: tuple[Served, dict[str, 
     )
     assert (
         _greedy(client, "chat")[0]
+        == peft_merged_greedy(paths["base"], paths["chat"], PROMPTS[:1], MAX_NEW[:1], paths["tmp"])[0]
+    )
+
+
+def test_an_adapter_given_as_a_uri_is_fetched_and_reported_as_given(
+    served: tuple[Served, dict[str, Path]],
+) -> None:
+    from tests.fetch.fetch_servers import Loopback, serving, tar_gz, tree
+
+    s, paths = served
+    archive = tar_gz(tree(paths["chat"]), top="chat-lora")
+    with serving(Loopback(files={"/a/chat.tgz": archive})) as srv:
+        uri = f"{srv.url}/a/chat.tgz"
+        r = httpx.post(
+            f"{s.url}/v1/load_lora_adapter",
+            json={"lora_name": "fetched", "lora_path": uri},
+            timeout=60,
+            trust_env=False,
+        )
+        assert r.status_code == 200, r.text
+        bad = httpx.post(
+            f"{s.url}/v1/load_lora_adapter",
+            json={"lora_name": "missing", "lora_path": f"{srv.url}/a/none.tgz"},
+            timeout=60,
+            trust_env=False,
+        )
+    assert bad.status_code == 400 and "could not be fetched" in bad.json()["error"]["message"]
+    client = s.client()
+    card = next(m.model_dump() for m in client.models.list().data if m.id == "fetched")
+    assert card["root"] == uri  # as given: the operator compares it with its spec's URI
+    assert (
+        _greedy(client, "fetched")[0]
         == peft_merged_greedy(paths["base"], paths["chat"], PROMPTS[:1], MAX_NEW[:1], paths["tmp"])[0]
     )
 

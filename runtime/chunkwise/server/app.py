@@ -8,6 +8,7 @@ loading, draining or after an engine failure), GET /metrics (Prometheus text), G
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -128,6 +129,7 @@ def build_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     metrics: EngineMetrics | None = None,
     allow_runtime_lora: bool = False,
+    lora_cache_dir: Path | None = None,
 ) -> FastAPI:
     """An app serving `engine` (which the caller starts and shuts down).
 
@@ -143,7 +145,7 @@ def build_app(
         max_waiting = engine.model_info.max_waiting
     shedding = SheddingPolicy(max_waiting=max_waiting, queue_delay_slo_s=queue_delay_slo_s)
     metrics = metrics or EngineMetrics(served_model_name)
-    state = ServerState(engine, served_model_name, shedding, metrics, allow_runtime_lora)
+    state = ServerState(engine, served_model_name, shedding, metrics, allow_runtime_lora, lora_cache_dir)
 
     app = FastAPI(title="chunkwise", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     install_openapi(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from chunkwise.argtypes import LOG_LEVELS, lora_module, non_negative_float, port, positive_int
 from chunkwise.engine.args import add_engine_args
@@ -76,5 +77,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they read paths the client "
         "names; vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING) (default off)",
+    )
+    g.add_argument(
+        "--lora-cache-dir",
+        type=Path,
+        default=None,
+        help="where a LoRA adapter given as a URI (hf://, s3://, gs://, an http(s) archive; --lora-modules or "
+        "/v1/load_lora_adapter) is fetched (default: $XDG_CACHE_HOME/chunkwise/adapters, ~/.cache/...)",
     )
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default info)")

@@ -7,9 +7,12 @@ the flag). An unloaded adapter takes no new requests; those in flight on it fini
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
+import os
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from starlette.responses import JSONResponse
@@ -21,13 +24,38 @@ if TYPE_CHECKING:
     from chunkwise.engine import AsyncEngine
 
 
-class ServedAdapters:
-    """The adapters this server answers to, by the model name clients send."""
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "chunkwise" / "adapters"
 
-    def __init__(self, base_name: str, allow_runtime: bool) -> None:
+
+def local_adapter_dir(name: str, path: str, cache_dir: Path) -> str:
+    """`path` itself, or for a URI (hf://, s3://, gs://, an http(s) archive) the directory under `cache_dir`
+    it is fetched into by `chunkwise fetch-model --adapter`'s code: once, a second load of it reuses it."""
+    if "://" not in path:
+        return path
+    from chunkwise.fetch.errors import FetchError, UsageError
+    from chunkwise.fetch.options import FetchOptions
+    from chunkwise.fetch.run import fetch_model
+    from chunkwise.fetch.uri import parse_uri
+
+    dest = cache_dir / f"{name}-{hashlib.sha256(path.encode()).hexdigest()[:16]}"
+    try:
+        fetch_model(parse_uri(path), dest, FetchOptions(adapter=True))
+    except (FetchError, UsageError, OSError) as e:
+        raise ValueError(f"lora_path {path!r} could not be fetched: {e}") from e
+    return str(dest)
+
+
+class ServedAdapters:
+    """The adapters this server answers to, by the model name clients send. A path may be a URI, fetched
+    into `cache_dir` (/v1/models still reports the path as given, as vLLM does: the operator compares it)."""
+
+    def __init__(self, base_name: str, allow_runtime: bool, cache_dir: Path | None = None) -> None:
         self.base_name = base_name
         self.allow_runtime = allow_runtime
-        self._served: dict[str, LoRARequest] = {}
+        self.cache_dir = cache_dir or default_cache_dir()
+        self._served: dict[str, tuple[LoRARequest, str]] = {}  # name -> (the engine's request, path as given)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # start-up registers from the loading thread
 
@@ -36,7 +64,8 @@ class ServedAdapters:
         if model is None or model == self.base_name:
             return None
         with self._lock:
-            lora = self._served.get(model)
+            served = self._served.get(model)
+        lora = served[0] if served is not None else None
         if lora is None:
             names = [self.base_name, *self.names()]
             raise APIError(
@@ -60,10 +89,10 @@ class ServedAdapters:
                 "object": "model",
                 "created": created,
                 "owned_by": "chunkwise",
-                "root": lora.lora_path,
+                "root": given,
                 "parent": self.base_name,
             }
-            for lora in served
+            for lora, given in served
         ]
 
     def load(self, engine: AsyncEngine, name: str, path: str) -> LoRARequest:
@@ -73,16 +102,17 @@ class ServedAdapters:
         with self._lock:
             if name in self._served:
                 raise KeyError(name)
-            lora = LoRARequest(name, next(self._ids), path)
+            lora_id = next(self._ids)
+        lora = LoRARequest(name, lora_id, local_adapter_dir(name, path, self.cache_dir))
         engine.register_adapter(lora)
         with self._lock:
-            self._served[name] = lora
+            self._served[name] = (lora, path)
         return lora
 
     def unload(self, engine: AsyncEngine, name: str) -> bool:
         with self._lock:
-            lora = self._served.pop(name, None)
-        if lora is None:
+            served = self._served.pop(name, None)
+        if served is None:
             return False
         engine.remove_adapter(name)
         return True

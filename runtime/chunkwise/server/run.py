@@ -110,6 +110,7 @@ def serve(args: argparse.Namespace) -> int:
         queue_delay_slo_s=args.queue_delay_slo_seconds or None,
         max_request_bytes=args.max_request_bytes,
         allow_runtime_lora=args.allow_runtime_lora,
+        lora_cache_dir=args.lora_cache_dir,
     )
     state: ServerState = app.state.chunkwise
     uv_config = uvicorn.Config(

@@ -16,6 +16,7 @@ import functools
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -53,10 +54,11 @@ class ServerState:
         shedding: SheddingPolicy,
         metrics: EngineMetrics,
         allow_runtime_lora: bool = False,
+        lora_cache_dir: Path | None = None,
     ) -> None:
         self.engine: AsyncEngine | None = None
         self.served_model_name = served_model_name
-        self.adapters = ServedAdapters(served_model_name, allow_runtime_lora)
+        self.adapters = ServedAdapters(served_model_name, allow_runtime_lora, lora_cache_dir)
         self.shedding = shedding
         self.metrics = metrics
         self.draining = False
