@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from chunkwise_operator import manifests
-from chunkwise_operator.scrape import DEFAULT_PORT, ready
+from chunkwise_operator.scrape import DEFAULT_PORT, pod_address, ready
 from chunkwise_operator.spec import Adapter, ServiceSpec
 
 MODELS_PATH = "/v1/models"
@@ -95,11 +95,8 @@ def replicas(pods: Iterable[Mapping[str, Any]]) -> list[Replica]:
     for pod in pods:
         if not ready(pod):
             continue
-        meta = pod.get("metadata") or {}
-        ip = str(pod["status"]["podIP"])
-        host = f"[{ip}]" if ":" in ip else ip
-        key = str(meta.get("uid") or meta.get("name"))
-        result.append(Replica(key, str(meta.get("name")), f"http://{host}:{_api_port(pod)}"))
+        key, name, host = pod_address(pod)
+        result.append(Replica(key, name, f"http://{host}:{_api_port(pod)}"))
     return sorted(result, key=lambda r: r.name)
 
 

@@ -12,7 +12,7 @@ import dataclasses
 import os
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import httpx
@@ -225,16 +225,31 @@ async def autoscaler(
     reconciler = _reconciler(memo)
     interval = float(memo.get("autoscaler_interval") or DEFAULT_AUTOSCALER_INTERVAL_S)
     samples: dict[str, PodSample] = {}
-    # Pod IPs are cluster addresses: never scrape them through a proxy from the environment.
+
+    async def once(client: httpx.AsyncClient) -> None:
+        await reconciler.evaluate_autoscaler(namespace, name, samples, client, logger)
+
+    await _every(stopped, interval, once, "Autoscaler evaluation", logger)
+
+
+async def _every(
+    stopped: kopf.DaemonStopped,
+    interval: float,
+    once: Callable[[httpx.AsyncClient], Awaitable[None]],
+    what: str,
+    logger: kopf.Logger,
+) -> None:
+    """A daemon's loop: `once` every interval until stopped or the InferenceService is gone. A failed pass
+    changes nothing and is logged; the next one retries."""
+    # Pod IPs are cluster addresses: never reach them through a proxy from the environment.
     async with httpx.AsyncClient(trust_env=False) as client:
         while not stopped:
             try:
-                await reconciler.evaluate_autoscaler(namespace, name, samples, client, logger)
+                await once(client)
             except ServiceGone:
                 return
             except (ApiException, ObjectBusy, httpx.HTTPError, OSError) as e:
-                # The next evaluation retries; a failed one changes nothing.
-                logger.warning(f"Autoscaler evaluation failed: {type(e).__name__}: {e}")
+                logger.warning(f"{what} failed: {type(e).__name__}: {e}")
             await stopped.wait(interval)
 
 
@@ -266,16 +281,11 @@ async def adapter_sync(
     reconciler = _reconciler(memo)
     interval = float(memo.get("adapter_interval") or DEFAULT_ADAPTER_INTERVAL_S)
     failures: dict[tuple[str, str], AdapterFailure] = {}
-    # Pod IPs are cluster addresses: never through a proxy from the environment.
-    async with httpx.AsyncClient(trust_env=False) as client:
-        while not stopped:
-            try:
-                await reconciler.sync_adapters(namespace, name, failures, client, logger)
-            except ServiceGone:
-                return
-            except (ApiException, ObjectBusy, httpx.HTTPError, OSError) as e:
-                logger.warning(f"Adapter sync failed: {type(e).__name__}: {e}")
-            await stopped.wait(interval)
+
+    async def once(client: httpx.AsyncClient) -> None:
+        await reconciler.sync_adapters(namespace, name, failures, client, logger)
+
+    await _every(stopped, interval, once, "Adapter sync", logger)
 
 
 def _without_finalizers(registry: kopf.OperatorRegistry) -> None:

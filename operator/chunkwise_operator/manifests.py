@@ -458,6 +458,11 @@ def _fetch_container(spec: ServiceSpec, tokenizer_only: bool, resources: Manifes
             }
         ],
     }
+    return _with_fetch_env(spec, container)
+
+
+def _with_fetch_env(spec: ServiceSpec, container: Manifest) -> Manifest:
+    """A fetcher's pull policy, environment and credentials (the model's and the adapters' alike)."""
     if spec.image_pull_policy is not None:
         container["imagePullPolicy"] = spec.image_pull_policy
     env = _env(spec)
@@ -480,14 +485,7 @@ def _adapter_fetch_container(spec: ServiceSpec, adapter: Adapter, resources: Man
         "securityContext": container_security_context(),
         "volumeMounts": [{"name": ADAPTERS_VOLUME, "mountPath": ADAPTERS_MOUNT_PATH}],
     }
-    if spec.image_pull_policy is not None:
-        container["imagePullPolicy"] = spec.image_pull_policy
-    env = _env(spec)
-    if env:
-        container["env"] = env
-    if spec.model.credentials_secret is not None:
-        container["envFrom"] = [{"secretRef": {"name": spec.model.credentials_secret}}]
-    return container
+    return _with_fetch_env(spec, container)
 
 
 def _model_volumes(spec: ServiceSpec) -> tuple[list[Manifest], list[Manifest]]:

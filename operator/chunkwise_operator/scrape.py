@@ -92,18 +92,25 @@ def _port(pod: Mapping[str, Any]) -> int:
     return DEFAULT_PORT
 
 
+def pod_address(pod: Mapping[str, Any]) -> tuple[str, str, str]:
+    """(key: its uid, else its name; its name; its IP as a URL's host, bracketed for IPv6) of a ready pod."""
+    meta = pod.get("metadata") or {}
+    ip = str(pod["status"]["podIP"])
+    host = f"[{ip}]" if ":" in ip else ip
+    return str(meta.get("uid") or meta.get("name")), str(meta.get("name")), host
+
+
 def targets(pods: Iterable[Mapping[str, Any]]) -> list[Target]:
     """The ready pods' metrics URLs (from their Prometheus annotations, as the pod template sets them)."""
     result = []
     for pod in pods:
         if not ready(pod):
             continue
-        meta = pod.get("metadata") or {}
-        ip = str(pod["status"]["podIP"])
-        host = f"[{ip}]" if ":" in ip else ip
-        path = (meta.get("annotations") or {}).get("prometheus.io/path") or DEFAULT_PATH
-        key = str(meta.get("uid") or meta.get("name"))
-        result.append(Target(key, str(meta.get("name")), f"http://{host}:{_port(pod)}{path}"))
+        key, name, host = pod_address(pod)
+        path = ((pod.get("metadata") or {}).get("annotations") or {}).get(
+            "prometheus.io/path"
+        ) or DEFAULT_PATH
+        result.append(Target(key, name, f"http://{host}:{_port(pod)}{path}"))
     return sorted(result, key=lambda t: t.name)
 
 

@@ -52,14 +52,20 @@ def _generate(llm: LLM, loras: list[LoRARequest | None]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_a_step_mixing_two_adapters_and_the_base_model_matches_peft_merged(models: dict[str, Path]) -> None:
+def _mixed(models: dict[str, Path]) -> tuple[list[LoRARequest | None], list[list[int]]]:
+    """The prompts' adapters (two, the base model, the first again) and PEFT's merged models' greedy tokens."""
     qv = LoRARequest("qv", 1, str(models["qv"]))
     every = LoRARequest("every", 2, str(models["every"]))
-    loras = [qv, every, None, qv]
+    loras: list[LoRARequest | None] = [qv, every, None, qv]
     expected = [
         peft_merged_greedy(models["base"], models[lo.lora_name] if lo else None, [p], [n], models["tmp"])[0]
         for p, n, lo in zip(PROMPTS, MAX_NEW, loras)
     ]
+    return loras, expected
+
+
+def test_a_step_mixing_two_adapters_and_the_base_model_matches_peft_merged(models: dict[str, Path]) -> None:
+    loras, expected = _mixed(models)
     # The adapters change the tokens (else the check below would not tell them apart).
     base_only = peft_merged_greedy(models["base"], None, PROMPTS, MAX_NEW, models["tmp"])
     assert expected[0] != base_only[0] and expected[1] != base_only[1]
@@ -80,13 +86,7 @@ def test_a_step_mixing_two_adapters_and_the_base_model_matches_peft_merged(model
 
 
 def test_one_slot_runs_one_adapter_per_step_and_swaps_them_in_turn(models: dict[str, Path]) -> None:
-    qv = LoRARequest("qv", 1, str(models["qv"]))
-    every = LoRARequest("every", 2, str(models["every"]))
-    loras = [qv, every, None, qv]
-    expected = [
-        peft_merged_greedy(models["base"], models[lo.lora_name] if lo else None, [p], [n], models["tmp"])[0]
-        for p, n, lo in zip(PROMPTS, MAX_NEW, loras)
-    ]
+    loras, expected = _mixed(models)
     llm = LLM(
         str(models["base"]), dtype="float32", enable_lora=True, **ON_DEVICE, max_loras=1, max_lora_rank=8
     )
