@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chunkwise.engine.lora.rows import LoRARows, add_lora
+from chunkwise.engine.lora.rows import LoRARows, LoRAStep, add_lora
 from chunkwise.engine.lora.triton_lora import add_lora_triton
 
 
@@ -30,3 +30,19 @@ def test_each_row_gets_its_own_adapter_and_the_base_rows_nothing(
     assert torch.equal(got[1], y0[1]) and torch.equal(got[5], y0[5])  # the base model's rows untouched
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol * 4)
+
+
+def test_a_step_using_fewer_adapters_than_slots_computes_only_theirs_with_the_same_result() -> None:
+    gen = torch.Generator().manual_seed(1)
+    slots, width, rows = 4, 8, 6
+    x = torch.randn(rows, 32, generator=gen)
+    a = torch.randn(slots * width, 32, generator=gen) / 32**0.5
+    b = torch.randn(40, slots * width, generator=gen)
+    token_slots = [2, -1, 0, 2, -1, 0]  # slots 1 and 3 resident but unused this step
+    step = LoRAStep.of(token_slots, [0, 2, 3], slots, torch.device("cpu"))
+    assert step is not None and step.rows.active is not None and step.rows.num_columns_slots == 2
+    for lora, index in ((step.rows, list(range(rows))), (step.kept, [0, 2, 3])):
+        expected, got = torch.zeros(len(index), 40), torch.zeros(len(index), 40)
+        add_lora_triton(expected, x[index], a, b, torch.tensor(token_slots)[index], slots)  # each row's own
+        add_lora(got, x[index], a, b, lora)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

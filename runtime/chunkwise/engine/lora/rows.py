@@ -14,21 +14,34 @@ import torch
 
 
 class LoRARows:
-    """The adapter slot of each row of one activation (-1: the base model), and its column masks."""
+    """The adapter slot of each row of one activation (-1: the base model), the slots the step uses, and
+    the column masks over those slots' rank columns."""
 
-    def __init__(self, slots: torch.Tensor, num_slots: int, triton: bool = False) -> None:
+    def __init__(
+        self,
+        slots: torch.Tensor,
+        num_slots: int,
+        triton: bool = False,
+        active: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> None:
         self.slots = slots  # [rows] on the model's device
         self.num_slots = num_slots
         self.triton = triton  # the update by lora/triton_lora.py's kernels (lora_kernel="triton")
+        # The slots the step uses, when fewer than all (None: every slot's columns are computed), and each
+        # row's place among them (-1: the base model).
+        self.active = active
+        self.positions = positions if positions is not None else slots
+        self.num_columns_slots = len(active) if active is not None else num_slots
         self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
     def mask(self, width: int, dtype: torch.dtype) -> torch.Tensor:
-        """[rows, slots x width]: 1 in the columns of the row's own slot, made once per width a step."""
+        """[rows, used slots x width]: 1 in the columns of the row's own slot, made once per width a step."""
         key = (width, dtype)
         m = self._masks.get(key)
         if m is None:
-            cols = torch.arange(self.num_slots * width, device=self.slots.device) // width
-            m = (cols.unsqueeze(0) == self.slots.unsqueeze(1)).to(dtype)
+            cols = torch.arange(self.num_columns_slots * width, device=self.slots.device) // width
+            m = (cols.unsqueeze(0) == self.positions.unsqueeze(1)).to(dtype)
             self._masks[key] = m
         return m
 
@@ -54,10 +67,24 @@ class LoRAStep:
         if max(token_slots, default=-1) < 0:
             return None
         slots = torch.tensor(token_slots, dtype=torch.long)
-        rows = LoRARows(slots.to(device), num_slots, triton)
-        if kept is None:
-            return LoRAStep(rows, rows)
-        return LoRAStep(rows, LoRARows(slots[kept].to(device), num_slots, triton))
+        used = sorted({s for s in token_slots if s >= 0})
+        if triton or len(used) == num_slots:
+            rows = LoRARows(slots.to(device), num_slots, triton)
+            if kept is None:
+                return LoRAStep(rows, rows)
+            return LoRAStep(rows, LoRARows(slots[kept].to(device), num_slots, triton))
+        # Fewer adapters than slots in this step: only theirs are computed (lora/rows.py's add_lora).
+        place = torch.full((num_slots + 1,), -1, dtype=torch.long)  # index num_slots stands for -1
+        place[torch.tensor(used)] = torch.arange(len(used))
+        positions = place[torch.where(slots >= 0, slots, num_slots)]
+        active = torch.tensor(used, dtype=torch.long, device=device)
+
+        def rows_of(index: list[int] | None) -> LoRARows:
+            s, p = (slots, positions) if index is None else (slots[index], positions[index])
+            return LoRARows(s.to(device), num_slots, False, active, p.to(device))
+
+        rows = rows_of(None)
+        return LoRAStep(rows, rows if kept is None else rows_of(kept))
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: LoRARows) -> None:
@@ -70,6 +97,12 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
         if triton_lora.supports(y, x, a, b):
             triton_lora.add_lora_triton(y, x, a, b, rows.slots, rows.num_slots)
             return
+    width = a.shape[0] // rows.num_slots
+    if rows.active is not None:
+        # Only the step's adapters' rank columns: the others would be multiplied by zero.
+        k = rows.num_columns_slots
+        a = a.view(rows.num_slots, width, -1).index_select(0, rows.active).view(k * width, -1)
+        b = b.view(b.shape[0], rows.num_slots, width).index_select(1, rows.active).view(b.shape[0], k * width)
     h = x @ a.t()
-    h.mul_(rows.mask(a.shape[0] // rows.num_slots, h.dtype))
+    h.mul_(rows.mask(width, h.dtype))
     y.addmm_(h, b.t())
