@@ -213,3 +213,16 @@ def test_a_name_loaded_again_from_another_path_runs_the_new_weights_and_none_of_
     assert new.num_cached_tokens == 0  # the old weights' blocks of this prompt are not the new ones'
     expected = peft_merged_greedy(models["base"], models["every"], [prompt], [6], models["tmp"])[0]
     assert new.outputs[0].token_ids == expected != old.outputs[0].token_ids
+
+
+def test_decode_steps_with_adapter_rows_do_not_replay_the_graphs(models: dict[str, Path]) -> None:
+    # The padded path CUDA graphs replay (here eagerly, capture=False) has no adapters: such a step must not
+    # take it, or its adapter rows would run the base model.
+    from chunkwise.engine.worker.cuda_graphs import bucket_sizes
+
+    loras, expected = _mixed(models)
+    llm = LLM(
+        str(models["base"]), dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, **ON_DEVICE
+    )
+    llm.engine.runner.use_decode_graphs(bucket_sizes(8), capture=False)
+    assert _generate(llm, loras) == expected

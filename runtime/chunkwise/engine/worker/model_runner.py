@@ -270,11 +270,15 @@ class ModelRunner:
             step.batch, step.grammar_rows = self._sampling_batch(scheduled, plain)
         if not decode_only:
             self._keep_rows(step)
-        step.graphed = (
-            decode_only and self.graphs is not None and self.graphs.bucket(meta.num_reqs) is not None
-        )
         if self.lora is not None:
             step.lora = self._lora_rows(step)
+        # A graph replays the model without adapters: a step with adapter rows runs it eagerly.
+        step.graphed = (
+            decode_only
+            and step.lora is None
+            and self.graphs is not None
+            and self.graphs.bucket(meta.num_reqs) is not None
+        )
         if not step.graphed:
             heads = self.model.layout  # this rank's heads (all of them at world size 1)
             step.plan = self.backend.plan(meta, heads.num_heads, heads.num_kv_heads, self.config.head_dim)
