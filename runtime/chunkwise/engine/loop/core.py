@@ -109,9 +109,8 @@ class EngineCore:
                     f"request names LoRA adapter {lora_request.lora_name!r} but the engine serves none "
                     "(start it with enable_lora / --enable-lora)"
                 )
-            lora_key = self.adapters.register(
-                lora_request
-            )  # read and checked here: a bad one is the caller's
+            # Read and checked here: a bad adapter is the caller's error, never the step loop's.
+            lora_key = self.adapters.register(lora_request)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
