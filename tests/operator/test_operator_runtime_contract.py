@@ -125,10 +125,6 @@ LORA_FLAGS = {
     "runtime_lora_updates": "--allow-runtime-lora",
 }
 LORA_MODELED = {"--enable-lora", "--lora-modules", *LORA_FLAGS.values()}
-SERVER_HAS_LORA = "--enable-lora" in parser(add_serve_args)._option_string_actions
-needs_server_lora = pytest.mark.skipif(
-    not SERVER_HAS_LORA, reason="`chunkwise serve` has no --enable-lora yet (issue 34's server part)"
-)
 # The operator spells "off" as "none" where the runtime's default is None.
 OFF: dict[object, object] = {"none": None}
 
@@ -186,7 +182,6 @@ def test_every_flag_the_operator_reserves_is_a_runtime_flag() -> None:
     assert set(operator_spec.MODELED_FLAGS) >= LORA_MODELED
 
 
-@needs_server_lora
 def test_the_lora_flags_are_the_runtimes_with_its_defaults() -> None:
     serve = parser(add_serve_args)._option_string_actions
     assert set(serve) >= LORA_MODELED
@@ -207,7 +202,6 @@ LORA_SPECS = [
 ]
 
 
-@needs_server_lora
 @pytest.mark.parametrize("spec", LORA_SPECS, ids=["static", "runtime"])
 def test_the_lora_command_parses_with_the_runtime(spec: dict[str, Any]) -> None:
     parsed = parse(spec)
