@@ -42,6 +42,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("model", ["chunkwise.engine.model"]),
     # Adapters: their weights, and the per-row matmuls the model adds to its projections.
     ("lora", ["chunkwise.engine.lora"]),
+    # Quantized weights: checkpoint formats, and the matmuls over them the model's Linear calls.
+    ("quant", ["chunkwise.engine.quant"]),
     ("attention", ["chunkwise.engine.attention"]),
     # Above the kernels: its shared-memory all-reduce is one of them.
     ("distributed", ["chunkwise.engine.distributed"]),

@@ -21,6 +21,7 @@ Estimator = Literal["quantile", "mean"]
 AttentionBackend = Literal["auto", "torch", "cpu", "triton"]
 DistributedBackend = Literal["auto", "nccl", "gloo"]
 LoRAKernel = Literal["torch", "triton"]
+Quantization = Literal["int8", "fp8"]
 
 # The step token budget B = decode rows + prefill chunk. docs/scheduling.md puts the usual knee at 512-2048; on the
 # CPU presets 1024 keeps a step under ~100 ms with `small` while amortising per-step overhead.
@@ -355,6 +356,14 @@ class EngineConfig:
         help="the LoRA update: torch (every slot's rank columns, masked per row; CPU and GPU) or triton (each "
         "row's own adapter, on CUDA; tested in Triton's interpreter, not yet run on a GPU)",
     )
+    # vLLM's flag, for a full-precision checkpoint; a quantized checkpoint (config.json quantization_config:
+    # fp8, compressed-tensors, awq, gptq) loads quantized without it (engine/quant/).
+    quantization: Quantization | None = option(
+        None,
+        help="quantize the linear weights at load: int8 (a scale per output channel, weight-only; CPU and "
+        "GPU) or fp8 (e4m3 with per-token activation scales; CUDA)",
+        unset="as the checkpoint stores them",
+    )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
@@ -370,6 +379,15 @@ class EngineConfig:
             raise ValueError(
                 f"distributed_port must be a port below 65535 (two are used), got {self.distributed_port}"
             )
+        if self.quantization is not None:
+            _one_of("quantization", self.quantization, get_args(Quantization))
+            if self.quantization == "fp8" and not self.device.startswith("cuda"):
+                raise ValueError(
+                    "quantization 'fp8' runs on CUDA (fp8 tensor cores); on a CPU use 'int8', which reads as "
+                    "many bytes a weight"
+                )
+            if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
+                raise ValueError("quantization is not supported with tensor or pipeline parallelism yet")
         _positive("max_loras", self.max_loras)
         _one_of("lora_kernel", self.lora_kernel, get_args(LoRAKernel))
         if self.lora_kernel == "triton" and not self.device.startswith("cuda"):

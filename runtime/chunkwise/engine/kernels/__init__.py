@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 # paged_attention_bf16.cpp, the bf16 case of cpu_ops.cpp's decode attention; prefill_attention_amx.cpp and
 # paged_attention_amx.cpp, bf16 prefill and decode attention on AMX tiles (ops of their own, each saying
 # whether the tiles are usable here); shm_all_reduce.cpp, tensor
-# parallel's all-reduce between processes on one machine.
+# parallel's all-reduce between processes on one machine; quant_linear.cpp, linear layers over int8, fp8 and
+# int4 weights.
 SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
     for name in (
@@ -45,6 +46,7 @@ SOURCES = tuple(
         "paged_attention_bf16.cpp",
         "paged_attention_amx.cpp",
         "shm_all_reduce.cpp",
+        "quant_linear.cpp",
     )
 )
 # Included by the sources: part of what a build is keyed by.

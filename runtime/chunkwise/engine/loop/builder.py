@@ -122,7 +122,13 @@ def _build(
     num_layers = check_sizes(config) if config.pipeline_parallel_size > 1 else None
     stage = ranks.groups.stage(num_layers) if ranks is not None and num_layers is not None else None
     loaded = load_model(
-        config.model, dtype=dtype, device=device, backend=backend, tp_group=tp_group, pp_stage=stage
+        config.model,
+        dtype=dtype,
+        device=device,
+        backend=backend,
+        tp_group=tp_group,
+        pp_stage=stage,
+        quantization=config.quantization,
     )
     mcfg = loaded.config
     cache = config.cache

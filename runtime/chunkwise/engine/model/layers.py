@@ -24,6 +24,8 @@ from chunkwise.engine.datatypes.config import RopeScaling
 from chunkwise.engine.hardware import configure_onednn, cpu_has_avx512
 from chunkwise.engine.lora.rows import LoRARows, add_lora
 from chunkwise.engine.model.rope import rope_frequencies
+from chunkwise.engine.quant.compute import quantized_linear
+from chunkwise.engine.quant.weights import QuantizedWeight, empty_like_shape
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +173,8 @@ class Linear(nn.Module):
       GEMM with fp32 accumulation (bf16 products are exact in fp32), at float32 speed, for twice the
       half-precision weight memory. The output is rounded back to the half dtype.
     - CPU float16 with bf16 units, CUDA, or no oneDNN: F.linear as it is.
+    - A quantized weight (`quantize`, engine/quant/): quant/compute.py's kernels; the plain weight is then an
+      empty [0, in_features] placeholder and the quantized one lives in the buffers qdata, qscale (and qzero).
     """
 
     def __init__(
@@ -206,8 +210,33 @@ class Linear(nn.Module):
         # projection, when the engine serves adapters.
         self.lora_a: torch.Tensor | None = None
         self.lora_b: torch.Tensor | None = None
+        # The QuantizedWeight's kind and group (engine/quant/weights.py), None for a full-precision layer.
+        self.quant_kind: str | None = None
+        self.quant_group_k = 0
+
+    def quantize(self, kind: str, group_k: int) -> None:
+        """Hold the weight quantized: buffers of `kind`'s shapes replace the plain weight (on its device,
+        meta included, so a model built on meta allocates only the quantized bytes)."""
+        device = self.weight.device
+        qw = empty_like_shape(kind, self.out_features, self.in_features, group_k, device)
+        self.weight = nn.Parameter(torch.empty(0, self.in_features, device=device), requires_grad=False)
+        self.register_buffer("qdata", qw.data)
+        self.register_buffer("qscale", qw.scale)
+        self.register_buffer("qzero", qw.zero)
+        self.quant_kind, self.quant_group_k = kind, group_k
+        self.kernel = f"quantized-{kind}"
+
+    @property
+    def quantized(self) -> QuantizedWeight | None:
+        if self.quant_kind is None:
+            return None
+        return QuantizedWeight(
+            self.quant_kind, self.qdata, self.qscale, self.qzero, self.quant_group_k, self.in_features
+        )
 
     def prepare(self, widen_half_on_cpu: bool) -> None:
+        if self.quant_kind is not None:
+            return
         w = self.weight.detach()
         if w.device.type != "cpu" or not _onednn_available():
             return
@@ -241,6 +270,9 @@ class Linear(nn.Module):
         return y
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
+        qw = self.quantized
+        if qw is not None:
+            return quantized_linear(x, qw, self.bias)
         if self.kernel == "torch":
             return F.linear(x, self.weight, self.bias)
         if x.shape[0] == 0:  # a step whose last layer keeps no rows; oneDNN refuses empty inputs

@@ -25,11 +25,13 @@ from chunkwise.engine.attention.backend import AttentionBackend
 from chunkwise.engine.datatypes.config import ModelConfig
 from chunkwise.engine.distributed import SINGLE_RANK, PipelineStage, TPGroup
 from chunkwise.engine.hardware import cpu_has_bf16_matmul
+from chunkwise.engine.model import quant_layers as quant
 from chunkwise.engine.model.bundled import BUNDLED, resolve_model_path
 
 # Re-exported: `chunkwise inspect` reads the supported architectures from here.
 from chunkwise.engine.model.hf_config import SUPPORTED_ARCHITECTURES as SUPPORTED_ARCHITECTURES
 from chunkwise.engine.model.hf_config import eos_ids, model_config_from_hf
+from chunkwise.engine.model.layers import Linear
 from chunkwise.engine.model.llama import LlamaForCausalLM
 from chunkwise.engine.model.parallel import Slot, read_shard
 
@@ -43,10 +45,14 @@ from chunkwise.engine.model.presets import (
     preset_state_dict,
     random_tensors,
 )
+from chunkwise.engine.quant.formats import QuantScheme, online_scheme, scheme_from_config
 from chunkwise.engine.tokenizer import ByteTokenizer, HFTokenizer, NoTokenizer, Tokenizer
 
 # Checkpoints saved by older transformers versions carry the rotary table; we compute it.
 IGNORED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
+# Tensors of a quantized checkpoint: named when config.json does not say it is one.
+QUANT_SUFFIXES = ("weight_scale_inv", "weight_scale", "qweight", "qzeros", "scales", "input_scale")
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # How many names an error lists before it summarises.
 MAX_NAMES_IN_ERROR = 10
 
@@ -60,6 +66,8 @@ class LoadedModel:
     model: LlamaForCausalLM
     tokenizer: Tokenizer
     chat_template: str | None
+    # How the linear weights are quantized (None: full precision): the checkpoint's format or --quantization.
+    quantization: QuantScheme | None = None
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -76,8 +84,13 @@ def load_model(
     prepare: bool = True,
     tp_group: TPGroup = SINGLE_RANK,
     pp_stage: PipelineStage | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """The model, its tokenizer and chat template, with weights in `dtype` on `device`.
+
+    A checkpoint whose config.json has a quantization_config is loaded quantized (engine/quant/: its linear
+    weights stay in 8 or 4 bits; anything not supported is refused naming the field); `quantization`
+    ("int8", "fp8": --quantization) quantizes a full-precision checkpoint's linear weights at load.
 
     With prepare=True (serving) each layer then picks its kernels for the device (Linear.prepare), and a
     half-precision weight the CPU computes in fp32 is widened; prepare=False keeps the weights as loaded.
@@ -99,6 +112,21 @@ def load_model(
         loaded = _load_hf_dir(
             path, name=name_or_path, dtype=dtype, device=device, backend=backend, tp=tp_group, pp=pp_stage
         )
+    if quantization is not None:
+        online = online_scheme(quantization, torch.device(device))
+        if loaded.quantization is not None:
+            if loaded.quantization.kind != online.kind:
+                raise ValueError(
+                    f"--quantization {quantization} on a checkpoint already quantized as "
+                    f"{loaded.quantization.description}: drop the flag"
+                )
+        else:
+            _refuse_parallel(online, tp_group, loaded.model)
+            layers = quant.quantize_loaded(loaded.model, online)
+            log.info("quantized %d linear layers to %s at load", layers, quantization)
+            loaded.quantization = online
+    if loaded.quantization is not None:
+        log.info("weights: %s", loaded.quantization.description)
     if prepare:
         # The torch attention backend is the reference other paths are checked against: its model keeps
         # the torch norms and rotation too.
@@ -148,11 +176,15 @@ def _empty_model(
     device: str | torch.device,
     tp: TPGroup = SINGLE_RANK,
     pp: PipelineStage | None = None,
+    scheme: QuantScheme | None = None,
 ) -> LlamaForCausalLM:
     # Built on the meta device and allocated once in the target dtype: no throwaway fp32 init on the device.
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend, tp, pp)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype)
+    if scheme is not None:  # after the cast: the scales stay float32
+        quant.quantize_structure(model, scheme)
+    model = model.to_empty(device=device)
     model.tie_weights()
     return model
 
@@ -268,12 +300,23 @@ def _load_hf_dir(
     if isinstance(tokenizer, NoTokenizer):
         log.warning("%s has no tokenizer.json: prompts must be token ids, and outputs have no text", path)
     weight_files = _weight_files(path)
+    scheme = scheme_from_config(_read_json(path / "config.json"))
 
     with torch.device("meta"):
         meta = LlamaForCausalLM(config, backend, tp, pp)
+    quantized: dict[str, tuple[str, int, str]] = {}
+    optional: set[str] = set()
+    if scheme is not None:
+        _refuse_parallel(scheme, tp, meta)
+        quant.quantize_structure(meta, scheme)
+        quantized, optional = quant.checkpoint_tensors(meta, scheme)
     expected = hf_weight_names(meta)
-    where = _locate_weights(weight_files, expected, config, _other_stages(config, backend, tp, meta))
-    model = _empty_model(config, backend, dtype, device, tp, pp)
+    where = _locate_weights(
+        weight_files, expected, config, _other_stages(config, backend, tp, meta), quantized.keys(), optional
+    )
+    model = _empty_model(config, backend, dtype, device, tp, pp, scheme)
+    linears = dict(model.named_modules())
+    parts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     params = dict(model.named_parameters())
     filled: dict[str, int] = {}
     by_file: dict[Path, list[str]] = {}
@@ -285,6 +328,10 @@ def _load_hf_dir(
         for f, keys in by_file.items():
             with safe_open(str(f), framework="pt", device="cpu") as st:
                 for key in keys:
+                    if key in quantized:
+                        layer, part, suffix = quantized[key]
+                        parts.setdefault(layer, {}).setdefault(part, {})[suffix] = st.get_tensor(key)
+                        continue
                     # A slice reads from the file only what is indexed: this rank's shard.
                     sliced = st.get_slice(key)
                     slot = expected[key]
@@ -294,10 +341,28 @@ def _load_hf_dir(
                             f"config.json implies {slot.shape}"
                         )
                     shard = st.get_tensor(key) if slot.size is None else read_shard(sliced, slot)
+                    if shard.dtype in FP8_DTYPES:
+                        raise ValueError(
+                            f"weight {key!r} is stored in {shard.dtype} but config.json has no quantization_config "
+                            "that says how to scale it"
+                        )
                     _fill(params, slot, shard, filled)
         _zero_padding(params, filled)
+        # A layer's parts are converted together, once all are read (they may sit in different files).
+        for layer, tensors in parts.items():
+            module = linears[layer]
+            assert isinstance(module, Linear)
+            quant.fill(module, layer, tensors, scheme)  # type: ignore[arg-type]
     _freeze(model)
-    return LoadedModel(name, config, model, tokenizer, tokenizer.chat_template)
+    return LoadedModel(name, config, model, tokenizer, tokenizer.chat_template, scheme)
+
+
+def _refuse_parallel(scheme: QuantScheme, tp: TPGroup, model: LlamaForCausalLM) -> None:
+    if tp.world_size > 1 or model.pp.num_stages > 1:
+        raise ValueError(
+            f"quantized weights ({scheme.description}) are not supported with tensor or pipeline parallelism yet: "
+            "serve them on one device"
+        )
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -341,10 +406,16 @@ def _name_list(names: set[str]) -> str:
 
 
 def _locate_weights(
-    files: list[Path], expected: dict[str, Slot], config: ModelConfig, skip: Collection[str]
+    files: list[Path],
+    expected: Collection[str],
+    config: ModelConfig,
+    skip: Collection[str],
+    quantized: Collection[str] = (),
+    optional: Collection[str] = (),
 ) -> dict[str, Path]:
-    """Which file holds each expected tensor; every missing, unexpected or duplicated name is an error (those
-    in `skip`, other pipeline stages' tensors, are neither expected nor unexpected)."""
+    """Which file holds each expected tensor (the full-precision slots' and the quantized layers'); every
+    missing, unexpected or duplicated name is an error (those in `skip`, other pipeline stages' tensors, are
+    neither expected nor unexpected; those in `optional` may be absent)."""
     from safetensors import safe_open
 
     where: dict[str, Path] = {}
@@ -364,13 +435,17 @@ def _locate_weights(
             if key in where:
                 raise ValueError(f"weight {key!r} appears in both {where[key].name} and {f.name}")
             where[key] = f
-    missing = expected.keys() - where.keys()
-    unexpected = where.keys() - expected.keys()
+    wanted = set(expected) | set(quantized)
+    missing = wanted - where.keys() - set(optional)
+    unexpected = where.keys() - wanted
     if missing or unexpected:
         parts = []
         if missing:
             parts.append(f"missing weights: {_name_list(set(missing))}")
         if unexpected:
             parts.append(f"unexpected weights: {_name_list(set(unexpected))}")
-        raise ValueError(f"checkpoint does not match its config.json ({'; '.join(parts)})")
+        hint = ""
+        if any(k.endswith(QUANT_SUFFIXES) for k in unexpected):
+            hint = " (its tensors look quantized, but config.json has no quantization_config that says how)"
+        raise ValueError(f"checkpoint does not match its config.json ({'; '.join(parts)}){hint}")
     return where

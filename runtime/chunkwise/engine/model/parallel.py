@@ -79,6 +79,8 @@ def hf_weight_names(model: nn.Module) -> dict[str, Slot]:
     for name, p in model.named_parameters():
         prefix, _, kind = name.rpartition(".")
         module = modules[prefix]
+        if isinstance(module, Linear) and module.quant_kind is not None and kind == "weight":
+            continue  # read by quant/apply.py under the format's own tensor names
         rest = tuple(p.shape[1:])
         if isinstance(module, VocabParallelEmbedding):
             whole = module.vocab_rows == module.vocab_size

@@ -1,0 +1,112 @@
+"""y = x W^T (+ b) for a quantized weight (weights.py), on whichever device holds it.
+
+- CPU, chunkwise's kernels loaded: up to SMALL_ROWS rows (decode) csrc/quant_linear.cpp reads the weight in
+  its 8 or 4 bits and dequantizes it in registers; past that (a prefill chunk, compute-bound) blocks of rows
+  are dequantized into the compute dtype (DEQUANT_BLOCK_BYTES at a time, never the whole layer) and
+  multiplied through the CPU's matmul library (oneDNN; AMX tiles on a Xeon that has them).
+- CUDA: fp8 with a scale per row through torch._scaled_mm with dynamic per-token activation scales
+  (cuda_fp8.py, as vLLM's FP8 W8A8), int4 through a Triton dequant-GEMM (triton_int4.py); the rest (block
+  scaled fp8, int8) as blocks of rows dequantized by torch.
+- Anything else (no kernels): blocks of rows dequantized by torch, then F.linear.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from chunkwise.engine.quant.weights import KINDS, QuantizedWeight, dequantize
+
+# Up to this many rows the CPU kernel streams the quantized weight; past it, dequantized blocks go through
+# oneDNN (bench/cpu/quant_linear.py measures where the two cross).
+SMALL_ROWS = 16
+# The largest block of a layer's weight held dequantized at once on the prefill path.
+DEQUANT_BLOCK_BYTES = 1 << 20
+# The kernel's vector width: a group of input columns sharing a scale must hold whole vectors.
+_CPU_VECTOR = 16
+
+
+def cpu_kernel_runs(x: torch.Tensor, qw: QuantizedWeight) -> bool:
+    """Whether csrc/quant_linear.cpp computes this call (CPU, fp32 or bf16 rows, groups of whole vectors)."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2:
+        return False
+    if qw.scale.shape[1] > 1 and qw.group_k % _CPU_VECTOR:
+        return False
+    from chunkwise.engine import kernels
+
+    return kernels.available()
+
+
+def quantized_linear(
+    x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, small_rows: int = SMALL_ROWS
+) -> torch.Tensor:
+    m = x.shape[0]
+    if m == 0:
+        return x.new_empty(0, qw.out_features)
+    if x.device.type == "cuda":
+        return _cuda(x, qw, bias)
+    if cpu_kernel_runs(x, qw):
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        if m <= small_rows:
+            y = x.new_empty(m, qw.out_features)
+            torch.ops.chunkwise.quant_linear(
+                y, x, qw.data, qw.scale, qw.zero, KINDS.index(qw.kind), qw.group_k, _bias(bias, x)
+            )
+            return y
+        return _blocks(x, qw, bias, _dequantize_cpu)
+    return _blocks(x, qw, bias, _dequantize_torch)
+
+
+def _bias(bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    return None if bias is None else bias.to(x.dtype)
+
+
+def _dequantize_cpu(qw: QuantizedWeight, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.empty(stop - start, qw.in_features, dtype=dtype)
+    torch.ops.chunkwise.quant_dequantize(
+        out, qw.data, qw.scale, qw.zero, KINDS.index(qw.kind), qw.group_k, start
+    )
+    return out
+
+
+def _dequantize_torch(qw: QuantizedWeight, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize(qw.rows(start, stop), dtype)
+
+
+Dequantizer = Callable[[QuantizedWeight, int, int, torch.dtype], torch.Tensor]
+
+
+def _blocks(
+    x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, dequantize_rows: Dequantizer
+) -> torch.Tensor:
+    """x W^T a block of weight rows at a time, each dequantized into x's dtype just before its multiply."""
+    n = qw.out_features
+    rows = max(1, DEQUANT_BLOCK_BYTES // (qw.in_features * x.element_size()))
+    if rows >= n:
+        return F.linear(x, dequantize_rows(qw, 0, n, x.dtype), _bias(bias, x))
+    y = x.new_empty(x.shape[0], n)
+    for start in range(0, n, rows):
+        stop = min(n, start + rows)
+        b = None if bias is None else bias[start:stop].to(x.dtype)
+        y[:, start:stop] = F.linear(x, dequantize_rows(qw, start, stop, x.dtype), b)
+    return y
+
+
+def _cuda(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    if qw.kind == "fp8":
+        from chunkwise.engine.quant import cuda_fp8
+
+        if cuda_fp8.fp8_rowwise_supported(qw):
+            return cuda_fp8.fp8_scaled_mm_linear(x, qw, _bias(bias, x))
+    elif qw.kind == "int4":
+        try:
+            from chunkwise.engine.quant import triton_int4
+        except ImportError:  # no triton: the dequantized blocks below
+            pass
+        else:
+            if triton_int4.int4_supported(x, qw):
+                return triton_int4.int4_linear(x, qw, _bias(bias, x))
+    return _blocks(x, qw, bias, _dequantize_torch)
