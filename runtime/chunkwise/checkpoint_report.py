@@ -3,6 +3,11 @@ memory one replica needs, without loading a weight.
 
     chunkwise inspect /models/Llama-3.1-8B-Instruct --max-model-len 8192 --max-num-seqs 16
     chunkwise inspect /models/Llama-3.1-70B-Instruct --tensor-parallel-size 4   # what each GPU holds
+    chunkwise inspect /models/Llama-3.1-8B-Instruct --quantization int8          # what --quantization holds
+
+A quantized checkpoint (config.json's quantization_config) or `--quantization` is reported as the loader
+would hold it: each quantized linear layer at its quantized size (8 or 4 bits a weight, float32 scales and
+zero points), the embedding, the LM head and the norms in the dtype.
 """
 
 from __future__ import annotations
@@ -19,6 +24,12 @@ if TYPE_CHECKING:
     from chunkwise.engine.distributed import TPGroup
 
 GIB = 1 << 30
+MIB = 1 << 20
+
+
+def _size(nbytes: int) -> str:
+    """GiB, or MiB below one GiB (a small model's weights, quantized or not, would all read 0.00 GiB)."""
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / MIB:.2f} MiB"
 
 
 @dataclass
@@ -43,6 +54,10 @@ class ModelReport:
     weight_bytes: int
     max_model_len: int
     max_num_seqs: int
+    # How the linear weights are held (QuantScheme.description; None: full precision in `dtype`), and how
+    # many of the model's linear layers (a fused projection counted once) that quantizes.
+    quantization: str | None = None
+    quantized_layers: int = 0
     # Tensor parallel: the two byte counts above are one rank's (its shard of the weights, its KV heads); the
     # largest rank's where the vocabulary does not split evenly.
     tensor_parallel_size: int = 1
@@ -72,9 +87,16 @@ class ModelReport:
             + f", context {self.context} tokens",
             f"EOS ids:        {self.eos_token_ids}",
             f"tokenizer:      {self.tokenizer}; chat template: {'yes' if self.chat_template else 'no'}",
+            "quantization:   "
+            + (
+                f"{self.quantization}: {self.quantized_layers} linear layers; the embedding, LM head and norms in "
+                f"{self.dtype}"
+                if self.quantization
+                else "none"
+            ),
             f"KV per token:   {self.kv_bytes_per_token:,} bytes{per}",
-            f"{'memory/rank:' if per else 'memory:':<16}weights {self.weight_bytes / GIB:.2f} GiB + KV {self.kv_bytes / GIB:.2f} GiB "
-            f"({self.max_num_seqs} x {self.max_model_len} tokens) = {(self.weight_bytes + self.kv_bytes) / GIB:.2f} GiB",
+            f"{'memory/rank:' if per else 'memory:':<16}weights {_size(self.weight_bytes)} + KV {_size(self.kv_bytes)} "
+            f"({self.max_num_seqs} x {self.max_model_len} tokens) = {_size(self.weight_bytes + self.kv_bytes)}",
         ]
 
 
@@ -86,9 +108,13 @@ def inspect_model(
     max_model_len: int | None = None,
     max_num_seqs: int = 1,
     tensor_parallel_size: int = 1,
+    quantization: str | None = None,
 ) -> ModelReport:
     """Raises ValueError with the loader's reason for a checkpoint it refuses (or for a tensor-parallel size
-    its heads or columns do not divide over, naming the field)."""
+    its heads or columns do not divide over, naming the field; or for a quantization_config or
+    `quantization` ("int8", "fp8": --quantization) it cannot serve there)."""
+    from itertools import chain
+
     import torch
 
     from chunkwise.engine.attention.torch_ref import TorchAttentionBackend
@@ -103,7 +129,10 @@ def inspect_model(
         hf_weight_names,
         read_checkpoint,
     )
+    from chunkwise.engine.model.loader import _refuse_parallel as refuse_parallel
     from chunkwise.engine.model.presets import PRESETS
+    from chunkwise.engine.model.quant_layers import quantize_structure, quantized_layers
+    from chunkwise.engine.quant.formats import QuantScheme, online_scheme, scheme_from_config
     from chunkwise.engine.tokenizer import NoTokenizer
     from chunkwise.engine.worker.kv_tensors import kv_bytes_per_token
 
@@ -113,6 +142,7 @@ def inspect_model(
         tokenizer = "byte-level (built in)"
         chat_template = True
         eos = config.eos_token_ids
+        scheme: QuantScheme | None = None
     else:
         path = resolve_model_path(name_or_path)
         config, tok = read_checkpoint(path)
@@ -128,17 +158,34 @@ def inspect_model(
         chat_template = tok.chat_template is not None
         # The ids that end generation: the config's and the tokenizer's (LoadedModel.eos_token_ids).
         eos = tuple(dict.fromkeys((*config.eos_token_ids, *tok.eos_token_ids)))
+        scheme = scheme_from_config(raw)  # ValueError naming what it cannot serve, as at load
+    if quantization is not None:  # as load_model resolves --quantization
+        online = online_scheme(quantization, torch.device(device))
+        if scheme is None:
+            scheme = online
+        elif scheme.kind != online.kind:
+            raise ValueError(
+                f"--quantization {quantization} on a checkpoint already quantized as {scheme.description}: "
+                "drop the flag"
+            )
     choice = resolve_dtype(dtype, torch.device(device), checkpoint_dtype(name_or_path))
     elem = torch.empty((), dtype=choice.dtype).element_size()
     widen = device == "cpu" and choice.dtype != torch.float32 and not cpu_has_bf16_matmul()
 
     def weights(rank: TPGroup) -> int:
-        """The bytes of weights one rank holds (the whole model at world size 1)."""
+        """The bytes of weights one rank holds (the whole model at world size 1), built as the loader's
+        _empty_model builds it: cast to the dtype, then the quantized layers given their buffers (so the
+        scales stay float32; each such layer's plain weight is an empty placeholder)."""
         with torch.device("meta"):
             model = LlamaForCausalLM(config, TorchAttentionBackend(), rank)
-        nbytes = sum(p.numel() for p in model.parameters()) * elem  # a tied head counted once
+        model = model.to(dtype=choice.dtype)
+        if scheme is not None:
+            quantize_structure(model, scheme)
+        # A tied head counted once; the buffers are the quantized layers' data, scales and zero points.
+        nbytes = sum(t.numel() * t.element_size() for t in chain(model.parameters(), model.buffers()))
         if widen:
-            # Linear weights widened to float32 for the CPU's matmul library (model/layers.Linear).
+            # Full-precision Linear weights widened to float32 for the CPU's matmul library
+            # (model/layers.Linear; a quantized layer keeps its quantized form).
             linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, Linear))
             nbytes += linear * (4 - elem)
         return nbytes
@@ -146,6 +193,11 @@ def inspect_model(
     with torch.device("meta"):
         whole = LlamaForCausalLM(config, TorchAttentionBackend())
     parameters = sum(int(torch.Size(slot.shape).numel()) for slot in hf_weight_names(whole).values())
+    n_quantized = 0
+    if scheme is not None:
+        refuse_parallel(scheme, _ShapeRank(0, tensor_parallel_size), whole)  # the loader's refusal
+        # Which layers the scheme quantizes (ValueError for a fused projection it quantizes only in part).
+        n_quantized = len(quantized_layers(whole, scheme))
     weight_bytes = weights(SINGLE_RANK)
     if tensor_parallel_size > 1:
         TPLayout.of(config, 0, tensor_parallel_size)  # sizes that do not divide: refused, naming the field
@@ -174,6 +226,8 @@ def inspect_model(
         max_model_len=min(max_model_len or context, context),
         max_num_seqs=max_num_seqs,
         tensor_parallel_size=tensor_parallel_size,
+        quantization=scheme.description if scheme is not None else None,
+        quantized_layers=n_quantized,
     )
 
 
@@ -193,6 +247,10 @@ class _ShapeRank:
 
 
 def add_inspect_args(p: argparse.ArgumentParser) -> None:
+    from typing import get_args
+
+    from chunkwise.engine.datatypes.config import Quantization
+
     p.add_argument("model", help="a Hugging Face model directory or a built-in preset")
     p.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"], help="(auto)"
@@ -208,6 +266,13 @@ def add_inspect_args(p: argparse.ArgumentParser) -> None:
         default=1,
         help="ranks the model is sharded over: the memory shown is each rank's (GPU's) (1)",
     )
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=list(get_args(Quantization)),
+        help="report what serving's --quantization would hold: linear weights quantized at load (fp8 needs "
+        "--device cuda) (a quantized checkpoint is reported as it stores them)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -220,6 +285,7 @@ def run_inspect(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             tensor_parallel_size=args.tensor_parallel_size,
+            quantization=args.quantization,
         )
     except (ValueError, OSError, json.JSONDecodeError) as e:
         print(f"chunkwise cannot serve {args.model}: {e}", file=sys.stderr)

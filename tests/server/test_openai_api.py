@@ -28,6 +28,9 @@ def test_models(client: openai.OpenAI) -> None:
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert models[0].owned_by == "chunkwise"
+    # Full precision; a quantized model's card names it (test_quantized_server.py).
+    extra = models[0].model_extra or {}
+    assert "quantization" in extra and extra["quantization"] is None
 
 
 def test_completion_length_and_usage(client: openai.OpenAI) -> None:

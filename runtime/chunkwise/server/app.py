@@ -174,6 +174,8 @@ def build_app(
         if state.engine is not None:
             card["root"] = state.engine.model_info.model
             card["max_model_len"] = state.engine.model_info.max_model_len
+            # How the weights are quantized (null: full precision); OpenAI's clients keep unknown fields.
+            card["quantization"] = state.engine.model_info.quantization
         return {"object": "list", "data": [card, *state.adapters.cards(state.created)]}
 
     @app.get("/health")

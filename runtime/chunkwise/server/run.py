@@ -146,7 +146,13 @@ def serve(args: argparse.Namespace) -> int:
                 state.adapters.load(engine, name, path)
                 logger.info("LoRA adapter %s from %s", name, path)
             state.attach(engine)
-            logger.info("model %s ready in %.1fs", config.model, time.monotonic() - t0)
+            info = engine.model_info
+            weights = (
+                info.dtype
+                if info.quantization is None
+                else f"{info.dtype}, linear layers {info.quantization}"
+            )
+            logger.info("model %s ready in %.1fs: %s", config.model, time.monotonic() - t0, weights)
         except BaseException as e:
             logger.exception("the engine failed to load")
             load_error.append(e)

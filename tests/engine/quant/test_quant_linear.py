@@ -10,6 +10,7 @@ from chunkwise.engine import kernels
 from chunkwise.engine.quant import compute
 from chunkwise.engine.quant.compute import quantized_linear
 from chunkwise.engine.quant.weights import (
+    KINDS,
     QuantizedWeight,
     dequantize,
     group_scales,
@@ -54,15 +55,18 @@ def test_int4_packing_round_trips() -> None:
 
 @pytest.mark.parametrize("kind", ["int8", "fp8-channel", "fp8-block", "int4-32", "int4-64"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_computes_the_dequantized_weight(kind: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("k", [200, 224])
+def test_kernel_computes_the_dequantized_weight(kind: str, dtype: torch.dtype, k: int) -> None:
     if not kernels.available():
         pytest.skip("the CPU kernels cannot be built here")
     gen = torch.Generator().manual_seed(3)
-    n, k = 77, 200 if not kind.startswith("int4") else 192  # rows past every tile width; a column tail
+    # Rows past every tile width (and a last AMX tile of 13 rows); a column tail where the kind allows one
+    # (200: the vector kernel only), and whole 32-column chunks (224, 192: the AMX kernel too).
+    n, k = 77, 192 if kind.startswith("int4") else k
     qw = _weights(kind, n, k, gen)
     reference = dequantize(qw)
     bias = torch.randn(n, generator=gen)
-    for m in (1, 2, 3, 4, 5, 9, 16):
+    for m in (1, 2, 3, 4, 5, 9, 16, 21):
         x = torch.randn(m, k, generator=gen).to(dtype)
         assert compute.cpu_kernel_runs(x, qw)
         y = quantized_linear(x, qw, bias.to(dtype))
@@ -71,6 +75,16 @@ def test_kernel_computes_the_dequantized_weight(kind: str, dtype: torch.dtype) -
         tol = 2e-5 if dtype == torch.float32 else 1e-2
         err = ((y.float() - expected).abs().max() / expected.abs().max()).item()
         assert err < tol, (kind, dtype, m, err)
+        if compute.amx_kernel_runs(x, qw):  # a CPU with AMX: the tile kernel and the vector one agree
+            vector = torch.empty_like(y)
+            torch.ops.chunkwise.quant_linear(
+                vector, x, qw.data, qw.scale, qw.zero, KINDS.index(qw.kind), qw.group_k, bias.to(dtype)
+            )
+            tiles = torch.empty_like(y)
+            torch.ops.chunkwise.quant_linear_amx(
+                tiles, x, qw.data, qw.scale, qw.zero, KINDS.index(qw.kind), qw.group_k, bias.to(dtype)
+            )
+            assert ((tiles.float() - vector.float()).abs().max() / expected.abs().max()).item() < 1e-2
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8-block", "int4-64"])

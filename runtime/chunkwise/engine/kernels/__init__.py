@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 # paged_attention_amx.cpp, bf16 prefill and decode attention on AMX tiles (ops of their own, each saying
 # whether the tiles are usable here); shm_all_reduce.cpp, tensor
 # parallel's all-reduce between processes on one machine; quant_linear.cpp, linear layers over int8, fp8 and
-# int4 weights.
+# int4 weights, and quant_linear_amx.cpp, the same in bf16 on AMX tiles.
 SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
     for name in (
@@ -47,11 +47,13 @@ SOURCES = tuple(
         "paged_attention_amx.cpp",
         "shm_all_reduce.cpp",
         "quant_linear.cpp",
+        "quant_linear_amx.cpp",
     )
 )
 # Included by the sources: part of what a build is keyed by.
 HEADERS = tuple(
-    Path(__file__).parent / "csrc" / name for name in ("avx512_math.h", "amx.h", "paged_operands.h")
+    Path(__file__).parent / "csrc" / name
+    for name in ("avx512_math.h", "amx.h", "paged_operands.h", "quant_weights.h")
 )
 # The head sizes csrc/cpu_ops.cpp instantiates its attention kernel for.
 ATTENTION_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)

@@ -61,6 +61,9 @@ class ModelInfo:
     max_waiting: int | None  # the scheduler's load-shedding bound (None: unbounded)
     dtype: str
     max_num_seqs: int  # a request's n choices run side by side, so n is bounded by this too
+    # How the linear weights are held (QuantScheme.description: the checkpoint's format or --quantization);
+    # None: full precision, in `dtype`.
+    quantization: str | None = None
 
 
 @dataclass
@@ -267,6 +270,7 @@ def _build(
         max_waiting=sched_cfg.max_waiting,
         dtype=choice.name,
         max_num_seqs=sched_cfg.max_num_seqs,
+        quantization=loaded.quantization.description if loaded.quantization is not None else None,
     )
     return EngineParts(
         config=resolved_config,

@@ -1,9 +1,11 @@
 """y = x W^T (+ b) for a quantized weight (weights.py), on whichever device holds it.
 
 - CPU, chunkwise's kernels loaded: up to SMALL_ROWS rows (decode) csrc/quant_linear.cpp reads the weight in
-  its 8 or 4 bits and dequantizes it in registers; past that (a prefill chunk, compute-bound) blocks of rows
-  are dequantized into the compute dtype (DEQUANT_BLOCK_BYTES at a time, never the whole layer) and
-  multiplied through the CPU's matmul library (oneDNN; AMX tiles on a Xeon that has them).
+  its 8 or 4 bits and dequantizes it in registers (fp32 products); bf16 rows on a CPU with AMX, from
+  AMX_MIN_ROWS up, csrc/quant_linear_amx.cpp converts each 16 x 32 block of weights to bf16 once for all the
+  rows and multiplies on the tiles. Past SMALL_ROWS (a prefill chunk, compute-bound) blocks of rows are
+  dequantized into the compute dtype (DEQUANT_BLOCK_BYTES at a time, never the whole layer) and multiplied
+  through the CPU's matmul library (oneDNN).
 - CUDA: fp8 with a scale per row through torch._scaled_mm with dynamic per-token activation scales
   (cuda_fp8.py, as vLLM's FP8 W8A8), int4 through a Triton dequant-GEMM (triton_int4.py); the rest (block
   scaled fp8, int8) as blocks of rows dequantized by torch.
@@ -12,20 +14,47 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from chunkwise.engine.hardware import cpu_isa
 from chunkwise.engine.quant.weights import KINDS, QuantizedWeight, dequantize
 
 # Up to this many rows the CPU kernel streams the quantized weight; past it, dequantized blocks go through
 # oneDNN (bench/cpu/quant_linear.py measures where the two cross).
-SMALL_ROWS = 16
+SMALL_ROWS = 32
+# From this many bf16 rows up, on a CPU with AMX, the tile kernel: below it the vector kernel's few rows
+# cost less than converting the weight to bf16 (bench/cpu/quant_linear.py).
+AMX_MIN_ROWS = 3
 # The largest block of a layer's weight held dequantized at once on the prefill path.
 DEQUANT_BLOCK_BYTES = 1 << 20
 # The kernel's vector width: a group of input columns sharing a scale must hold whole vectors.
 _CPU_VECTOR = 16
+
+
+@functools.cache
+def _amx_here() -> bool:
+    from chunkwise.engine import kernels
+
+    return (
+        cpu_isa().name == "amx" and kernels.available() and bool(torch.ops.chunkwise.has_quant_linear_amx())
+    )
+
+
+def amx_kernel_runs(x: torch.Tensor, qw: QuantizedWeight) -> bool:
+    """Whether csrc/quant_linear_amx.cpp computes this call: bf16 rows on a CPU whose AMX tiles this process
+    may use (and CHUNKWISE_CPU_ISA does not rule out), whole 32-column chunks and groups."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.bfloat16
+        and x.dim() == 2
+        and qw.in_features % 32 == 0
+        and (qw.scale.shape[1] == 1 or qw.group_k % 32 == 0)
+        and _amx_here()
+    )
 
 
 def cpu_kernel_runs(x: torch.Tensor, qw: QuantizedWeight) -> bool:
@@ -52,9 +81,10 @@ def quantized_linear(
             x = x.contiguous()
         if m <= small_rows:
             y = x.new_empty(m, qw.out_features)
-            torch.ops.chunkwise.quant_linear(
-                y, x, qw.data, qw.scale, qw.zero, KINDS.index(qw.kind), qw.group_k, _bias(bias, x)
-            )
+            op = torch.ops.chunkwise.quant_linear
+            if m >= AMX_MIN_ROWS and amx_kernel_runs(x, qw):
+                op = torch.ops.chunkwise.quant_linear_amx
+            op(y, x, qw.data, qw.scale, qw.zero, KINDS.index(qw.kind), qw.group_k, _bias(bias, x))
             return y
         return _blocks(x, qw, bias, _dequantize_cpu)
     return _blocks(x, qw, bias, _dequantize_torch)
