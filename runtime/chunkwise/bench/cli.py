@@ -1,7 +1,7 @@
 """`chunkwise bench ...`: the serving client, side-by-side comparisons that report ratios, and trace files.
 
     chunkwise bench serve --base-url http://127.0.0.1:8000 --model tiny --workload long-tailed --request-rate 4
-    chunkwise bench compare batching|chunked|prefix|hf|sched-overhead|preemption [--model small]
+    chunkwise bench compare batching|chunked|prefix|hf|sched-overhead|preemption|quantization [--model small]
     chunkwise bench compare vllm --vllm-python ~/vllm-venv/bin/python [--mode convoy|served]
     chunkwise bench workload --workload agent --num-requests 200 --out agent.jsonl
 
@@ -138,6 +138,21 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     so.add_argument("--prompt-len", type=int, default=32, help="prompt tokens each (32)")
     so.add_argument("--max-tokens", type=int, default=24, help="output tokens each (24)")
     so.set_defaults(repeats=1)
+
+    qz = csub.add_parser(
+        "quantization",
+        help="a model with --quantization against its full-precision self: decode speed and output quality",
+        description="The same checkpoint and dtype with and without --quantization, taking turns on a "
+        "decode-heavy workload at --max-num-seqs (output tok/s and TPOT ratios); then, unless --no-quality, "
+        "greedy agreement from held-out prompts and per-token log-probabilities of held-out text under both "
+        "(the bundled pylm's held-out split of the Python standard library).",
+    )
+    _common(qz, model_default="pylm")
+    qz.add_argument("--quantization", default="int8", choices=["int8", "fp8"], help="(int8)")
+    qz.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="(bfloat16)")
+    qz.add_argument("--max-num-seqs", type=int, default=16, help="decode batch of both (16)")
+    qz.add_argument("--no-quality", action="store_true", help="speed only")
+    add_workload_args(qz, num_requests=32, median_output=128, sigma=0.0, max_output=128, max_prompt=64)
 
     pr = csub.add_parser("preemption", help="forced swap vs forced recompute preemption by context length")
     _common(pr)

@@ -171,6 +171,24 @@ def _compare(args: argparse.Namespace) -> int:
 
             def run() -> Comparison:
                 return cmpmod.compare_prefix(args.model, items, **common)
+        elif what == "quantization":
+            from chunkwise.bench.compare.quantization import compare_quantization, quantization_quality
+
+            engine_args["dtype"] = args.dtype
+
+            def run() -> Comparison:
+                result = compare_quantization(
+                    args.model,
+                    items,
+                    quantization=args.quantization,
+                    max_num_seqs=args.max_num_seqs,
+                    **common,
+                )
+                if not args.no_quality:
+                    result.info["quality"] = quantization_quality(
+                        args.model, args.quantization, dtype=args.dtype, log=_log
+                    )
+                return result
         else:
 
             def run() -> Comparison:

@@ -213,6 +213,7 @@ class Linear(nn.Module):
         # The QuantizedWeight's kind and group (engine/quant/weights.py), None for a full-precision layer.
         self.quant_kind: str | None = None
         self.quant_group_k = 0
+        self._quantized: QuantizedWeight | None = None
 
     def quantize(self, kind: str, group_k: int) -> None:
         """Hold the weight quantized: buffers of `kind`'s shapes replace the plain weight (on its device,
@@ -228,14 +229,19 @@ class Linear(nn.Module):
 
     @property
     def quantized(self) -> QuantizedWeight | None:
+        """The buffers as one QuantizedWeight, built once they are final (prepare() drops a stale one)."""
         if self.quant_kind is None:
             return None
-        return QuantizedWeight(
-            self.quant_kind, self.qdata, self.qscale, self.qzero, self.quant_group_k, self.in_features
-        )
+        qw = self._quantized
+        if qw is None or qw.data is not self.qdata:
+            qw = self._quantized = QuantizedWeight(
+                self.quant_kind, self.qdata, self.qscale, self.qzero, self.quant_group_k, self.in_features
+            )
+        return qw
 
     def prepare(self, widen_half_on_cpu: bool) -> None:
         if self.quant_kind is not None:
+            self._quantized = None
             return
         w = self.weight.detach()
         if w.device.type != "cpu" or not _onednn_available():

@@ -16,56 +16,59 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from chunkwise.engine import kernels
 from chunkwise.engine.hardware import cpu_isa
-from chunkwise.engine.quant.weights import KINDS, QuantizedWeight, dequantize
+from chunkwise.engine.quant.weights import QuantizedWeight, dequantize
 
 # Up to this many rows the CPU kernel streams the quantized weight; past it, dequantized blocks go through
 # oneDNN (bench/cpu/quant_linear.py measures where the two cross).
 SMALL_ROWS = 32
 # From this many bf16 rows up, on a CPU with AMX, the tile kernel: below it the vector kernel's few rows
 # cost less than converting the weight to bf16 (bench/cpu/quant_linear.py).
-AMX_MIN_ROWS = 3
+AMX_MIN_ROWS = 5
 # The largest block of a layer's weight held dequantized at once on the prefill path.
 DEQUANT_BLOCK_BYTES = 1 << 20
-# The kernel's vector width: a group of input columns sharing a scale must hold whole vectors.
-_CPU_VECTOR = 16
+
+
+@functools.cache
+def _kernels_here() -> bool:
+    return kernels.available()
 
 
 @functools.cache
 def _amx_here() -> bool:
-    from chunkwise.engine import kernels
+    return cpu_isa().name == "amx" and _kernels_here() and bool(torch.ops.chunkwise.has_quant_linear_amx())
 
-    return (
-        cpu_isa().name == "amx" and kernels.available() and bool(torch.ops.chunkwise.has_quant_linear_amx())
+
+@functools.cache
+def _ops() -> tuple[Any, Any]:
+    """(the vector kernel, the tile kernel or None): looked up once, as an attribute of torch.ops costs a
+    microsecond or two a call."""
+    return torch.ops.chunkwise.quant_linear.default, (
+        torch.ops.chunkwise.quant_linear_amx.default if _amx_here() else None
     )
 
 
 def amx_kernel_runs(x: torch.Tensor, qw: QuantizedWeight) -> bool:
     """Whether csrc/quant_linear_amx.cpp computes this call: bf16 rows on a CPU whose AMX tiles this process
     may use (and CHUNKWISE_CPU_ISA does not rule out), whole 32-column chunks and groups."""
-    return (
-        x.device.type == "cpu"
-        and x.dtype == torch.bfloat16
-        and x.dim() == 2
-        and qw.in_features % 32 == 0
-        and (qw.scale.shape[1] == 1 or qw.group_k % 32 == 0)
-        and _amx_here()
-    )
+    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and qw.tile_layout and _amx_here()
 
 
 def cpu_kernel_runs(x: torch.Tensor, qw: QuantizedWeight) -> bool:
     """Whether csrc/quant_linear.cpp computes this call (CPU, fp32 or bf16 rows, groups of whole vectors)."""
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2:
-        return False
-    if qw.scale.shape[1] > 1 and qw.group_k % _CPU_VECTOR:
-        return False
-    from chunkwise.engine import kernels
-
-    return kernels.available()
+    return (
+        x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and x.dim() == 2
+        and qw.vector_layout
+        and _kernels_here()
+    )
 
 
 def quantized_linear(
@@ -81,24 +84,25 @@ def quantized_linear(
             x = x.contiguous()
         if m <= small_rows:
             y = x.new_empty(m, qw.out_features)
-            op = torch.ops.chunkwise.quant_linear
-            if m >= AMX_MIN_ROWS and amx_kernel_runs(x, qw):
-                op = torch.ops.chunkwise.quant_linear_amx
-            op(y, x, qw.data, qw.scale, qw.zero, KINDS.index(qw.kind), qw.group_k, _bias(bias, x))
+            vector, tiles = _ops()
+            op = (
+                tiles
+                if tiles is not None and m >= AMX_MIN_ROWS and x.dtype == torch.bfloat16 and qw.tile_layout
+                else vector
+            )
+            op(y, x, qw.data, qw.scale, qw.zero, qw.kind_id, qw.group_k, _bias(bias, x))
             return y
         return _blocks(x, qw, bias, _dequantize_cpu)
     return _blocks(x, qw, bias, _dequantize_torch)
 
 
 def _bias(bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
-    return None if bias is None else bias.to(x.dtype)
+    return bias if bias is None or bias.dtype == x.dtype else bias.to(x.dtype)
 
 
 def _dequantize_cpu(qw: QuantizedWeight, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(stop - start, qw.in_features, dtype=dtype)
-    torch.ops.chunkwise.quant_dequantize(
-        out, qw.data, qw.scale, qw.zero, KINDS.index(qw.kind), qw.group_k, start
-    )
+    torch.ops.chunkwise.quant_dequantize(out, qw.data, qw.scale, qw.zero, qw.kind_id, qw.group_k, start)
     return out
 
 

@@ -40,6 +40,11 @@ class QuantizedWeight:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown quantized weight kind {self.kind!r}")
+        # What the CPU kernels need of the layout, decided once (compute.py reads them on every call).
+        self.kind_id = KINDS.index(self.kind)
+        one_group = self.scale.shape[1] == 1
+        self.vector_layout = one_group or self.group_k % 16 == 0
+        self.tile_layout = self.in_features % 32 == 0 and (one_group or self.group_k % 32 == 0)
 
     @property
     def out_features(self) -> int:
