@@ -141,18 +141,13 @@ void dispatch(const at::Tensor& out, const at::Tensor& x, const Weights& w, int6
 
 // out [M, N] and x [M, K] fp32 or bf16 (rows strided, columns contiguous); data [N, K] int8 or fp8, or
 // [N, K / 2] uint8 (int4); scale (and zero, int4) float32 [N, groups] contiguous; group_k a multiple of VW
-// unless groups == 1. chunkwise/engine/quant/cpu.py checks all of it before calling.
+// unless groups == 1. chunkwise/engine/quant/compute.py checks all of it before calling.
 void quant_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& data, const at::Tensor& scale,
                   const std::optional<at::Tensor>& zero, int64_t kind, int64_t group_k,
                   const std::optional<at::Tensor>& bias) {
   const int64_t M = x.size(0), N = data.size(0);
   if (M == 0 || N == 0) return;
-  Weights w{static_cast<const uint8_t*>(data.const_data_ptr()),
-            data.stride(0) * static_cast<int64_t>(data.element_size()),
-            scale.const_data_ptr<float>(),
-            zero.has_value() ? zero->const_data_ptr<float>() : nullptr,
-            scale.size(1),
-            group_k};
+  const Weights w = weights_of(data, scale, zero, group_k);
   if (x.scalar_type() == at::kFloat) return dispatch<float>(out, x, w, kind, N, bias);
   return dispatch<c10::BFloat16>(out, x, w, kind, N, bias);
 }
@@ -191,12 +186,7 @@ void dequantize_rows(T* out, int64_t ldo, const Weights& w, int64_t n0, int64_t 
 void quant_dequantize(at::Tensor out, const at::Tensor& data, const at::Tensor& scale,
                       const std::optional<at::Tensor>& zero, int64_t kind, int64_t group_k, int64_t n0) {
   const int64_t rows_out = out.size(0), K = out.size(1);
-  Weights w{static_cast<const uint8_t*>(data.const_data_ptr()),
-            data.stride(0) * static_cast<int64_t>(data.element_size()),
-            scale.const_data_ptr<float>(),
-            zero.has_value() ? zero->const_data_ptr<float>() : nullptr,
-            scale.size(1),
-            group_k};
+  const Weights w = weights_of(data, scale, zero, group_k);
   const int64_t ldo = out.stride(0);
   if (out.scalar_type() == at::kFloat) {
     float* o = out.mutable_data_ptr<float>();

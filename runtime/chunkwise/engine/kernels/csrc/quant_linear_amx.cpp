@@ -147,12 +147,7 @@ void quant_linear_amx(at::Tensor out, const at::Tensor& x, const at::Tensor& dat
 #if CHUNKWISE_AMX_BUILT
   const int64_t M = x.size(0), N = data.size(0), K = x.size(1);
   if (M == 0 || N == 0) return;
-  Weights w{static_cast<const uint8_t*>(data.const_data_ptr()),
-            data.stride(0) * static_cast<int64_t>(data.element_size()),
-            scale.const_data_ptr<float>(),
-            zero.has_value() ? zero->const_data_ptr<float>() : nullptr,
-            scale.size(1),
-            group_k};
+  const Weights w = weights_of(data, scale, zero, group_k);
   const bool per_row = w.groups == 1;
   TORCH_CHECK(per_row || group_k % 32 == 0, "quant_linear_amx: groups of a multiple of 32 columns");
   const auto* xp = x.const_data_ptr<c10::BFloat16>();

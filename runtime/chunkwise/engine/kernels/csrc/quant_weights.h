@@ -2,7 +2,10 @@
 // weights.py says the formats) as vectors of floats, 16 lanes (AVX-512) or 8 (AVX2).
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+
+#include <optional>
 
 #include <cmath>
 #include <cstdint>
@@ -139,5 +142,17 @@ struct Weights {
   int64_t groups;     // scales (and zeros) a row
   int64_t group_k;
 };
+
+// A weight's tensors as the kernels read them (the ops' shared arguments: data, scale, zero, group_k).
+inline Weights weights_of(const at::Tensor& data, const at::Tensor& scale, const std::optional<at::Tensor>& zero,
+                          int64_t group_k) {
+  return Weights{static_cast<const uint8_t*>(data.const_data_ptr()),
+                 data.stride(0) * static_cast<int64_t>(data.element_size()),
+                 scale.const_data_ptr<float>(),
+                 zero.has_value() ? zero->const_data_ptr<float>() : nullptr,
+                 scale.size(1),
+                 group_k};
+}
+
 
 }  // namespace chunkwise_quant
