@@ -65,6 +65,7 @@ NOT_DEFAULT: dict[str, object] = {
     "max_lora_rank": 8,
     "max_cpu_loras": 3,
     "lora_kernel": "triton",
+    "quantization": "fp8",
 }
 
 
@@ -205,6 +206,12 @@ def test_unchunked_the_budget_becomes_max_model_len_unless_given() -> None:
         ),
         ({"gpu_memory_utilization": 1.5}, "in (0, 1]; got 1.5"),
         ({"gpu_memory_utilization": float("nan")}, "in (0, 1]; got nan"),
+        ({"quantization": "int4"}, "quantization must be 'int8' or 'fp8', got 'int4'"),
+        ({"quantization": "fp8"}, "quantization 'fp8' runs on CUDA"),
+        (
+            {"quantization": "int8", "tensor_parallel_size": 2},
+            "not supported with tensor or pipeline parallelism",
+        ),
     ],
 )
 def test_validation_errors_name_the_option(kwargs: dict[str, object], message: str) -> None:
