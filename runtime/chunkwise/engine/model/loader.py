@@ -317,6 +317,11 @@ def _load_hf_dir(
     model = _empty_model(config, backend, dtype, device, tp, pp, scheme)
     linears = dict(model.named_modules())
     parts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    # Each quantized layer is converted as soon as the last of its tensors is read (its parts may sit in
+    # different files), so that at most a layer's checkpoint tensors are held beside the model.
+    unread: dict[str, int] = {}
+    for key in where.keys() & quantized.keys():
+        unread[quantized[key][0]] = unread.get(quantized[key][0], 0) + 1
     params = dict(model.named_parameters())
     filled: dict[str, int] = {}
     by_file: dict[Path, list[str]] = {}
@@ -331,6 +336,11 @@ def _load_hf_dir(
                     if key in quantized:
                         layer, part, suffix = quantized[key]
                         parts.setdefault(layer, {}).setdefault(part, {})[suffix] = st.get_tensor(key)
+                        unread[layer] -= 1
+                        if unread[layer] == 0:
+                            module = linears[layer]
+                            assert isinstance(module, Linear) and scheme is not None
+                            quant.fill(module, layer, parts.pop(layer), scheme)
                         continue
                     # A slice reads from the file only what is indexed: this rank's shard.
                     sliced = st.get_slice(key)
@@ -348,11 +358,7 @@ def _load_hf_dir(
                         )
                     _fill(params, slot, shard, filled)
         _zero_padding(params, filled)
-        # A layer's parts are converted together, once all are read (they may sit in different files).
-        for layer, tensors in parts.items():
-            module = linears[layer]
-            assert isinstance(module, Linear)
-            quant.fill(module, layer, tensors, scheme)  # type: ignore[arg-type]
+    assert not parts, f"quantized layers left unconverted: {sorted(parts)}"
     _freeze(model)
     return LoadedModel(name, config, model, tokenizer, tokenizer.chat_template, scheme)
 
