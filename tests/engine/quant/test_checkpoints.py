@@ -43,6 +43,9 @@ def _prompts(seed: int) -> tuple[list[list[int]], list[int]]:
     return prompts, [rng.randint(2, 12) for _ in prompts]
 
 
+# isa: the quantized linears run the CPU's own kernel (8 lanes under AVX2, 16 under AVX-512); `make isa` runs
+# these again under each.
+@pytest.mark.isa
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_greedy_matches_transformers_on_the_dequantized_weights(
     method: str, base_dirs: dict[str, Path], tmp_path: Path
@@ -74,6 +77,7 @@ def test_the_reference_differs_from_the_full_precision_model(
     assert hf_greedy(ref_dir, prompts, max_new) != hf_greedy(base_dirs["llama"], prompts, max_new)
 
 
+@pytest.mark.isa
 def test_online_int8_is_the_model_with_int8_weights(base_dirs: dict[str, Path], tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 

@@ -22,7 +22,7 @@ never served with wrong output.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,7 +53,7 @@ class QuantScheme:
     gptq_zero_offset: int = 0  # GPTQ v1 stores zero points minus one
     skip_substrings: tuple[str, ...] = ()
     skip_exact: tuple[str, ...] = ()
-    skip_patterns: tuple[str, ...] = field(default=())
+    skip_patterns: tuple[str, ...] = ()
     online: bool = False
 
     @property
