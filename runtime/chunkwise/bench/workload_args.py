@@ -13,6 +13,8 @@ if TYPE_CHECKING:
 
 
 WORKLOADS = ("long-tailed", "agent", "convoy", "trace")
+# chunkwise.bench.traces.TRACE_FORMATS, spelled out here so that parsing flags imports no numpy.
+TRACE_FORMATS = ("chunkwise", "azure", "mooncake")
 
 
 def _rate(text: str) -> float:
@@ -29,11 +31,73 @@ def _seconds_list(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated seconds, got {text!r}") from None
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
+# Set on the namespace when --num-requests is on the command line: a trace is then capped to that many
+# requests; the parser's (or a command's) default never caps one.
+NUM_REQUESTS_GIVEN = "num_requests_given"
+
+
+class _NumRequests(argparse.Action):
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, NUM_REQUESTS_GIVEN, True)
+
+
 def add_workload_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--workload", choices=WORKLOADS, default="long-tailed", help="the request shapes")
-    g.add_argument("--trace", default=None, help="JSONL trace (with --workload trace)")
-    g.add_argument("--num-requests", type=int, default=64, help="requests (streams, for convoy)")
+    g.add_argument(
+        "--trace",
+        default=None,
+        help="trace file (with --workload trace): chunkwise JSONL, Azure LLM inference CSV or Mooncake JSONL",
+    )
+    g.add_argument(
+        "--trace-format",
+        choices=TRACE_FORMATS,
+        default=None,
+        help="the --trace file's format (default: guessed: .csv azure; JSONL with hash_ids mooncake, "
+        "with prompt/prompt_token_ids chunkwise)",
+    )
+    g.add_argument(
+        "--trace-time-scale",
+        type=_rate,
+        default=1.0,
+        help="divide the trace's arrival times by this (2: twice as fast; inf: all at once; default 1)",
+    )
+    g.add_argument(
+        "--trace-block-tokens",
+        type=_positive_int,
+        default=512,
+        help="tokens per Mooncake hash id (default 512, Mooncake's block size)",
+    )
+    g.add_argument(
+        "--trace-skip-empty",
+        action="store_true",
+        help="drop trace rows with 0 prompt or 0 output tokens (default: refuse them, naming the line)",
+    )
+    g.add_argument(
+        "--num-requests",
+        type=int,
+        action=_NumRequests,
+        default=64,
+        help="requests (streams, for convoy); with --workload trace, the earliest N of the trace when "
+        "given (default there: the whole trace)",
+    )
     g.add_argument("--min-prompt", type=int, default=16, help="shortest prompt (tokens)")
     g.add_argument("--max-prompt", type=int, default=128, help="longest prompt (tokens)")
     g.add_argument("--median-output", type=int, default=32, help="median output length (long-tailed)")
@@ -63,9 +127,7 @@ def build_workload(ns: argparse.Namespace, vocab_size: int = 258) -> list[WorkIt
     from chunkwise.bench import workloads as w
 
     if ns.workload == "trace":
-        if not ns.trace:
-            raise SystemExit("--workload trace needs --trace FILE.jsonl")
-        return w.load_jsonl(ns.trace)
+        return _trace(ns, vocab_size)
     prompt = (ns.min_prompt, ns.max_prompt)
     if ns.workload == "agent":
         items = w.shared_prefix(
@@ -102,6 +164,31 @@ def build_workload(ns: argparse.Namespace, vocab_size: int = 258) -> list[WorkIt
             at_s=ns.long_at,
             seed=ns.seed,
         )
+    return items
+
+
+def _trace(ns: argparse.Namespace, vocab_size: int) -> list[WorkItem]:
+    from chunkwise.bench.traces import load_trace
+
+    if not ns.trace:
+        raise SystemExit("--workload trace needs --trace FILE (chunkwise JSONL, Azure CSV or Mooncake JSONL)")
+    cap = ns.num_requests if getattr(ns, NUM_REQUESTS_GIVEN, False) else None
+    try:
+        items = load_trace(
+            ns.trace,
+            getattr(ns, "trace_format", None),
+            vocab_size=vocab_size,
+            seed=ns.seed,
+            block_tokens=getattr(ns, "trace_block_tokens", 512),
+            time_scale=getattr(ns, "trace_time_scale", 1.0),
+            max_requests=cap,
+            skip_empty=getattr(ns, "trace_skip_empty", False),
+            client_max_tokens=not getattr(ns, "hide_lengths", False),
+        )
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--trace: {e}") from None
+    if not items:
+        raise SystemExit(f"--trace {ns.trace}: no requests in the trace")
     return items
 
 
