@@ -245,3 +245,88 @@ def test_an_adapters_prompt_is_matched_under_its_own_block_hashes(make_router: M
     )
     assert router.cost.cached_tokens(r, as_sql) == len(SYSTEM) - 1
     assert router.cost.cached_tokens(r, base) == 0  # the base model's blocks of it are not cached there
+
+
+def _fleet_state(router: object, rng: object) -> None:
+    """Hand-set, varied state on every replica: scrapes, learned speed, requests in flight of both kinds."""
+    import random
+
+    from chunkwise.router.replica import InFlight
+
+    assert isinstance(rng, random.Random)
+    for i, r in enumerate(router.replicas.values()):  # type: ignore[attr-defined]
+        r.observe(
+            MetricsSample(
+                time=0,
+                waiting=rng.randint(0, 4),
+                running=rng.randint(0, 6),
+                kv_usage=rng.random(),
+                cache_blocks=64,
+            ),
+            now=router.clock(),  # type: ignore[attr-defined]
+        )
+        r.estimates.prefill_rate = rng.choice([None, 4000.0 + 1000 * i])
+        r.estimates.tpot = rng.choice([None, 0.01 * (i + 1)])
+        for k in range(rng.randint(0, 3)):
+            r.begin(InFlight(200, 100 + k, 20, k % 2 == 0, 0.0, 0.5, 1.0), ())
+
+
+def test_predict_all_is_predict_at_each_replica_and_follows_every_change(make_router: MakeRouter) -> None:
+    """predict_all keeps per-replica state between picks (a pick predicts every replica); it must equal
+    predict at each replica after whatever changed: a pick, a first token, an end, a scrape, an estimate."""
+    import random
+
+    from chunkwise.router.replica import InFlight
+
+    router = make_router()
+    rng = random.Random(7)
+    _fleet_state(router, rng)
+    cands = list(router.replicas.values())
+    req = request([*SYSTEM, 5])
+
+    def check() -> None:
+        # Against a cost model that has kept nothing: the same fleet and running means, no state.
+        fresh = CostModel(BLOCK, router.cost.defaults)
+        fresh.bind(router.replicas.values)
+        fresh.mean_prompt_tokens = router.cost.mean_prompt_tokens
+        fresh.mean_output_tokens = router.cost.mean_output_tokens
+        now = router.clock()
+        assert router.cost.predict_all(cands, req, now) == [fresh.predict(r, req, now) for r in cands]
+
+    check()
+    before = router.cost.predict_all(cands, req, router.clock())
+    p = router.pick(req)
+    assert p is not None
+    check()
+    after = router.cost.predict_all(cands, req, router.clock())
+    i = cands.index(p.replica)
+    assert after[i] != before[i]  # the chosen replica's new request is in its queue now
+    router.first_token(p)
+    check()
+    router.finish(p)
+    check()
+    cands[0].observe(MetricsSample(time=1, waiting=9, running=9, kv_usage=0.99, cache_blocks=64), now=1.0)
+    check()
+    cands[1].estimates.tpot = 0.5  # an estimate moved (a scrape, or a test): the fleet's means move too
+    check()
+    cands[2].begin(InFlight(50, 50, 5, False, router.clock(), 0.2, 0.4), ())  # one on a predicted clock
+    check()
+
+
+def test_a_replica_whose_kv_cache_is_full_predicts_a_wait_for_blocks(make_router: MakeRouter) -> None:
+    """The queue term counts waiting for KV blocks: what the cache holds (its last scrape), the prompts sent
+    since and this request must fit, or requests ahead must finish first."""
+    router = make_router()
+    full, empty = router.replicas[URLS[0]], router.replicas[URLS[1]]
+    for r, usage in ((full, 0.95), (empty, 0.0)):
+        r.observe(MetricsSample(time=0, kv_usage=usage, cache_blocks=64), now=router.clock())
+    req = request(list(range(1, 400)), output_tokens=100)  # 499 tokens of 1024 the cache holds
+    now = router.clock()
+    at_full, at_empty = router.cost.predict(full, req, now), router.cost.predict(empty, req, now)
+    assert at_empty.queue_s == 0.0
+    assert at_full.queue_s > 0.0
+    # 0.95 * 1024 + 499 - 1024 tokens over the cache, at a whole cache's turnover per cache's worth.
+    service = router.cost.mean_prompt_tokens / router.cost.prefill_rate(full) + (
+        router.cost.mean_output_tokens * at_full.decode_s / 100
+    )
+    assert at_full.queue_s == pytest.approx((0.95 * 1024 + 499 - 1024) / 1024 * service)

@@ -63,7 +63,7 @@ class Router:
         self.clock = clock
         self.kv_events = kv_events
         self.replicas: dict[str, Replica] = {}
-        cost.bind(lambda: list(self.replicas.values()))
+        cost.bind(self.replicas.values)
         self.policy: Policy = make_policy(policy, cost)
         self.metrics = RouterMetrics(self.policy.name, lambda: list(self.replicas.values()), clock)
         self._probing: set[str] = set()

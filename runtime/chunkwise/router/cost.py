@@ -22,11 +22,11 @@ The cost model is the predicted completion time of docs/scheduling.md ("Prefix-a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from chunkwise.router.args import DEFAULT_PREFILL_RATE, DEFAULT_TPOT_S
-from chunkwise.router.estimates import fleet_mean
+from chunkwise.router.estimates import fleet_generation, fleet_mean
 from chunkwise.router.prompt import RoutedRequest
 from chunkwise.router.replica import Replica
 
@@ -58,6 +58,26 @@ class Prediction:
 
 
 @dataclass(frozen=True)
+class _FleetMeans:
+    prefill_rate: float
+    tpot: float
+    slots: int | None
+    lora_load_s: float
+
+
+@dataclass(frozen=True)
+class _ReplicaState:
+    rate: float
+    tpot: float
+    pending_tokens: int
+    others_waiting: float
+    ahead: float
+    slots: int | None
+    kv_capacity_tokens: int
+    kv_held_tokens: float
+
+
+@dataclass(frozen=True)
 class Defaults:
     """Stand-ins until the fleet has measured itself."""
 
@@ -73,9 +93,13 @@ class CostModel:
         self.defaults = defaults
         self.mean_prompt_tokens = defaults.prompt_tokens
         self.mean_output_tokens = defaults.output_tokens
-        self._fleet: Callable[[], Sequence[Replica]] = tuple
+        self._fleet: Callable[[], Collection[Replica]] = tuple
+        # The fleet's means as of (fleet generation, fleet size): see _means.
+        self._means_key: tuple[int, int] | None = None
+        self._means: _FleetMeans | None = None
+        self._states: dict[str, tuple[tuple[int, int, int], _ReplicaState]] = {}
 
-    def bind(self, fleet: Callable[[], Sequence[Replica]]) -> None:
+    def bind(self, fleet: Callable[[], Collection[Replica]]) -> None:
         """Where the fleet averages come from (every known replica, candidate or not)."""
         self._fleet = fleet
 
@@ -86,27 +110,49 @@ class CostModel:
         if output_tokens > 0:
             self.mean_output_tokens = 0.9 * self.mean_output_tokens + 0.1 * output_tokens
 
+    def _fleet_means(self) -> _FleetMeans:
+        """Every replica's estimates averaged; recomputed only when a scrape changed one or the fleet's
+        size changed (a pick predicts every replica: recomputing per prediction is quadratic in replicas)."""
+        fleet = self._fleet()
+        key = (fleet_generation(), len(fleet))
+        if self._means is None or key != self._means_key:
+            known = [r.slots for r in fleet if r.slots is not None]
+            self._means = _FleetMeans(
+                prefill_rate=fleet_mean(
+                    (r.estimates.prefill_rate for r in fleet), self.defaults.prefill_rate
+                ),
+                tpot=fleet_mean((r.estimates.tpot for r in fleet), self.defaults.tpot_s),
+                slots=round(sum(known) / len(known)) if known else None,
+                lora_load_s=fleet_mean((r.estimates.lora_load_s for r in fleet), DEFAULT_LORA_LOAD_S),
+            )
+            self._means_key = key
+        return self._means
+
     def prefill_rate(self, replica: Replica) -> float:
-        own = replica.estimates.prefill_rate
-        if own is not None and own > 0:
-            return own
-        return fleet_mean((r.estimates.prefill_rate for r in self._fleet()), self.defaults.prefill_rate)
+        return self._prefill_rate(replica, self._fleet_means())
 
     def tpot(self, replica: Replica) -> float:
-        fleet = fleet_mean((r.estimates.tpot for r in self._fleet()), self.defaults.tpot_s)
-        own = replica.estimates.tpot
-        if own is None or own <= 0:
-            return fleet
-        # Each idle scrape interval halves the weight of an old measurement against the fleet's.
-        weight = 0.5**replica.estimates.staleness
-        return weight * own + (1 - weight) * fleet
+        return self._tpot(replica, self._fleet_means())
 
     def slots(self, replica: Replica) -> int | None:
         if replica.slots is not None:
             return replica.slots
         # Replicas of one service share their engine arguments: one that has been seen full speaks for all.
-        known = [r.slots for r in self._fleet() if r.slots is not None]
-        return round(sum(known) / len(known)) if known else None
+        return self._fleet_means().slots
+
+    @staticmethod
+    def _prefill_rate(replica: Replica, means: _FleetMeans) -> float:
+        own = replica.estimates.prefill_rate
+        return own if own is not None and own > 0 else means.prefill_rate
+
+    @staticmethod
+    def _tpot(replica: Replica, means: _FleetMeans) -> float:
+        own = replica.estimates.tpot
+        if own is None or own <= 0:
+            return means.tpot
+        # Each idle scrape interval halves the weight of an old measurement against the fleet's.
+        weight = 0.5**replica.estimates.staleness
+        return weight * own + (1 - weight) * means.tpot
 
     def cached_tokens(self, replica: Replica, request: RoutedRequest) -> int:
         hashes = request.block_hashes
@@ -134,30 +180,80 @@ class CostModel:
         own = replica.estimates.lora_load_s
         if own is not None:
             return own
-        return fleet_mean((r.estimates.lora_load_s for r in self._fleet()), DEFAULT_LORA_LOAD_S)
+        return self._fleet_means().lora_load_s
 
     def adapter_names(self) -> set[str]:
         """Every adapter some replica serves."""
         return {n for r in self._fleet() if r.scrape is not None for n in r.scrape.lora_adapters}
 
     def predict(self, replica: Replica, request: RoutedRequest, now: float) -> Prediction:
-        rate = self.prefill_rate(replica)
+        return self._predict(replica, request, now, self._fleet_means())
+
+    def predict_all(
+        self, replicas: Sequence[Replica], request: RoutedRequest, now: float
+    ) -> list[Prediction]:
+        """`predict` at each replica (one pick's worth: the fleet's means are read once)."""
+        means = self._fleet_means()
+        return [self._predict(r, request, now, means) for r in replicas]
+
+    def _state(self, replica: Replica, now: float, means: _FleetMeans) -> _ReplicaState:
+        """What a prediction at `replica` reads that does not depend on the request. Kept until the
+        replica's accounting or scrape, or the fleet's means, change: a pick predicts every replica, and
+        between two picks only the chosen one changes."""
+        key = (replica.version, fleet_generation(), len(self._fleet()))
+        cached = self._states.get(replica.url)
+        if cached is not None and cached[0] == key and not replica.has_unstreamed:
+            return cached[1]
+        rate = self._prefill_rate(replica, means)
         load = replica.load(now)
         others_waiting, others_running = replica.others()
-        cached = self.cached_tokens(replica, request)
-        queued_tokens = load.pending_prefill_tokens + others_waiting * self.mean_prompt_tokens
-        measured = self.tpot(replica)
-        slots = self.slots(replica)
+        measured = self._tpot(replica, means)
+        slots = replica.slots if replica.slots is not None else means.slots
         rows_now = load.decoding + others_running + 1
         if slots is not None:
             rows_now = min(rows_now, slots)
-        rows_then = replica.scrape.running if replica.scrape is not None else rows_now
-        tpot = max(MIN_TPOT_FRACTION * measured, measured + (rows_now - rows_then) / rate)
-        queue_s = queued_tokens / rate
-        ahead = load.inflight + others_waiting + others_running
-        if slots is not None and ahead >= slots:
-            service = self.mean_prompt_tokens / rate + self.mean_output_tokens * tpot
-            queue_s += (ahead - slots + 1) * service / slots
+        scrape = replica.scrape
+        rows_then = scrape.running if scrape is not None else rows_now
+        capacity = scrape.cache_blocks * self.block_size if scrape is not None and scrape.cache_blocks else 0
+        state = _ReplicaState(
+            rate=rate,
+            tpot=max(MIN_TPOT_FRACTION * measured, measured + (rows_now - rows_then) / rate),
+            pending_tokens=load.pending_prefill_tokens,
+            others_waiting=others_waiting,
+            ahead=load.inflight + others_waiting + others_running,
+            slots=slots,
+            kv_capacity_tokens=capacity,
+            kv_held_tokens=scrape.kv_usage * capacity if scrape is not None else 0.0,
+        )
+        self._states[replica.url] = (key, state)
+        return state
+
+    def _predict(
+        self, replica: Replica, request: RoutedRequest, now: float, means: _FleetMeans
+    ) -> Prediction:
+        st = self._state(replica, now, means)
+        rate, tpot, slots = st.rate, st.tpot, st.slots
+        cached = self.cached_tokens(replica, request)
+        queue_s = (st.pending_tokens + st.others_waiting * self.mean_prompt_tokens) / rate
+        service = self.mean_prompt_tokens / rate + self.mean_output_tokens * tpot
+        if slots is not None and st.ahead >= slots:
+            queue_s += (st.ahead - slots + 1) * service / slots
+        capacity = st.kv_capacity_tokens
+        if capacity:
+            # Waiting for KV blocks: a replica admits a request only when its blocks fit. The cache held
+            # what the last scrape says; the requests sent since and not yet prefilled will take their
+            # prompts, and this one its prompt and output. What exceeds the cache must first be freed by
+            # requests ahead finishing: a batch's turnover (`service`) for a whole cache's worth.
+            excess = (
+                st.kv_held_tokens
+                + st.pending_tokens
+                + request.prompt_tokens
+                - cached
+                + request.output_tokens
+                - capacity
+            )
+            if excess > 0:
+                queue_s += excess / capacity * service
         return Prediction(
             cached_tokens=cached,
             queue_s=queue_s,

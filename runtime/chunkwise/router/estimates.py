@@ -119,6 +119,20 @@ def parse_metrics(text: str, now: float) -> MetricsSample:
     )
 
 
+# Counts changes to what the fleet averages read (a scrape observed, a replica made): the cost model
+# recomputes its fleet means when it moves, not on every prediction (a pick predicts every replica).
+_fleet_generation = 0
+
+
+def bump_fleet_generation() -> None:
+    global _fleet_generation
+    _fleet_generation += 1
+
+
+def fleet_generation() -> int:
+    return _fleet_generation
+
+
 class StepCostFit:
     """Least squares for Δtime = a·Δsteps + b·Δtokens, older intervals weighing less."""
 
@@ -171,6 +185,11 @@ class ReplicaEstimates:
         self.last: MetricsSample | None = None
         # Seconds to bring a LoRA adapter into a device slot, smoothed over the fills seen.
         self.lora_load_s: float | None = None
+
+    def __setattr__(self, name: str, value: object) -> None:
+        # Whoever changes an estimate (a scrape, a test) changes the fleet's means (cost.py caches them).
+        object.__setattr__(self, name, value)
+        bump_fleet_generation()
 
     def observe(self, sample: MetricsSample) -> None:
         prev, self.last = self.last, sample

@@ -9,12 +9,12 @@ epoch shows a restarted engine. Out of sync, the router routes on its own estima
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import httpx
 
-from chunkwise.engine.cache.events import hex_hash
+from chunkwise.engine.cache.events import KVEvent, hex_hash
 from chunkwise.engine.cache.hashing import BlockHash
 
 logger = logging.getLogger(__name__)
@@ -44,26 +44,42 @@ class KVEventIndex:
         self.seq = None
 
     def load_snapshot(self, body: dict[str, Any]) -> None:
-        self.hashes = {hex_hash(h) for h in body["hashes"]}
-        self.epoch = str(body["epoch"])
-        self.seq = int(body["seq"])
-        self.resyncs += 1
+        self.load_hashes(str(body["epoch"]), int(body["seq"]), (hex_hash(h) for h in body["hashes"]))
 
     def apply(self, body: dict[str, Any]) -> bool:
         """Apply an answer of /v1/kv_events; False (nothing applied) when it cannot follow what this index
         holds: another epoch, or events that do not continue from its seq."""
-        if not self.synced or body["epoch"] != self.epoch:
+        events = [
+            KVEvent(
+                int(e["seq"]),
+                tuple(hex_hash(h) for h in e["stored"]),
+                tuple(hex_hash(h) for h in e["removed"]),
+            )
+            for e in body["events"]
+        ]
+        return self.apply_events(str(body["epoch"]), int(body["seq"]), events)
+
+    def apply_events(self, epoch: str, seq: int, events: Sequence[KVEvent]) -> bool:
+        """`apply` for events already decoded (the simulator reads its replicas' logs directly)."""
+        if not self.synced or epoch != self.epoch:
             return False
         expected = self.seq
-        for event in body["events"]:
-            if expected is None or int(event["seq"]) != expected + 1:
+        for event in events:
+            if expected is None or event.seq != expected + 1:
                 return False
-            expected = int(event["seq"])
-        for event in body["events"]:
-            self.hashes.update(hex_hash(h) for h in event["stored"])
-            self.hashes.difference_update(hex_hash(h) for h in event["removed"])
-        self.seq = int(body["seq"]) if body["events"] else self.seq
+            expected = event.seq
+        for event in events:
+            self.hashes.update(event.stored)
+            self.hashes.difference_update(event.removed)
+        self.seq = seq if events else self.seq
         return True
+
+    def load_hashes(self, epoch: str, seq: int, hashes: Iterable[BlockHash]) -> None:
+        """`load_snapshot` for a snapshot already decoded."""
+        self.hashes = set(hashes)
+        self.epoch = epoch
+        self.seq = seq
+        self.resyncs += 1
 
     async def sync(self, client: httpx.AsyncClient, url: str, timeout: float) -> None:
         """Catch up with the replica at `url`: the events since the last read, or a snapshot when they do

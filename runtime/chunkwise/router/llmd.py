@@ -54,7 +54,7 @@ servers that left (this index keeps them).
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -158,14 +158,13 @@ class ApproxPrefixIndex:
 
     def match_longest_prefix(self, hashes: Sequence[BlockHash]) -> dict[str, int]:
         """matchLongestPrefix: walk the hashes while any server holds one; count each holder's hits."""
-        matched: dict[str, int] = {}
+        matched: Counter[str] = Counter()
         for h in hashes:
             servers = self._servers.get(h)
             if not servers:
                 break
-            for s in servers:
-                matched[s] = matched.get(s, 0) + 1
-        return matched
+            matched.update(servers)  # counted in C: a popular prefix is held by hundreds of servers
+        return dict(matched)
 
 
 @dataclass(frozen=True)

@@ -95,10 +95,10 @@ class PredictedCompletion:
 
     def choose(self, request: RoutedRequest, candidates: Sequence[Replica], now: float) -> Replica:
         tie = self._rotation.offsets(len(candidates))
+        predictions = self.cost.predict_all(candidates, request, now)
 
         def key(i: int) -> tuple[float, int, int]:
-            r = candidates[i]
-            return self.cost.predict(r, request, now).completion, len(r.inflight), tie(i)
+            return predictions[i].completion, len(candidates[i].inflight), tie(i)
 
         return candidates[min(range(len(candidates)), key=key)]
 

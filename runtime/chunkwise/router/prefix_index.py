@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import takewhile
 
 from chunkwise.engine.cache.hashing import BlockHash
 
@@ -30,12 +31,7 @@ class PrefixIndex:
 
     def match(self, hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks of `hashes` are held (a lookup only: LRU order is left alone)."""
-        n = 0
-        for h in hashes:
-            if h not in self._blocks:
-                break
-            n += 1
-        return n
+        return sum(1 for _ in takewhile(self._blocks.__contains__, hashes))
 
     def insert(self, hashes: Sequence[BlockHash]) -> None:
         """Record a prompt sent to this replica: its blocks become the most recently used."""

@@ -12,10 +12,11 @@ import itertools
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import takewhile
 
 import httpx
 
-from chunkwise.router.estimates import MetricsSample, ReplicaEstimates
+from chunkwise.router.estimates import MetricsSample, ReplicaEstimates, bump_fleet_generation
 from chunkwise.router.kv_events import KVEventIndex
 from chunkwise.router.prefix_index import PrefixIndex
 
@@ -63,6 +64,7 @@ class Load:
 class Replica:
     def __init__(self, url: str, index_capacity_blocks: int) -> None:
         self.url = url
+        bump_fleet_generation()
         # The estimate (what the router sent there) and, while the replica's KV events are read, the
         # exact index as of the last read, plus the prompts of requests in flight there and of those that
         # finished since that read began: the replica holds those too, and the next read will say so.
@@ -84,6 +86,15 @@ class Replica:
         # False once discovery no longer lists it; kept until its requests in flight finish.
         self.listed = True
         self.inflight: dict[int, InFlight] = {}
+        # Streaming requests before their first token, and their uncached prompt tokens: kept as counters,
+        # since a fleet of hundreds of replicas reads every replica's load on every pick. Non-streaming ones
+        # leave their prefill on a predicted clock, so they are read when asked (`_unstreamed`).
+        self._streams_prefilling = 0
+        self._streams_pending_tokens = 0
+        self._unstreamed: dict[int, InFlight] = {}
+        # Moves whenever the accounting or the scrape changes: what the cost model keys its per-replica
+        # state on (router/cost.py).
+        self.version = 0
         self.scrape: MetricsSample | None = None
         # Own requests in each phase when the scrape was taken: the replica's gauges counted them too.
         self.own_prefilling_at_scrape = 0
@@ -121,14 +132,17 @@ class Replica:
 
     # -- load --------------------------------------------------------------------------------------------
     def load(self, now: float) -> Load:
-        prefilling = decoding = pending = 0
-        for r in self.inflight.values():
+        prefilling, pending = self._streams_prefilling, self._streams_pending_tokens
+        for r in self._unstreamed.values():
             if r.prefilling(now):
                 prefilling += 1
                 pending += r.uncached_tokens
-            else:
-                decoding += 1
-        return Load(len(self.inflight), prefilling, decoding, pending)
+        return Load(len(self.inflight), prefilling, len(self.inflight) - prefilling, pending)
+
+    @property
+    def has_unstreamed(self) -> bool:
+        """Requests whose prefill ends on a predicted clock: the load depends on `now`."""
+        return bool(self._unstreamed)
 
     def others(self) -> tuple[float, float]:
         """(waiting, running) requests the last scrape saw that are not the router's own: other routers'."""
@@ -142,6 +156,8 @@ class Replica:
         if self.scrape is not None and sample.steps < self.scrape.steps:
             self.index.clear()  # counters began again: a restarted engine, its cache empty
         self.scrape = sample
+        self.version += 1
+        bump_fleet_generation()
         load = self.load(now)
         self.own_prefilling_at_scrape = load.prefilling
         self.own_decoding_at_scrape = load.decoding
@@ -159,6 +175,9 @@ class Replica:
             return self.index.match(hashes)
         held, pending = self.kv.hashes, self._inflight_blocks
         ended, confirming = self._ended_since_read, self._ended_before_read
+        if not pending and not ended and not confirming:
+            # The usual case between reads with nothing in flight; a C-level walk (a pick reads every replica).
+            return sum(1 for _ in takewhile(held.__contains__, hashes))
         n = 0
         for h in hashes:
             if h not in held and h not in pending and h not in ended and h not in confirming:
@@ -168,6 +187,14 @@ class Replica:
 
     async def read_kv_events(self, client: httpx.AsyncClient, timeout: float) -> None:
         """Bring the exact index up to date from the replica's KV events (see router/kv_events.py)."""
+        self.begin_kv_read()
+        try:
+            await self.kv.sync(client, self.url, timeout)
+        finally:
+            self.end_kv_read()
+
+    def begin_kv_read(self) -> None:
+        """A read of the replica's KV events begins (the simulator reads them without HTTP, between these)."""
         # A request that ended before this read began was computed before the replica answers it: the
         # answer holds its blocks (or their eviction), so it stops counting once the answer is applied, not
         # when the read begins (a pick meanwhile would see neither). One that ends meanwhile waits for the
@@ -175,16 +202,21 @@ class Replica:
         self._ended_before_read |= self._ended_since_read
         self._ended_since_read = set()
         self._reading = True
-        try:
-            await self.kv.sync(client, self.url, timeout)
-        finally:
-            # In sync, the answer holds them now; out of sync, the estimate does (it is what picks read then).
-            self._reading = False
-            self._ended_before_read = set()
+
+    def end_kv_read(self) -> None:
+        # In sync, the answer holds them now; out of sync, the estimate does (it is what picks read then).
+        self._reading = False
+        self._ended_before_read = set()
 
     # -- accounting --------------------------------------------------------------------------------------
     def begin(self, request: InFlight, block_hashes: tuple[int, ...]) -> None:
         self.inflight[request.id] = request
+        self.version += 1
+        if not request.streaming:
+            self._unstreamed[request.id] = request
+        elif request.first_token_at is None:
+            self._streams_prefilling += 1
+            self._streams_pending_tokens += request.uncached_tokens
         self.picks += 1
         # The replica will hold these blocks once it has computed them; later picks may count on it.
         self.index.insert(block_hashes)
@@ -194,9 +226,17 @@ class Replica:
     def first_token(self, request: InFlight, now: float) -> None:
         if request.first_token_at is None:
             request.first_token_at = now
+            self.version += 1
+            if request.streaming and request.id in self.inflight:
+                self._streams_prefilling -= 1
+                self._streams_pending_tokens -= request.uncached_tokens
 
     def end(self, request: InFlight) -> None:
         if self.inflight.pop(request.id, None) is not None:
+            self.version += 1
+            if self._unstreamed.pop(request.id, None) is None and request.first_token_at is None:
+                self._streams_prefilling -= 1
+                self._streams_pending_tokens -= request.uncached_tokens
             self._inflight_blocks.subtract(request.block_hashes)
             self._inflight_blocks += Counter()  # drop the hashes no request in flight holds
             # Out of sync the estimate holds them, except that a read under way may be the snapshot that
