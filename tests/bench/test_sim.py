@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from pathlib import Path
 
@@ -104,8 +106,10 @@ def test_routers() -> None:
 def test_predicted_completion_follows_the_cached_prefix_until_the_queue_costs_more() -> None:
     # Two system prompts of 512 tokens; requests arrive slowly, so queues are empty: the router sends
     # each to the replica that already holds its system prompt, and nearly every prompt token hits.
+    # Prefill costs 0.5 ms a token: the router learns that rate from the replicas' step counters (as it does
+    # live), and a cached system prompt then saves 0.25 s of prefill.
     p = profile(base_s=0.01, per_row_s=0.0)
-    p.prefill_tokens_per_s = 2000.0
+    p = dataclasses.replace(p, prefill_tokens_per_s=2000.0, linear=LinearCost(0.01, 1 / 2000, 0.0, 0.0, 0.0))
     items = shared_prefix(40, vocab_size=VOCAB, system_len=512, num_system_prompts=2, seed=1)
     items = with_arrivals(items, [i * 2.0 for i in range(len(items))])
     pc = replay(items, p, scheduler_config(p), num_replicas=4, router="predicted-completion").report()
@@ -161,25 +165,21 @@ def test_profiles_round_trip_and_builtins_are_labelled_derived(tmp_path: Path) -
         load_profile(str(tmp_path / "bad.json"))
 
 
-def test_queue_delay_counts_each_of_a_queued_parents_n_outputs() -> None:
-    """The simulator's predicted queueing delay is the engine's (Scheduler.load): a queued n > 1 request has n
-    outputs to come, so its estimated output counts n times (the simulator's own copy of the estimate had
-    dropped the x n)."""
+def test_queued_work_counts_each_of_a_queued_parents_n_outputs() -> None:
+    """A simulated replica's queue is the engine's (Scheduler.snapshot, what its load shedding and /metrics
+    read): a queued n > 1 request has n outputs to come, so its estimated output counts n times."""
     from chunkwise.engine.datatypes.request import Request
     from chunkwise.engine.datatypes.sampling_params import SamplingParams
     from chunkwise.sim.replica import SimReplica
 
     p = profile()
     rep = SimReplica(0, p, scheduler_config(p))
-    assert rep.queue_delay_s() == 0.0
     req = Request("p", list(range(3, 13)), SamplingParams(n=3, max_tokens=5), 0.0, max_tokens=5)
     rep.add(req, None)
     assert req.output_length_estimate == 5
-    # 10 prompt tokens and 3 x 5 outputs queued, at the prior's 1000 tokens per second.
-    assert rep.rate.tokens_per_s == 1000.0
-    assert rep.queue_delay_s() == pytest.approx((10 + 3 * 5) / 1000.0)
     snap = rep.scheduler.snapshot()
     assert (snap.num_queued, snap.queued_prefill_tokens, snap.queued_decode_tokens) == (1, 10, 15)
+    assert rep.gauges().num_waiting == 1
 
 
 def test_a_simulated_replica_needs_a_resolved_max_model_len() -> None:

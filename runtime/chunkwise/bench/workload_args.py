@@ -118,6 +118,19 @@ def add_workload_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
     )
     g.add_argument("--burstiness", type=_rate, default=1.0, help="gamma shape of gaps: 1 Poisson, <1 bursty")
     g.add_argument("--burst-size", type=int, default=1, help="requests arriving together in each burst")
+    g.add_argument(
+        "--rate-curve",
+        choices=("flat", "day"),
+        default="flat",
+        help="flat: the rate is --request-rate throughout; day: it follows a day, from 0.2x at the start "
+        "(night) to 1.8x at half the period, mean --request-rate",
+    )
+    g.add_argument(
+        "--curve-period-seconds",
+        type=_rate,
+        default=3600.0,
+        help="the day's length in seconds with --rate-curve day (3600: a day compressed into an hour)",
+    )
     g.add_argument("--seed", type=int, default=0, help="workload seed")
     if defaults:
         p.set_defaults(**defaults)
@@ -154,6 +167,8 @@ def build_workload(ns: argparse.Namespace, vocab_size: int = 258) -> list[WorkIt
         times = w.burst_arrivals(len(items), ns.request_rate, ns.burst_size, ns.seed)
     else:
         times = w.arrival_times(len(items), ns.request_rate, ns.burstiness, ns.seed)
+    if getattr(ns, "rate_curve", "flat") == "day" and not math.isinf(ns.request_rate):
+        times = w.day_shaped(times, ns.curve_period_seconds)
     items = w.with_arrivals(items, times)
     if ns.workload == "convoy":
         items = w.with_long_prompts(

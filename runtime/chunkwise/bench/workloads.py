@@ -184,6 +184,26 @@ def arrival_times(
     return [0.0, *np.cumsum(gaps[:-1]).tolist()] if num_requests else []
 
 
+def day_shaped(times: Sequence[float], period_s: float, amplitude: float = 0.8) -> list[float]:
+    """Arrival times re-timed so that the rate follows a day: rate(t) = r (1 - amplitude cos(2 pi t / P)),
+    a trough of (1 - amplitude) r at t = 0 (night), a peak of (1 + amplitude) r at P/2, mean r, where r is
+    the mean rate of `times`. Each arrival keeps its place in the process (the time warp maps the cumulative
+    count), so burstiness is kept too."""
+    if not period_s > 0:
+        raise ValueError(f"period_s must be positive, got {period_s}")
+    if not 0 <= amplitude < 1:
+        raise ValueError(f"amplitude must be in [0, 1), got {amplitude}")
+    if len(times) < 2 or times[-1] <= times[0]:
+        return list(times)
+    # Cumulative intensity, in units of the mean rate: L(t) = t - amplitude P / (2 pi) sin(2 pi t / P);
+    # arrival i at s_i under the flat rate goes to the t with L(t) = s_i (L is increasing: its slope is
+    # 1 - amplitude cos(.) > 0). Solved on a grid, then interpolated.
+    end = times[-1] * 1.0 + period_s
+    grid = np.linspace(0.0, end, max(4096, int(64 * end / period_s)))
+    cumulative = grid - amplitude * period_s / (2 * math.pi) * np.sin(2 * math.pi * grid / period_s)
+    return np.interp(np.asarray(times, dtype=float), cumulative, grid).tolist()
+
+
 def burst_arrivals(num_requests: int, request_rate: float, burst_size: int, seed: int = 0) -> list[float]:
     """Groups of `burst_size` requests arriving at the same instant, groups Poisson at the mean rate."""
     if burst_size < 1:

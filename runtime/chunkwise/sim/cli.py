@@ -17,8 +17,12 @@ if TYPE_CHECKING:
     from chunkwise.bench.results import RunResult
     from chunkwise.bench.workloads import WorkItem
     from chunkwise.sim.profile import Profile
+    from chunkwise.sim.replay import Scaling
 
-ROUTER_NAMES = ("round-robin", "least-loaded", "predicted-completion")
+# sim/fleet.py's names (kept here so that `--help` imports nothing heavy; a test holds them equal).
+ROUTER_NAMES = ("predicted-completion", "round-robin", "least-loaded", "prefix-affinity", "llm-d")
+PREFIX_INDEXES = ("exact", "estimate")
+AUTOSCALER_NAMES = ("chunkwise", "keda-queue", "hpa-kv")
 # The scheduler options a replay can vary (SchedulerConfig's, plus prefix caching).
 _SCHED_OPTIONS = (
     "max_num_seqs",
@@ -34,6 +38,7 @@ _SCHED_OPTIONS = (
 
 
 def _sched_args(p: argparse.ArgumentParser) -> None:
+    from chunkwise.argtypes import positive_float
     from chunkwise.engine.args import add_engine_args
 
     # The engine's own flags (help and defaults from its config), but for the two the profile sizes.
@@ -44,7 +49,61 @@ def _sched_args(p: argparse.ArgumentParser) -> None:
         "--num-blocks", type=int, default=None, help="KV blocks per replica (default: the profile's)"
     )
     g.add_argument("--replicas", type=int, default=1, help="replicas behind the router (1)")
-    g.add_argument("--router", choices=ROUTER_NAMES, default="round-robin")
+    a = p.add_argument_group(
+        "autoscaling (the fleet's size follows an autoscaler; --replicas is where it starts)"
+    )
+    a.add_argument(
+        "--autoscaler",
+        choices=AUTOSCALER_NAMES,
+        default=None,
+        help="chunkwise: the operator's own decision (chunkwise_operator/autoscale.py); keda-queue: KEDA on "
+        "queue depth; hpa-kv: HPA on KV-cache usage (default: none, a fixed fleet)",
+    )
+    a.add_argument(
+        "--min-replicas", type=int, default=1, help="autoscaler's floor (1; 0 allows scale to zero)"
+    )
+    a.add_argument("--max-replicas", type=int, default=8, help="autoscaler's ceiling (8)")
+    a.add_argument(
+        "--cold-start-seconds",
+        type=float,
+        default=None,
+        help="from asking for a replica to its first request: image pull, weights, warm-up (default: the "
+        "profile's kind: 120 for a GPU profile, an 8B model; 20 for a CPU one)",
+    )
+    a.add_argument(
+        "--autoscale-interval-seconds",
+        type=positive_float,
+        default=15.0,
+        help="how often the autoscaler decides (15: the operator's and HPA's period)",
+    )
+    a.add_argument(
+        "--scale-to-zero-after-seconds",
+        type=float,
+        default=300.0,
+        help="chunkwise autoscaler: idle time before scaling to zero, with --min-replicas 0 (300)",
+    )
+
+    g = p.add_argument_group("router (chunkwise router's own policies, and llm-d's default scorers)")
+    g.add_argument(
+        "--router",
+        choices=ROUTER_NAMES,
+        default="round-robin",
+        help="routing policy (round-robin); llm-d: its endpoint picker's default scoring (router/llmd.py)",
+    )
+    g.add_argument(
+        "--prefix-index",
+        choices=PREFIX_INDEXES,
+        default="exact",
+        help="what chunkwise's policies believe each replica caches: exact (its KV events, read at each "
+        "scrape; the default) or estimate (the prompts the router sent there); llm-d keeps its own",
+    )
+    g.add_argument(
+        "--scrape-interval-ms",
+        type=positive_float,
+        default=None,
+        help="how often the router reads each replica's metrics (and KV events); default: as deployed, "
+        "500 for chunkwise's router (--poll-interval-seconds), 50 for llm-d's endpoint picker",
+    )
 
 
 def add_replay_args(p: argparse.ArgumentParser) -> None:
@@ -78,8 +137,32 @@ def add_replay_args(p: argparse.ArgumentParser) -> None:
     _sched_args(r)
     add_workload_args(r)
 
+    fb = sub.add_parser(
+        "fleet-bench",
+        help="routers at fleet scale: the routing benchmark's workloads scaled to N replicas, at a fraction "
+        "of the fleet's capacity (sim/fleet_bench.py)",
+    )
+    fb.add_argument(
+        "--profile", default="llama3-8b-h200", help="profile JSON or built-in name (llama3-8b-h200)"
+    )
+    fb.add_argument("--replicas", default="8,32,128,256", help="fleet sizes, comma-separated (8,32,128,256)")
+    fb.add_argument(
+        "--workloads", default="agent,mixed,tenants", help="comma-separated (agent,mixed,tenants)"
+    )
+    fb.add_argument("--loads", default="0.7,0.9", help="offered load, fractions of capacity (0.7,0.9)")
+    fb.add_argument(
+        "--routers",
+        default="predicted-completion,llm-d",
+        help="comma-separated; the first is the candidate, the last the baseline (predicted-completion,llm-d)",
+    )
+    fb.add_argument("--prefix-index", choices=PREFIX_INDEXES, default="exact")
+    fb.add_argument("--requests-per-replica", type=int, default=300, help="requests per replica (300)")
+    fb.add_argument("--ttft-slo-ms", type=float, default=1000.0, help="TTFT SLO for goodput (1000)")
+    fb.add_argument("--seed", type=int, default=0)
+    fb.add_argument("--json", dest="json_out", default=None, help="append each cell's results (JSONL)")
+
     cmp = sub.add_parser("compare", help="compare configurations in the simulator (deterministic)")
-    cmp.add_argument("what", choices=["batching", "estimator", "routers", "chunked"])
+    cmp.add_argument("what", choices=["batching", "estimator", "routers", "chunked", "autoscalers"])
     cmp.add_argument("--profile", required=True)
     cmp.add_argument(
         "--seeds", type=int, default=3, help="workload seeds to replay each configuration on (3)"
@@ -126,6 +209,8 @@ def run_replay_cli(args: argparse.Namespace) -> int:
         raise SystemExit(str(e)) from None
     if args.replay_command == "run":
         return _run(args)
+    if args.replay_command == "fleet-bench":
+        return _fleet_bench(args)
     return _compare(args)
 
 
@@ -176,23 +261,52 @@ def _workload(args: argparse.Namespace, profile: Profile) -> list[WorkItem]:
 
 
 def _replay(args: argparse.Namespace, items: list[WorkItem], name: str, **changes: Any) -> RunResult:
+    from chunkwise.sim.fleet import RouterSpec
     from chunkwise.sim.replay import replay, scheduler_config
 
     profile = args.profile_obj
     kw = {
         **_config_kwargs(args),
-        **{k: v for k, v in changes.items() if k not in ("router", "replicas", "prefix")},
+        **{k: v for k, v in changes.items() if k not in ("router", "replicas", "prefix", "autoscaler")},
     }
     return replay(
         items,
         profile,
         scheduler_config(profile, **kw),
         num_replicas=changes.get("replicas", args.replicas),
-        router=changes.get("router", args.router),
+        router=RouterSpec(
+            policy=changes.get("router", args.router),
+            prefix_index=args.prefix_index,
+            scrape_interval_s=args.scrape_interval_ms / 1000 if args.scrape_interval_ms else None,
+        ),
         num_blocks=args.num_blocks,
         enable_prefix_caching=changes.get("prefix", _prefix_caching(args)),
         name=name,
+        scaling=_scaling(args, changes.get("autoscaler", args.autoscaler)),
     )
+
+
+def _scaling(args: argparse.Namespace, name: str | None) -> Scaling | None:
+    from chunkwise.sim.autoscaling import make_autoscaler
+    from chunkwise.sim.replay import Scaling, default_cold_start_s
+
+    if name is None:
+        return None
+    cold = args.cold_start_seconds
+    if cold is None:
+        cold = default_cold_start_s(args.profile_obj)
+    kw: dict[str, Any] = {
+        "min_replicas": args.min_replicas,
+        "max_replicas": args.max_replicas,
+        "cold_start_s": cold,
+    }
+    if name == "chunkwise":
+        kw["scale_to_zero_after_s"] = args.scale_to_zero_after_seconds
+    try:
+        autoscaler = make_autoscaler(name, **kw)
+        return Scaling(autoscaler, interval_s=args.autoscale_interval_seconds, cold_start_s=cold)
+    except ValueError as e:
+        raise SystemExit(f"--autoscaler {name}: {e}") from None
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -204,8 +318,10 @@ def _run(args: argparse.Namespace) -> int:
     report = result.report(slos)
     print(format_report(report, title="Replay Result (simulated)"))
     print(f"profile: {args.profile_obj.name} ({args.profile_obj.source})")
+    if "autoscaler" in report:
+        print(_scaling_line(report))
     print(
-        f"replicas {args.replicas}, router {args.router}; preemptions {report['num_preemptions']}; "
+        f"replicas {args.replicas}, router {report['router']} ({report['prefix_index']} index); preemptions {report['num_preemptions']}; "
         f"replayed in {report['wall_seconds']:.1f} s of wall time"
     )
     if result.steps:
@@ -233,11 +349,49 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scaling_line(report: dict[str, Any]) -> str:
+    attained = report.get("request_goodput", 0.0) * report["duration"] / max(1, report["completed"] + report["failed"])
+    slo = f"SLO attainment {attained:.1%}; " if "slos_ms" in report else ""
+    return (
+        f"autoscaler {report['autoscaler']} (cold start {report['cold_start_s']:.0f} s): {slo}"
+        f"{report['replica_seconds']:.0f} replica-seconds, at most {report['max_replicas']} replicas, "
+        f"{len(report['scale_events'])} scale events"
+    )
+
+
+def _compare_autoscalers(args: argparse.Namespace) -> int:
+    """Every autoscaler on the same requests: SLO attainment against replica-seconds."""
+    from chunkwise.bench.metrics import parse_slos
+
+    slos = parse_slos(args.goodput)
+    if not slos:
+        raise SystemExit("compare autoscalers needs --goodput SLOs (e.g. ttft:2000) to count attainment")
+    items = _workload(args, args.profile_obj)
+    rows = []
+    print(f"profile: {args.profile_obj.name} ({args.profile_obj.source})")
+    print(f"{'autoscaler':<14}{'SLO attained':>14}{'replica-s':>12}{'max replicas':>14}{'p99 TTFT ms':>14}")
+    for name in AUTOSCALER_NAMES:
+        rep = _replay(args, items, name, autoscaler=name).report(slos)
+        attained = rep.get("request_goodput", 0.0) * rep["duration"] / max(1, rep["completed"] + rep["failed"])
+        rows.append({"autoscaler": name, "slo_attainment": attained, **rep})
+        print(
+            f"{name:<14}{attained:>14.1%}{rep['replica_seconds']:>12.0f}{rep['max_replicas']:>14d}"
+            f"{rep['p99_ttft_ms']:>14.0f}"
+        )
+        _log(_scaling_line(rep))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"what": "autoscalers", "command": " ".join(sys.argv), "results": rows}, f, indent=2)
+    return 0
+
+
 def _compare(args: argparse.Namespace) -> int:
     import statistics
 
     from chunkwise.bench.metrics import parse_slos
 
+    if args.what == "autoscalers":
+        return _compare_autoscalers(args)
     slos = parse_slos(args.goodput)
     configs: list[tuple[str, dict[str, Any]]]
     hide = False
@@ -313,4 +467,51 @@ def _compare(args: argparse.Namespace) -> int:
             {n: runs[0] for n, runs in results.items()}, args.plot_dir, f"replay_{args.what}"
         ):
             _log(f"wrote {path}")
+    return 0
+
+
+def _fleet_bench(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from chunkwise.sim.fleet import RouterSpec
+    from chunkwise.sim.fleet_bench import format_table, run_cell
+
+    def names(text: str) -> list[str]:
+        return [x.strip() for x in text.split(",") if x.strip()]
+
+    try:
+        sizes = [int(x) for x in names(args.replicas)]
+        loads = [float(x) for x in names(args.loads)]
+        routers = [RouterSpec(policy=r, prefix_index=args.prefix_index) for r in names(args.routers)]
+    except ValueError as e:
+        raise SystemExit(f"fleet-bench: {e}") from None
+    if len(routers) < 2:
+        raise SystemExit("fleet-bench: --routers needs a candidate and a baseline")
+    results = []
+    for n in sizes:
+        for w in names(args.workloads):
+            for load in loads:
+                _log(f"{w}: {n} replicas at {load:.0%} of capacity ...")
+                cell = run_cell(
+                    w,
+                    n,
+                    load,
+                    routers,
+                    args.profile_obj,
+                    requests_per_replica=args.requests_per_replica,
+                    ttft_slo_ms=args.ttft_slo_ms,
+                    seed=args.seed,
+                )
+                for c in cell:
+                    _log(
+                        f"  {c.router:<22} p99 TTFT {c.p99_ttft_ms:9.1f} ms  mean {c.mean_ttft_ms:8.1f} ms  "
+                        f"hits {c.hit_ratio:.2f}  SLO {c.slo_attainment:.1%}  ({c.requests} requests at "
+                        f"{c.rate:.0f}/s, replayed in {c.wall_s:.1f} s)"
+                    )
+                    if args.json_out:
+                        with open(args.json_out, "a") as f:
+                            f.write(json.dumps(dataclasses.asdict(c)) + "\n")
+                results += cell
+    print(f"profile: {args.profile_obj.name} ({args.profile_obj.source})")
+    print(format_table(results, baseline=routers[-1].policy, candidate=routers[0].policy))
     return 0

@@ -16,15 +16,15 @@ import time
 from dataclasses import dataclass
 
 from chunkwise.bench.workloads import WorkItem
+from chunkwise.engine.cache.events import KVEventLog
 from chunkwise.engine.cache.hashing import hash_prefix_blocks
 from chunkwise.engine.cache.kv_cache_manager import KVCacheManager
 from chunkwise.engine.datatypes.config import SchedulerConfig
 from chunkwise.engine.datatypes.request import Request, resolve_max_tokens
 from chunkwise.engine.datatypes.sampling_params import SamplingParams
-from chunkwise.engine.sched.output import SchedulerOutput
+from chunkwise.engine.sched.output import SchedulerOutput, SchedulerStats
 from chunkwise.engine.sched.preemption import PreemptionCostModel
 from chunkwise.engine.sched.scheduler import Scheduler
-from chunkwise.engine.sched.shedding import ServiceRate
 from chunkwise.sim.profile import Profile
 
 # The stand-in model's vocabulary: EOS where a hidden target ends a request, fillers otherwise. Fillers vary
@@ -37,6 +37,17 @@ _MAX_EMPTY_STEPS = 1000
 
 def filler_token(position: int) -> int:
     return 1 + position % _NUM_FILLERS
+
+
+@dataclass
+class Counters:
+    """The replica's cumulative counters, as its /metrics exports them (what a router learns speed from)."""
+
+    steps: int = 0
+    step_seconds: float = 0.0
+    scheduled_tokens: int = 0
+    itl_seconds: float = 0.0
+    itl_count: int = 0
 
 
 @dataclass
@@ -59,7 +70,9 @@ class SimReplica:
         num_blocks: int | None = None,
         enable_prefix_caching: bool = True,
         num_host_blocks: int | None = None,
+        kv_events: bool = False,
     ) -> None:
+        """`kv_events`: keep the engine's KV event log (a router reading the exact prefix index needs it)."""
         self.index = index
         self.profile = profile
         self.config = config
@@ -69,7 +82,9 @@ class SimReplica:
         host = num_host_blocks
         if host is None:
             host = (1 << 30) // (profile.kv_bytes_per_token * profile.block_size)
-        self.kv = KVCacheManager(blocks, profile.block_size, enable_prefix_caching, host)
+        self.num_blocks = blocks
+        self.kv_events = KVEventLog() if kv_events else None
+        self.kv = KVCacheManager(blocks, profile.block_size, enable_prefix_caching, host, self.kv_events)
         self.cost_model = PreemptionCostModel(
             kv_bytes_per_token=profile.kv_bytes_per_token,
             host_copy_bytes_per_s=profile.host_copy_bytes_per_s,
@@ -77,13 +92,11 @@ class SimReplica:
         )
         self.scheduler = Scheduler.from_config(config, self.kv, self.cost_model)
         self.targets: dict[str, int] = {}
-        self.rate = ServiceRate(profile.prefill_tokens_per_s)
+        self.counters = Counters()
         self.busy = False
         self._in_flight: tuple[SchedulerOutput, dict[str, list[int]]] | None = None
         self.last_output: SchedulerOutput | None = None
         self._empty_steps = 0
-        # Exponential average of step time: the replica's current TPOT, as a router would read it.
-        self.step_ema_s = 0.0
         self.schedule_cpu_s: list[float] = []
 
     # -- requests -------------------------------------------------------------------------------------------
@@ -110,30 +123,14 @@ class SimReplica:
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    # -- what a router reads --------------------------------------------------------------------------------
     @property
     def num_requests(self) -> int:
         return self.scheduler.num_requests
 
-    def queue_delay_s(self) -> float:
-        """The engine's own predicted queueing delay (chunkwise.engine.sched.shedding), from the scheduler's count
-        of the queued work (Scheduler.load, as the engine's load shedding reads it) over the measured
-        service rate."""
-        return self.scheduler.load(self.rate.tokens_per_s).predicted_delay_s
-
-    def cached_prompt_tokens(self, block_hashes: list[int], num_prompt_tokens: int) -> int:
-        """Leading prompt tokens this replica's prefix cache holds (read only; as lookup_prefix counts)."""
-        return len(self.kv.cached_blocks(block_hashes, num_prompt_tokens)) * self.kv.block_size
-
-    def output_estimate(self, item: WorkItem) -> int:
-        if item.max_tokens is not None:
-            return item.max_tokens
-        return self.scheduler.estimator.estimate("")
-
-    def tpot_s(self) -> float:
-        if self.step_ema_s > 0 and self.num_requests:
-            return self.step_ema_s
-        return self.profile.decode_step_seconds(1, 128)
+    def gauges(self) -> SchedulerStats:
+        """The scheduler's stats as the engine publishes them after each step (its /metrics reads these):
+        current, not as of the last schedule()."""
+        return self.scheduler.snapshot().stats
 
     # -- steps ----------------------------------------------------------------------------------------------
     def start_step(self) -> float:
@@ -163,9 +160,11 @@ class SimReplica:
         self.last_output = so
         self.busy = True
         dt = self.profile.step_seconds(so)
-        self.rate.observe(so.num_batched_tokens, dt)
         if so.scheduled:
-            self.step_ema_s = dt if self.step_ema_s == 0 else self.step_ema_s + 0.1 * (dt - self.step_ema_s)
+            c = self.counters
+            c.steps += 1
+            c.step_seconds += dt
+            c.scheduled_tokens += so.num_batched_tokens
         return dt
 
     def finish_step(self) -> tuple[SchedulerOutput, list[Emission]]:
@@ -182,6 +181,8 @@ class SimReplica:
             )
             if req.is_finished:
                 self.targets.pop(req.request_id, None)
+        if self.kv_events is not None:
+            self.kv_events.flush()  # the engine closes each step's cache changes into one event
         return so, emitted
 
 
