@@ -229,12 +229,12 @@ def test_fleet_bench_scales_a_workload_and_offers_it_at_a_fraction_of_capacity()
         requests_per_replica=30,
         ttft_slo_ms=1000.0,
     )
-    assert [c.router for c in cells] == ["predicted-completion", "llm-d"]
+    assert [c.router for c in cells] == ["predicted-completion+exact", "llm-d"]
     assert all(c.completed == c.requests == 60 for c in cells)
     assert cells[0].rate == cells[1].rate > 0
-    table = format_table(cells, baseline="llm-d", candidate="predicted-completion")
+    table = format_table(cells, baseline="llm-d", candidates=["predicted-completion+exact"])
     ratio = cells[1].p99_ttft_ms / cells[0].p99_ttft_ms
-    assert f"**{ratio:.2f}x**" in table and "| tenants | 2 | 70% | 60 |" in table
+    assert f"**{ratio:.2f}x**" in table and "| tenants | 2 | 70% | 60 | predicted-completion+exact |" in table
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -270,6 +270,11 @@ def test_fleet_bench_cli_prints_the_table(tmp_path: Path) -> None:
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["router"] for r in rows] == ["predicted-completion", "llm-d"]
-    assert "| mixed | 2 | 50% |" in run.stdout
+    assert [r["router"] for r in rows] == [
+        "predicted-completion+exact",
+        "predicted-completion+estimate",
+        "llm-d",
+    ]
+    assert f"| mixed | 2 | 50% | {rows[0]['requests']} | predicted-completion+estimate |" in run.stdout
+    assert RouterSpec.parse("least-loaded+estimate") == RouterSpec("least-loaded", "estimate")
     assert dataclasses.is_dataclass(RouterSpec)

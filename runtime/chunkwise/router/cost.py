@@ -47,6 +47,8 @@ class Prediction:
     prefill_s: float
     decode_s: float
     adapter_s: float = 0.0  # bringing the request's LoRA adapter onto the device (0: resident, or none)
+    # What the request's prefill costs the requests already at the replica: each waits while it runs.
+    delay_to_others_s: float = 0.0
 
     @property
     def ttft(self) -> float:
@@ -260,4 +262,5 @@ class CostModel:
             prefill_s=(request.prompt_tokens - cached) / rate,
             decode_s=request.output_tokens * tpot,
             adapter_s=self.adapter_load_s(replica, request),
+            delay_to_others_s=(request.prompt_tokens - cached) / rate * st.ahead,
         )

@@ -202,31 +202,39 @@ class LlmD:
     def blocks(self, request: RoutedRequest) -> list[BlockHash]:
         return prompt_blocks(request.block_hashes, self.blocks_per_chunk, self.max_prefix_blocks)
 
-    def score(self, request: RoutedRequest, candidates: Sequence[Replica]) -> list[Scores]:
+    def _scored(
+        self, request: RoutedRequest, candidates: Sequence[Replica]
+    ) -> tuple[list[float], list[float], list[float], list[float]]:
+        """Each scorer's scores of the candidates, and their weighted totals (in lists: a pick at a fleet of
+        hundreds scores every candidate)."""
         waiting = [int(r.scrape.waiting) if r.scrape is not None else 0 for r in candidates]
         usage = [r.scrape.kv_usage if r.scrape is not None else 0.0 for r in candidates]
         blocks = self.blocks(request)
         matched = self.index.match_longest_prefix(blocks)
         w = self.weights
-        out = []
-        for q, kv, p in zip(
-            queue_scores(waiting),
-            kv_cache_utilization_scores(usage),
-            prefix_scores([matched.get(r.url, 0) for r in candidates], len(blocks)),
-        ):
-            total = (
-                clamp(q) * w.get(QUEUE_SCORER, 0.0)
-                + clamp(kv) * w.get(KV_CACHE_UTILIZATION_SCORER, 0.0)
-                + clamp(p) * w.get(PREFIX_CACHE_SCORER, 0.0)
-            )
-            out.append(Scores(q, kv, p, total))
-        return out
+        wq = w.get(QUEUE_SCORER, 0.0)
+        wk = w.get(KV_CACHE_UTILIZATION_SCORER, 0.0)
+        wp = w.get(PREFIX_CACHE_SCORER, 0.0)
+        q = queue_scores(waiting)
+        kv = kv_cache_utilization_scores(usage)
+        p = prefix_scores([matched.get(r.url, 0) for r in candidates], len(blocks))
+        # clamp(x) inlined: enforceScoreRange.
+        totals = [
+            min(1.0, max(0.0, a)) * wq + min(1.0, max(0.0, b)) * wk + min(1.0, max(0.0, c)) * wp
+            for a, b, c in zip(q, kv, p)
+        ]
+        return q, kv, p, totals
+
+    def score(self, request: RoutedRequest, candidates: Sequence[Replica]) -> list[Scores]:
+        return [Scores(*row) for row in zip(*self._scored(request, candidates))]
 
     def choose(self, request: RoutedRequest, candidates: Sequence[Replica], now: float) -> Replica:
-        scores = self.score(request, candidates)
-        order = list(range(len(candidates)))
-        self._rng.shuffle(order)  # random tie-break, as the max-score picker's shuffle before its stable sort
-        best = max(order, key=lambda i: scores[i].total)  # max() keeps the first of equal totals
+        totals = self._scored(request, candidates)[3]
+        # The max-score picker shuffles the candidates before its stable sort: the best total wins, ties
+        # at random (uniformly among the tied).
+        top = max(totals)
+        tied = [i for i, t in enumerate(totals) if t == top]
+        best = tied[0] if len(tied) == 1 else self._rng.choice(tied)
         chosen = candidates[best]
         # PreRequest: the chosen server now holds the prompt's blocks, as far as the index knows.
         capacity = chosen.scrape.cache_blocks if chosen.scrape is not None else None

@@ -85,7 +85,15 @@ class PrefixAffinity:
 
 
 class PredictedCompletion:
-    """The minimum of the predicted completion time: cache hits win while queues are comparable."""
+    """The minimum of the predicted completion time, plus what the request's prefill delays the requests
+    already at the replica: cache hits win while queues are comparable.
+
+    The second term is the sum of completion times the pick adds, not only its own: an uncached prefill at
+    a busy replica stalls every request there for as long as it runs, while the same prompt at the replica
+    that caches it costs them almost nothing. Without it, a fleet whose caches are small spreads a
+    tenant's requests wherever its own queue is shortest, each spread request displaces other prefixes,
+    and the hit ratio and then the tail fall (docs/router-bench.md, "At fleet scale").
+    """
 
     name = "predicted-completion"
 
@@ -98,7 +106,8 @@ class PredictedCompletion:
         predictions = self.cost.predict_all(candidates, request, now)
 
         def key(i: int) -> tuple[float, int, int]:
-            return predictions[i].completion, len(candidates[i].inflight), tie(i)
+            p = predictions[i]
+            return p.completion + p.delay_to_others_s, len(candidates[i].inflight), tie(i)
 
         return candidates[min(range(len(candidates)), key=key)]
 

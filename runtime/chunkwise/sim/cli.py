@@ -152,10 +152,16 @@ def add_replay_args(p: argparse.ArgumentParser) -> None:
     fb.add_argument("--loads", default="0.7,0.9", help="offered load, fractions of capacity (0.7,0.9)")
     fb.add_argument(
         "--routers",
-        default="predicted-completion,llm-d",
-        help="comma-separated; the first is the candidate, the last the baseline (predicted-completion,llm-d)",
+        default="predicted-completion+exact,predicted-completion+estimate,llm-d",
+        help="comma-separated, NAME or NAME+exact|estimate (the prefix index); the last is the baseline "
+        "(predicted-completion+exact,predicted-completion+estimate,llm-d)",
     )
-    fb.add_argument("--prefix-index", choices=PREFIX_INDEXES, default="exact")
+    fb.add_argument(
+        "--prefix-index",
+        choices=PREFIX_INDEXES,
+        default="exact",
+        help="for routers named without one (exact)",
+    )
     fb.add_argument("--requests-per-replica", type=int, default=300, help="requests per replica (300)")
     fb.add_argument("--ttft-slo-ms", type=float, default=1000.0, help="TTFT SLO for goodput (1000)")
     fb.add_argument("--seed", type=int, default=0)
@@ -172,6 +178,31 @@ def add_replay_args(p: argparse.ArgumentParser) -> None:
     cmp.add_argument("--plot-dir", default=None)
     _sched_args(cmp)
     add_workload_args(cmp)
+
+    # `replay validate` (sim/validate.py): exits 0 whatever the ratios; with --strict, 1 when one misses.
+    from chunkwise.engine.args import add_engine_args
+    from chunkwise.sim.validate import ENGINE_OPTIONS
+
+    v = sub.add_parser(
+        "validate",
+        help="run a workload on the real engine and replay it on a profile calibrated alongside; print "
+        "replay/real of mean and p99 TTFT, mean TPOT and output throughput against the 5%% goal",
+    )
+    v.add_argument("--model", default="tiny", help="built-in preset or HF directory (tiny)")
+    v.add_argument("--profile", default=None, help="a saved profile (JSON) to replay instead of calibrating")
+    v.add_argument("--rounds", type=int, default=4, help="real runs, each beside the calibration runs (4)")
+    v.add_argument("--warmup-rounds", type=int, default=1, help="unrecorded rounds first (1)")
+    v.add_argument("--quick", action="store_true", help="the smaller calibration workloads")
+    v.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1; the cpu clock needs 1)")
+    v.add_argument(
+        "--clock", choices=["cpu", "wall"], default=None, help="cpu (default with 1 thread) or wall"
+    )
+    v.add_argument("--goal", type=float, default=0.05, help="largest |ratio - 1| that passes (0.05)")
+    v.add_argument("--strict", action="store_true", help="exit 1 when a ratio misses the goal")
+    v.add_argument("--json", dest="json_out", default=None, help="write the result (and the profile) as JSON")
+    v.add_argument("--save-profile", default=None, help="write the profile calibrated here (JSON)")
+    add_engine_args(v, ENGINE_OPTIONS, title="engine (the real run's; the replay uses the same)")
+    add_workload_args(v)
 
 
 def _log(msg: str) -> None:
@@ -196,6 +227,8 @@ def _config_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
 def run_replay_cli(args: argparse.Namespace) -> int:
     if args.replay_command == "calibrate":
         return _calibrate(args)
+    if args.replay_command == "validate":
+        return _validate(args)
     from chunkwise.sim.profile import BUILTIN_PROFILES, load_profile
 
     if args.replay_command == "profiles":
@@ -350,7 +383,11 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _scaling_line(report: dict[str, Any]) -> str:
-    attained = report.get("request_goodput", 0.0) * report["duration"] / max(1, report["completed"] + report["failed"])
+    attained = (
+        report.get("request_goodput", 0.0)
+        * report["duration"]
+        / max(1, report["completed"] + report["failed"])
+    )
     slo = f"SLO attainment {attained:.1%}; " if "slos_ms" in report else ""
     return (
         f"autoscaler {report['autoscaler']} (cold start {report['cold_start_s']:.0f} s): {slo}"
@@ -372,7 +409,9 @@ def _compare_autoscalers(args: argparse.Namespace) -> int:
     print(f"{'autoscaler':<14}{'SLO attained':>14}{'replica-s':>12}{'max replicas':>14}{'p99 TTFT ms':>14}")
     for name in AUTOSCALER_NAMES:
         rep = _replay(args, items, name, autoscaler=name).report(slos)
-        attained = rep.get("request_goodput", 0.0) * rep["duration"] / max(1, rep["completed"] + rep["failed"])
+        attained = (
+            rep.get("request_goodput", 0.0) * rep["duration"] / max(1, rep["completed"] + rep["failed"])
+        )
         rows.append({"autoscaler": name, "slo_attainment": attained, **rep})
         print(
             f"{name:<14}{attained:>14.1%}{rep['replica_seconds']:>12.0f}{rep['max_replicas']:>14d}"
@@ -482,7 +521,7 @@ def _fleet_bench(args: argparse.Namespace) -> int:
     try:
         sizes = [int(x) for x in names(args.replicas)]
         loads = [float(x) for x in names(args.loads)]
-        routers = [RouterSpec(policy=r, prefix_index=args.prefix_index) for r in names(args.routers)]
+        routers = [RouterSpec.parse(r, args.prefix_index) for r in names(args.routers)]
     except ValueError as e:
         raise SystemExit(f"fleet-bench: {e}") from None
     if len(routers) < 2:
@@ -513,5 +552,56 @@ def _fleet_bench(args: argparse.Namespace) -> int:
                             f.write(json.dumps(dataclasses.asdict(c)) + "\n")
                 results += cell
     print(f"profile: {args.profile_obj.name} ({args.profile_obj.source})")
-    print(format_table(results, baseline=routers[-1].policy, candidate=routers[0].policy))
+    print(format_table(results, baseline=routers[-1].label, candidates=[r.label for r in routers[:-1]]))
     return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    """`replay validate` (sim/validate.py). Exit status 0 whatever the ratios, so that a measurement is never
+    an error; with --strict, 1 when any ratio misses --goal."""
+    import torch
+
+    from chunkwise.bench.cli import build_workload, describe
+    from chunkwise.bench.clock import check_clock
+    from chunkwise.sim.profile import load_profile
+    from chunkwise.sim.validate import ENGINE_OPTIONS, run_validation
+
+    if args.rounds < 1 or args.warmup_rounds < 0:
+        raise SystemExit("--rounds must be at least 1 and --warmup-rounds at least 0")
+    torch.set_num_threads(args.threads)
+    try:
+        clock = check_clock(args.clock or ("cpu" if args.threads == 1 else "wall"), args.threads)
+        profile = load_profile(args.profile) if args.profile else None
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    items = build_workload(args)
+    if any(it.max_tokens is None for it in items):
+        raise SystemExit(
+            "validate runs the workload on the real engine, which needs each request's max_tokens"
+        )
+    _log(f"workload: {describe(items)}")
+    engine_args = {n: getattr(args, n) for n in ENGINE_OPTIONS if getattr(args, n) is not None}
+    try:
+        result = run_validation(
+            args.model,
+            engine_args,
+            items,
+            args.rounds,
+            profile=profile,
+            quick=args.quick,
+            clock=clock,
+            workload=args.workload,
+            progress=True,
+            goal=args.goal,
+            warmup_rounds=args.warmup_rounds,
+        )
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    print(result.table())
+    if args.save_profile and result.calibrated:
+        result.profile.save(args.save_profile)
+        _log(f"wrote {args.save_profile}")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({**result.to_json(), "command": " ".join(sys.argv)}, f, indent=2)
+    return 1 if args.strict and not result.passed else 0

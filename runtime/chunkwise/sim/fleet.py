@@ -73,6 +73,17 @@ class RouterSpec:
     def name(self) -> str:
         return f"{self.policy} ({self.index_name} index)"
 
+    @property
+    def label(self) -> str:
+        """`policy` or `policy+index` (the routing benchmark's notation), for tables."""
+        return self.policy if self.policy == LlmD.name else f"{self.policy}+{self.prefix_index}"
+
+    @classmethod
+    def parse(cls, text: str, default_index: str = "exact") -> RouterSpec:
+        """`policy` or `policy+exact|estimate`."""
+        policy, _, index = text.partition("+")
+        return cls(policy=policy, prefix_index=index or default_index)
+
 
 def _url(index: int) -> str:
     return f"sim://replica-{index:05d}"  # zero-padded: the router orders candidates by URL
