@@ -330,3 +330,28 @@ def test_a_replica_whose_kv_cache_is_full_predicts_a_wait_for_blocks(make_router
         router.cost.mean_output_tokens * at_full.decode_s / 100
     )
     assert at_full.queue_s == pytest.approx((0.95 * 1024 + 499 - 1024) / 1024 * service)
+
+
+def test_predicted_completion_counts_what_a_miss_delays_at_a_busy_replica(make_router: MakeRouter) -> None:
+    """Both replicas hold three requests. At `home` (which caches the system prompt) they are still
+    prefilling 1,500 tokens, so the request's own completion is sooner at `away`; but its 1,002-token miss
+    there would stall the three requests running at `away` for as long as it prefills, while at `home` it
+    computes 10 tokens. The pick adds the least completion time summed over everyone: home."""
+    from chunkwise.router.replica import InFlight
+
+    router = make_router(urls=URLS[:2])
+    home, away = router.replicas[URLS[0]], router.replicas[URLS[1]]
+    home.index.insert(request(SYSTEM).block_hashes)
+    now = router.clock()
+    for _ in range(3):
+        home.begin(InFlight(600, 500, 10, True, now, 0.1, 0.2), ())
+        running = InFlight(600, 500, 10, True, now, 0.1, 0.2)
+        away.begin(running, ())
+        away.first_token(running, now)
+    req = request([*SYSTEM, *range(2000, 2010)])
+    at_home, at_away = router.cost.predict(home, req, now), router.cost.predict(away, req, now)
+    assert at_away.completion < at_home.completion  # on its own completion alone, away wins
+    assert at_away.delay_to_others_s == pytest.approx(3 * at_away.prefill_s)
+    assert at_home.completion + at_home.delay_to_others_s < at_away.completion + at_away.delay_to_others_s
+    p = router.pick(req)
+    assert p is not None and p.replica is home
