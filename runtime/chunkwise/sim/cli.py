@@ -603,5 +603,5 @@ def _validate(args: argparse.Namespace) -> int:
         _log(f"wrote {args.save_profile}")
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({**result.to_json(), "command": " ".join(sys.argv)}, f, indent=2)
+            json.dump({**result.to_json(), "command": " ".join(["chunkwise", *sys.argv[1:]])}, f, indent=2)
     return 1 if args.strict and not result.passed else 0
