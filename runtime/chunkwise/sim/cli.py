@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 ROUTER_NAMES = ("predicted-completion", "round-robin", "least-loaded", "prefix-affinity", "llm-d")
 PREFIX_INDEXES = ("exact", "estimate")
 AUTOSCALER_NAMES = ("chunkwise", "keda-queue", "hpa-kv")
+# A fleet's replica when none is named: Llama-3-8B on an H200, derived from datasheet peaks (every report
+# prints the profile's provenance).
+DEFAULT_PROFILE = "llama3-8b-h200"
 # The scheduler options a replay can vary (SchedulerConfig's, plus prefix caching).
 _SCHED_OPTIONS = (
     "max_num_seqs",
@@ -130,7 +133,11 @@ def add_replay_args(p: argparse.ArgumentParser) -> None:
     sub.add_parser("profiles", help="list the built-in profiles")
 
     r = sub.add_parser("run", help="replay a workload and report it like `bench serve`")
-    r.add_argument("--profile", required=True, help="profile JSON or a built-in name (see `replay profiles`)")
+    r.add_argument(
+        "--profile",
+        default=DEFAULT_PROFILE,
+        help=f"profile JSON or a built-in name (see `replay profiles`; default {DEFAULT_PROFILE}, derived)",
+    )
     r.add_argument("--goodput", nargs="*", default=[], help="SLOs in ms: ttft:500 tpot:50 e2el:5000")
     r.add_argument("--json", dest="json_out", default=None)
     r.add_argument("--plot-dir", default=None)
@@ -143,7 +150,7 @@ def add_replay_args(p: argparse.ArgumentParser) -> None:
         "of the fleet's capacity (sim/fleet_bench.py)",
     )
     fb.add_argument(
-        "--profile", default="llama3-8b-h200", help="profile JSON or built-in name (llama3-8b-h200)"
+        "--profile", default=DEFAULT_PROFILE, help=f"profile JSON or built-in name ({DEFAULT_PROFILE})"
     )
     fb.add_argument("--replicas", default="8,32,128,256", help="fleet sizes, comma-separated (8,32,128,256)")
     fb.add_argument(
@@ -169,7 +176,7 @@ def add_replay_args(p: argparse.ArgumentParser) -> None:
 
     cmp = sub.add_parser("compare", help="compare configurations in the simulator (deterministic)")
     cmp.add_argument("what", choices=["batching", "estimator", "routers", "chunked", "autoscalers"])
-    cmp.add_argument("--profile", required=True)
+    cmp.add_argument("--profile", default=DEFAULT_PROFILE, help=f"as for run (default {DEFAULT_PROFILE})")
     cmp.add_argument(
         "--seeds", type=int, default=3, help="workload seeds to replay each configuration on (3)"
     )
