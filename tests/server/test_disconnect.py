@@ -70,14 +70,14 @@ def test_stream_disconnect_aborts_and_frees_blocks(live: LiveServer) -> None:
         client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r,
     ):
         assert r.status_code == 200
-        events = 0
+        events: list[str] = []
         for line in r.iter_lines():
             if line.startswith("data: "):
-                events += 1
-                if events == 2:
+                events.append(line)
+                if len(events) == 2:
                     break
         # Mid-generation: the request holds KV blocks now.
-        assert live.engine.num_unfinished == 1
+        assert live.engine.num_unfinished == 1, events
         assert live.engine.core.kv.num_free_blocks < live.engine.core.num_blocks
     # Leaving the block closed the connection.
     wait_for(lambda: engine_idle(live))
