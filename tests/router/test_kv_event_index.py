@@ -116,3 +116,74 @@ async def test_a_finished_prompt_stays_held_while_the_read_that_will_report_it_i
     async with httpx.AsyncClient(transport=httpx.MockTransport(events)) as client:
         await replica.read_kv_events(client, 1.0)
     assert replica.cached_blocks(hashes) == 0  # the evictions count: nothing of the past is kept
+
+
+def test_the_leading_run_across_the_index_and_the_requests_in_flight_is_the_naive_walk() -> None:
+    """cached_blocks walks each source in C, switching between them; it must stop exactly where a walk
+    asking every source about every hash stops."""
+    import random
+
+    from chunkwise.router.replica import InFlight, Replica
+
+    rng = random.Random(3)
+    for trial in range(300):
+        r = Replica("http://x", 1000)
+        r.kv.load_hashes("e", 1, (h for h in range(40) if rng.random() < 0.7))
+        pending = tuple(h for h in range(40) if rng.random() < 0.3)
+        if trial % 3:
+            r.begin(InFlight(10, 10, 1, True, 0.0, 0.1, 0.2), pending)
+        ended = tuple(h for h in range(40) if rng.random() < 0.2)
+        if trial % 2:
+            done = InFlight(10, 10, 1, True, 0.0, 0.1, 0.2)
+            r.begin(done, ended)
+            r.end(done)
+        hashes = list(range(40))
+        rng.shuffle(hashes)
+        hashes = hashes[: rng.randint(0, 40)]
+        sources = (r.kv.hashes, r._inflight_blocks, r._ended_since_read, r._ended_before_read)
+        naive = 0
+        for h in hashes:
+            if not any(h in s for s in sources):
+                break
+            naive += 1
+        assert r.cached_blocks(hashes) == naive
+
+
+def test_a_remembered_walk_follows_every_change_to_what_the_replica_holds() -> None:
+    """cached_blocks remembers how far a prefix was held; after a pick, an end or a KV read it must answer
+    as a fresh walk does."""
+    import random
+
+    from chunkwise.router.replica import InFlight, Replica
+
+    rng = random.Random(5)
+    r = Replica("http://x", 1000)
+    r.kv.load_hashes("e", 1, range(0, 30))
+    prompts = [list(range(40)), list(range(25)), [*range(10), 99, 100]]
+    flights: list[InFlight] = []
+
+    def naive(hashes: list[int]) -> int:
+        sources = (r.kv.hashes, r._inflight_blocks, r._ended_since_read, r._ended_before_read)
+        n = 0
+        for h in hashes:
+            if not any(h in s for s in sources):
+                break
+            n += 1
+        return n
+
+    for _ in range(200):
+        for p in prompts:
+            assert r.cached_blocks(p) == naive(p)
+        move = rng.randrange(3)
+        if move == 0:
+            f = InFlight(10, 10, 1, True, 0.0, 0.1, 0.2)
+            r.begin(f, tuple(rng.choice(prompts)[: rng.randint(0, 40)]))
+            flights.append(f)
+        elif move == 1 and flights:
+            r.end(flights.pop(rng.randrange(len(flights))))
+        else:
+            r.begin_kv_read()
+            for p in prompts:  # a pick while the read is under way (the live router awaits its answer)
+                assert r.cached_blocks(p) == naive(p)
+            r.kv.load_hashes("e", 2, (h for h in range(45) if rng.random() < 0.8))
+            r.end_kv_read()

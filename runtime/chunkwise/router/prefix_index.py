@@ -31,7 +31,7 @@ class PrefixIndex:
 
     def match(self, hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks of `hashes` are held (a lookup only: LRU order is left alone)."""
-        return sum(1 for _ in takewhile(self._blocks.__contains__, hashes))
+        return len(list(takewhile(self._blocks.__contains__, hashes)))
 
     def insert(self, hashes: Sequence[BlockHash]) -> None:
         """Record a prompt sent to this replica: its blocks become the most recently used."""

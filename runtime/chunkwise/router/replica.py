@@ -10,15 +10,21 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
-from itertools import takewhile
+from itertools import islice, takewhile
 
 import httpx
 
 from chunkwise.router.estimates import MetricsSample, ReplicaEstimates, bump_fleet_generation
 from chunkwise.router.kv_events import KVEventIndex
 from chunkwise.router.prefix_index import PrefixIndex
+
+
+def leading_run(held: Container[int], hashes: Sequence[int], start: int = 0) -> int:
+    """How many of hashes[start:] in a row `held` contains."""
+    return len(list(takewhile(held.__contains__, islice(hashes, start, None))))
+
 
 # Backoff of an unreachable replica: the first retry after one poll interval, doubling up to this. One that
 # answers but is not ready (loading, draining) is asked again every poll interval: it is alive, and a
@@ -92,9 +98,14 @@ class Replica:
         self._streams_prefilling = 0
         self._streams_pending_tokens = 0
         self._unstreamed: dict[int, InFlight] = {}
-        # Moves whenever the accounting or the scrape changes: what the cost model keys its per-replica
-        # state on (router/cost.py).
+        # Moves whenever the accounting, the scrape or a prefix index changes: what the cost model keys its
+        # per-replica state on (router/cost.py), and the walks below their memo.
         self.version = 0
+        # Per prompt's first block hash: how far the last walk of a prompt starting there got (n, and the
+        # chained hash of block n - 1, which names the whole prefix), as of `version`. Requests that share
+        # a system prompt then walk it once per replica state, not once per pick.
+        self._walks: dict[int, tuple[int, int]] = {}
+        self._walks_version = -1
         self.scrape: MetricsSample | None = None
         # Own requests in each phase when the scrape was taken: the replica's gauges counted them too.
         self.own_prefilling_at_scrape = 0
@@ -112,6 +123,7 @@ class Replica:
 
     def eject(self, now: float, poll_interval: float, *, reachable: bool = False) -> None:
         self.healthy = False
+        self.version += 1
         # A replica that stopped answering may come back as a fresh process with an empty cache.
         self.index.clear()
         self.kv.lose_sync()
@@ -171,18 +183,33 @@ class Replica:
     def cached_blocks(self, hashes: Sequence[int]) -> int:
         """Leading blocks of a prompt the replica holds, or will once its requests in flight are computed:
         from its KV events while they are read, else from the router's own estimate."""
+        if not hashes:
+            return 0
+        if self._walks_version != self.version:
+            self._walks, self._walks_version = {}, self.version
+        start = 0
+        last = self._walks.get(hashes[0])
+        if last is not None and last[0] <= len(hashes) and hashes[last[0] - 1] == last[1]:
+            start = last[0]  # the same prefix as a prompt walked in this state: held that far
+        n = self._walk(hashes, start)
+        if n:
+            self._walks[hashes[0]] = (n, hashes[n - 1])
+        return n
+
+    def _walk(self, hashes: Sequence[int], start: int) -> int:
         if not self.kv.synced:
-            return self.index.match(hashes)
+            return start + self.index.match(hashes[start:])
         held, pending = self.kv.hashes, self._inflight_blocks
-        ended, confirming = self._ended_since_read, self._ended_before_read
-        if not pending and not ended and not confirming:
-            # The usual case between reads with nothing in flight; a C-level walk (a pick reads every replica).
-            return sum(1 for _ in takewhile(held.__contains__, hashes))
-        n = 0
-        for h in hashes:
-            if h not in held and h not in pending and h not in ended and h not in confirming:
+        sources = [s for s in (held, pending, self._ended_since_read, self._ended_before_read) if s]
+        # The leading run of hashes found in any source, walked a source at a time from where the last one
+        # stopped, each walk in C (a pick reads every replica; a run rarely switches sources more than once).
+        n, total = start, len(hashes)
+        while n < total:
+            at = n
+            for source in sources:
+                n += leading_run(source, hashes, n)
+            if n == at:
                 break
-            n += 1
         return n
 
     async def read_kv_events(self, client: httpx.AsyncClient, timeout: float) -> None:
@@ -195,6 +222,7 @@ class Replica:
 
     def begin_kv_read(self) -> None:
         """A read of the replica's KV events begins (the simulator reads them without HTTP, between these)."""
+        self.version += 1
         # A request that ended before this read began was computed before the replica answers it: the
         # answer holds its blocks (or their eviction), so it stops counting once the answer is applied, not
         # when the read begins (a pick meanwhile would see neither). One that ends meanwhile waits for the
@@ -204,6 +232,7 @@ class Replica:
         self._reading = True
 
     def end_kv_read(self) -> None:
+        self.version += 1
         # In sync, the answer holds them now; out of sync, the estimate does (it is what picks read then).
         self._reading = False
         self._ended_before_read = set()
