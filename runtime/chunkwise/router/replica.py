@@ -266,8 +266,13 @@ class Replica:
             if self._unstreamed.pop(request.id, None) is None and request.first_token_at is None:
                 self._streams_prefilling -= 1
                 self._streams_pending_tokens -= request.uncached_tokens
-            self._inflight_blocks.subtract(request.block_hashes)
-            self._inflight_blocks += Counter()  # drop the hashes no request in flight holds
+            held = self._inflight_blocks
+            for h in request.block_hashes:  # drop the hashes no request in flight holds any more
+                n = held.get(h, 0) - 1
+                if n > 0:
+                    held[h] = n
+                else:
+                    held.pop(h, None)
             # Out of sync the estimate holds them, except that a read under way may be the snapshot that
             # brings the index into sync, taken before this request was computed. (Never while no read
             # runs and none has synced: without KV events the set would only grow.)

@@ -130,7 +130,7 @@ class SimReplica:
     def gauges(self) -> SchedulerStats:
         """The scheduler's stats as the engine publishes them after each step (its /metrics reads these):
         current, not as of the last schedule()."""
-        return self.scheduler.snapshot().stats
+        return self.scheduler.gauges()
 
     # -- steps ----------------------------------------------------------------------------------------------
     def start_step(self) -> float:

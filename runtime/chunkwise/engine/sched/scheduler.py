@@ -168,6 +168,12 @@ class Scheduler:
         queueing delay a newcomer would see)."""
         return LoadSnapshot(*self.queued_work(), service_tokens_per_s)
 
+    def gauges(self) -> SchedulerStats:
+        """The stats as of now (what /metrics reads), without the queued-work count `snapshot` adds: the
+        simulator scrapes hundreds of replicas, some with thousands queued."""
+        self._update_gauges()
+        return copy.copy(self.stats)
+
     def snapshot(self, routes: Iterable[str] = ()) -> SchedulerSnapshot:
         num, prefill, decode = self.queued_work()
         self._update_gauges()
