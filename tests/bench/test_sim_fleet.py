@@ -278,3 +278,20 @@ def test_fleet_bench_cli_prints_the_table(tmp_path: Path) -> None:
     assert f"| mixed | 2 | 50% | {rows[0]['requests']} | predicted-completion+estimate |" in run.stdout
     assert RouterSpec.parse("least-loaded+estimate") == RouterSpec("least-loaded", "estimate")
     assert dataclasses.is_dataclass(RouterSpec)
+
+
+def test_requests_held_with_no_replica_and_an_autoscaler_that_stays_at_zero_fail_and_the_replay_ends() -> (
+    None
+):
+    """HPA does nothing at zero replicas: the requests the router holds can never be served, and the replay
+    must say so rather than tick forever."""
+    p = profile()
+    items = [WorkItem((3, 4, 5, 6) * 8, 4, arrival_s=0.5 * i) for i in range(3)]
+    scaling = Scaling(
+        make_autoscaler("hpa-kv", min_replicas=1, max_replicas=2), interval_s=1.0, cold_start_s=0.0
+    )
+    rep = replay(
+        items, p, scheduler_config(p), num_replicas=0, router="round-robin", scaling=scaling
+    ).report()
+    assert rep["completed"] == 0 and rep["failed"] == 3
+    assert any("held" in e for e in rep["errors"])

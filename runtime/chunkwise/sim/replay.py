@@ -140,6 +140,7 @@ def replay(
     step_start: list[float] = []
     routed: list[int] = []
     held: list[int] = []
+    last_desired: int | None = None  # the autoscaler's last answer
     scale_log: list[tuple[float, int]] = []
     events: list[tuple[float, int, int, int]] = []
     seq = 0
@@ -252,9 +253,11 @@ def replay(
             life.step_times = []
             life.preemptions_at_eval = preempted(rep)
             life.requests_seen = set()
+        nonlocal last_desired
         desired = scaling.autoscaler.evaluate(
             FleetSignals(now=t, window_s=scaling.interval_s, replicas=tuple(signals), held=len(held))
         )
+        last_desired = desired
         if desired > len(alive):
             for _ in range(desired - len(alive)):
                 r = new_replica(t, t + scaling.cold_start_s)
@@ -268,6 +271,18 @@ def replay(
             retire_idle(t)
         if desired != len(alive):
             scale_log.append((t, desired))
+
+    def more_to_come() -> bool:
+        """Whether the clock must keep ticking: requests to arrive or in flight, or held ones that a replica
+        (alive, or one the autoscaler has not yet declined to start) could serve. An autoscaler that stays
+        at zero (HPA does nothing at 0) would otherwise leave held requests ticking forever."""
+        if pending_arrivals or where:
+            return True
+        if not held:
+            return False
+        if any(life.gone_s is None and not life.draining for life in lives):
+            return True
+        return scaling is not None and last_desired != 0
 
     while events:
         now, kind, _, x = heapq.heappop(events)
@@ -283,11 +298,11 @@ def replay(
                 fleet_changed(t)
         elif kind == _SCRAPE:
             rt.scrape(t, listed())
-            if pending_arrivals or where or held:
+            if more_to_come():
                 push(t + spec.interval_s, _SCRAPE, 0)
         elif kind == _AUTOSCALE:
             autoscale(t)
-            if pending_arrivals or where or held:
+            if more_to_come():
                 push(t + scaling.interval_s, _AUTOSCALE, 0)  # type: ignore[union-attr]
         else:
             rep = replicas[x]
