@@ -295,3 +295,10 @@ def test_requests_held_with_no_replica_and_an_autoscaler_that_stays_at_zero_fail
     ).report()
     assert rep["completed"] == 0 and rep["failed"] == 3
     assert any("held" in e for e in rep["errors"])
+
+
+def test_fleet_bench_refuses_bad_arguments_by_name() -> None:
+    bad = _cli("replay", "fleet-bench", "--workloads", "chat", "--replicas", "2")
+    assert bad.returncode != 0 and "unknown workload" in bad.stderr and "Traceback" not in bad.stderr
+    bad = _cli("replay", "fleet-bench", "--workloads", "mixed", "--replicas", "0")
+    assert bad.returncode != 0 and "must be positive" in bad.stderr and "Traceback" not in bad.stderr

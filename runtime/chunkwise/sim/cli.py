@@ -533,6 +533,13 @@ def _fleet_bench(args: argparse.Namespace) -> int:
         raise SystemExit(f"fleet-bench: {e}") from None
     if len(routers) < 2:
         raise SystemExit("fleet-bench: --routers needs a candidate and a baseline")
+    from chunkwise.sim.fleet_bench import WORKLOADS
+
+    unknown = [w for w in names(args.workloads) if w not in WORKLOADS]
+    if unknown:
+        raise SystemExit(f"fleet-bench: unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
+    if args.requests_per_replica < 1 or any(n < 1 for n in sizes) or not all(x > 0 for x in loads):
+        raise SystemExit("fleet-bench: --replicas, --requests-per-replica and --loads must be positive")
     results = []
     for n in sizes:
         for w in names(args.workloads):
