@@ -53,6 +53,8 @@ NOT_DEFAULT: dict[str, object] = {
     "prefix_reuse_min_fraction": 0.25,
     "max_prefix_bypass": 1,
     "max_waiting": 5,
+    "scheduling_policy": "priority",
+    "fairness": "vtc",
     "warm_up_kernels": True,
     "speculative_method": "draft",
     "num_speculative_tokens": 2,
@@ -103,7 +105,8 @@ def test_every_option_is_a_kwarg_exactly_once() -> None:
     declared = sum(len(dataclasses.fields(c)) for c in CONFIGS) - len(SECTIONS)
     assert len(engine_args()) == declared
     parallel = {"tensor_parallel_size", "pipeline_parallel_size"}
-    assert set(NOT_DEFAULT) | {"model", "kv_cache_memory_bytes"} | parallel == set(engine_args())
+    own_case = {"model", "kv_cache_memory_bytes", "kv_offloading_size"}
+    assert set(NOT_DEFAULT) | own_case | parallel == set(engine_args())
 
 
 def test_every_option_has_a_serve_flag_and_help_with_its_default() -> None:
@@ -130,6 +133,16 @@ def test_serve_help_lists_every_engine_flag(capsys: pytest.CaptureFixture[str]) 
     for name in engine_args():
         assert "--" + name.replace("_", "-") in out, name
     assert "--max-num-batched-tokens" in out and "(default: 1024)" in out
+
+
+def test_kv_offloading_size_is_a_tier_of_the_prefix_cache() -> None:
+    # Its own case: NOT_DEFAULT turns prefix caching off, which the host tier needs.
+    config = engine_config_from_kwargs("tiny", kv_offloading_size=0.5)
+    assert config.cache.kv_offloading_size == 0.5
+    with pytest.raises(ValueError, match="needs enable_prefix_caching"):
+        engine_config_from_kwargs("tiny", kv_offloading_size=0.5, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="kv_offloading_size"):
+        engine_config_from_kwargs("tiny", kv_offloading_size=-1.0)
 
 
 def test_no_kwargs_is_the_default_config() -> None:

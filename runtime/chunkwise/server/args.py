@@ -14,6 +14,7 @@ DEFAULT_MAX_WAITING = 256
 DEFAULT_QUEUE_DELAY_SLO_S = 30.0
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+DEFAULT_TENANT_HEADER = "x-tenant-id"
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -84,5 +85,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="where a LoRA adapter given as a URI (hf://, s3://, gs://, an http(s) archive; --lora-modules or "
         "/v1/load_lora_adapter) is fetched (default: $XDG_CACHE_HOME/chunkwise/adapters, ~/.cache/...)",
+    )
+    g.add_argument(
+        "--tenant-header",
+        default=DEFAULT_TENANT_HEADER,
+        metavar="NAME",
+        help="the request header naming a request's tenant, for --fairness vtc and the per-tenant metrics; "
+        "without it the body's OpenAI `user` field names the tenant (default "
+        f"{DEFAULT_TENANT_HEADER})",
     )
     g.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log level (default info)")

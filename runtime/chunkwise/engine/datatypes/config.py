@@ -22,6 +22,8 @@ AttentionBackend = Literal["auto", "torch", "cpu", "triton"]
 DistributedBackend = Literal["auto", "nccl", "gloo"]
 LoRAKernel = Literal["torch", "triton"]
 Quantization = Literal["int8", "fp8"]
+SchedulingPolicy = Literal["fcfs", "priority"]
+Fairness = Literal["none", "vtc"]
 
 # The step token budget B = decode rows + prefill chunk. docs/scheduling.md puts the usual knee at 512-2048; on the
 # CPU presets 1024 keeps a step under ~100 ms with `small` while amortising per-step overhead.
@@ -137,6 +139,12 @@ class CacheConfig:
     )
     enable_prefix_caching: bool = option(True, help="reuse the KV blocks of a prompt prefix already computed")
     swap_space_bytes: int = option(1 << 30, help="host memory for KV blocks swapped out by preemption")
+    # vLLM's name and unit (GiB), so that a deployment moved from vLLM keeps its setting.
+    kv_offloading_size: float = option(
+        0.0,
+        help="GiB of host memory for a second tier of the prefix cache: blocks evicted from the device cache "
+        "are copied there (an LRU) and copied back on a later hit instead of prefilled again; 0 turns it off",
+    )
     kv_events_buffer: int = option(
         4096,
         help="steps of prefix-cache changes kept for readers of /v1/kv_events (the router's exact prefix "
@@ -158,6 +166,16 @@ class CacheConfig:
             raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
         if self.kv_events_buffer < 0:
             raise ValueError(f"kv_events_buffer must be >= 0, got {self.kv_events_buffer}")
+        if not self.kv_offloading_size >= 0:
+            raise ValueError(
+                f"kv_offloading_size (--kv-offloading-size) is GiB of host memory, >= 0; got "
+                f"{self.kv_offloading_size!r}"
+            )
+        if self.kv_offloading_size and not self.enable_prefix_caching:
+            raise ValueError(
+                "kv_offloading_size (--kv-offloading-size) is a tier of the prefix cache: it needs "
+                "enable_prefix_caching"
+            )
 
 
 @dataclass(frozen=True)
@@ -213,6 +231,17 @@ class SchedulerConfig:
     # Enforced by the server's load shedding (sched/shedding.py), whose --max-waiting bounds it by default;
     # the offline LLM API queues everything it is given.
     max_waiting: int | None = option(None, help="bound of the waiting queue", unset="unbounded", flag=False)
+    # vLLM's names: a request's `priority` (lower first) orders the queue, the victim choice and shedding.
+    scheduling_policy: SchedulingPolicy = option(
+        "fcfs",
+        help="fcfs: arrival order; priority: by each request's priority field (lower first), then arrival, "
+        "preempting lower-priority running requests for a higher one and shedding the lowest first",
+    )
+    fairness: Fairness = option(
+        "none",
+        help="vtc: within a priority, admit the waiting tenant with the least service counted (Virtual Token "
+        "Counter: prefill and decode tokens), so one tenant's burst cannot starve another's stream",
+    )
 
     def resolved_max_model_len(self) -> int:
         """max_model_len once the engine has resolved it (from the model's context and the cache's size);
@@ -232,6 +261,8 @@ class SchedulerConfig:
         _one_of("batching", self.batching, get_args(Batching))
         _one_of("preemption_mode", self.preemption_mode, get_args(PreemptionMode))
         _one_of("output_length_estimator", self.output_length_estimator, get_args(Estimator))
+        _one_of("scheduling_policy", self.scheduling_policy, get_args(SchedulingPolicy))
+        _one_of("fairness", self.fairness, get_args(Fairness))
         if not 0.0 <= self.prefix_reuse_min_fraction <= 1.0:
             raise ValueError(
                 f"prefix_reuse_min_fraction must be in [0, 1], got {self.prefix_reuse_min_fraction}"
