@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from chunkwise.engine.loop.metrics import EngineMetrics
 from chunkwise.engine.sched.shedding import SheddingPolicy
-from chunkwise.server.args import DEFAULT_MAX_REQUEST_BYTES
+from chunkwise.server.args import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TENANT_HEADER
 from chunkwise.server.endpoints import CHAT, COMPLETIONS
 from chunkwise.server.errors import APIError, bad_request, install_error_handlers, validation_message
 from chunkwise.server.kv_events import add_kv_event_routes
@@ -130,6 +130,7 @@ def build_app(
     metrics: EngineMetrics | None = None,
     allow_runtime_lora: bool = False,
     lora_cache_dir: Path | None = None,
+    tenant_header: str = DEFAULT_TENANT_HEADER,
 ) -> FastAPI:
     """An app serving `engine` (which the caller starts and shuts down).
 
@@ -145,7 +146,9 @@ def build_app(
         max_waiting = engine.model_info.max_waiting
     shedding = SheddingPolicy(max_waiting=max_waiting, queue_delay_slo_s=queue_delay_slo_s)
     metrics = metrics or EngineMetrics(served_model_name)
-    state = ServerState(engine, served_model_name, shedding, metrics, allow_runtime_lora, lora_cache_dir)
+    state = ServerState(
+        engine, served_model_name, shedding, metrics, allow_runtime_lora, lora_cache_dir, tenant_header
+    )
 
     app = FastAPI(title="chunkwise", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     install_openapi(

@@ -87,6 +87,7 @@ def _sampling_params(
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
             prompt_logprobs=body.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+            priority=body.priority,
         )
     except ValueError as e:
         raise from_value_error(e) from e

@@ -56,6 +56,8 @@ class _Sampling(_Strict):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's: under --scheduling-policy priority, lower is served first; elsewhere only 0 is accepted.
+    priority: int = 0
     structured_outputs: StructuredOutputsParams | None = None
 
 

@@ -111,6 +111,7 @@ def serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes,
         allow_runtime_lora=args.allow_runtime_lora,
         lora_cache_dir=args.lora_cache_dir,
+        tenant_header=args.tenant_header,
     )
     state: ServerState = app.state.chunkwise
     uv_config = uvicorn.Config(

@@ -30,6 +30,7 @@ from chunkwise.engine.loop.metrics import EngineMetrics
 from chunkwise.engine.sched.shedding import Overloaded, SheddingPolicy
 
 # chat_prompt_ids is re-exported: the router's tests hold its prompt ids against the server's, from here.
+from chunkwise.server.args import DEFAULT_TENANT_HEADER
 from chunkwise.server.endpoints import B, Endpoint, Generation
 from chunkwise.server.endpoints import chat_prompt_ids as chat_prompt_ids
 from chunkwise.server.errors import APIError, from_value_error
@@ -55,11 +56,13 @@ class ServerState:
         metrics: EngineMetrics,
         allow_runtime_lora: bool = False,
         lora_cache_dir: Path | None = None,
+        tenant_header: str = DEFAULT_TENANT_HEADER,
     ) -> None:
         self.engine: AsyncEngine | None = None
         self.served_model_name = served_model_name
         self.adapters = ServedAdapters(served_model_name, allow_runtime_lora, lora_cache_dir)
         self.shedding = shedding
+        self.tenant_header = tenant_header
         self.metrics = metrics
         self.draining = False
         self.created = int(time.time())
@@ -106,6 +109,7 @@ class ServerState:
         gen: Generation,
         request_id: str,
         lora: LoRARequest | None = None,
+        tenant: str | None = None,
     ) -> list[RequestStream]:
         """One engine request per prompt (ids `request_id`, or `request_id-k` for a batch); if one is
         refused, the ones already queued are aborted before the error is raised."""
@@ -113,7 +117,7 @@ class ServerState:
         try:
             for k, prompt in enumerate(gen.prompts):
                 rid = request_id if len(gen.prompts) == 1 else f"{request_id}-{k}"
-                streams.append(self._add_one(engine, endpoint, gen, prompt, rid, lora))
+                streams.append(self._add_one(engine, endpoint, gen, prompt, rid, lora, tenant))
         except BaseException:
             for s in streams:
                 s.close()
@@ -128,6 +132,7 @@ class ServerState:
         prompt: str | list[int],
         request_id: str,
         lora: LoRARequest | None,
+        tenant: str | None,
     ) -> RequestStream:
         model = lora.lora_name if lora is not None else self.served_model_name
         try:
@@ -139,6 +144,7 @@ class ServerState:
                 route=f"{model}:{endpoint.route}",
                 shedding=self.shedding,
                 lora_request=lora,
+                tenant=tenant,
             )
         except Overloaded as e:
             d = e.decision
@@ -166,7 +172,9 @@ async def serve(state: ServerState, endpoint: Endpoint[B], body: B, request: Req
     lora = state.adapters.resolve(body.model)
     gen = endpoint.prepare(body, engine)
     rid = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
-    streams = state.add(engine, endpoint, gen, rid, lora)
+    # The tenant (--fairness vtc): the configured header, else OpenAI's `user` field.
+    tenant = request.headers.get(state.tenant_header) or body.user or None
+    streams = state.add(engine, endpoint, gen, rid, lora, tenant)
     prompts = tuple(
         Prompt(s.prompt_token_ids, _prompt_text(engine, p, s.prompt_token_ids) if gen.options.echo else "")
         for p, s in zip(gen.prompts, streams)

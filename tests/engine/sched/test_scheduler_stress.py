@@ -186,6 +186,10 @@ def run(seed: int, steps_of_arrivals: int = 120) -> dict[str, int]:
     budget = rng.choice([8, 16, 32])
     max_seqs = rng.choice([4, 6, 8])
     spec = rng.choice([None, 2, 3])
+    # Its own stream, so the seeds above keep the loads they had before priorities and tenants existed.
+    tenancy = random.Random(seed + 1_000_000)
+    policy = tenancy.choice(["fcfs", "priority"])
+    fairness = tenancy.choice(["none", "vtc"])
     kv = KVCacheManager(num_blocks, BLOCK, True, host_blocks)
     cost = PreemptionCostModel(64, 1e9 if mode != "auto" else 3e3, 1e4)
     draft = None if spec is None else AdaptiveDraftLength(spec, StepCostModel(1.0, 1e-6), adaptive=False)
@@ -195,6 +199,8 @@ def run(seed: int, steps_of_arrivals: int = 120) -> dict[str, int]:
             max_num_batched_tokens=budget,
             max_num_seqs=max_seqs,
             preemption_mode=mode,  # type: ignore[arg-type]
+            scheduling_policy=policy,  # type: ignore[arg-type]
+            fairness=fairness,  # type: ignore[arg-type]
         ),
         kv,
         cost,
@@ -204,7 +210,7 @@ def run(seed: int, steps_of_arrivals: int = 120) -> dict[str, int]:
     shared = [[rng.randrange(1, VOCAB) for _ in range(rng.choice([4, 8, 12]))] for _ in range(3)]
     seen: dict[str, Request] = {}
     aborted: set[str] = set()
-    counts = {"refused": 0, "preempted": 0, "forked": 0, "drafted": 0, "steps": 0}
+    counts = {"refused": 0, "preempted": 0, "forked": 0, "drafted": 0, "steps": 0, "priority_preempted": 0}
     step = 0
     while step < steps_of_arrivals or s.has_unfinished():
         assert step < steps_of_arrivals + 4000, "requests still unfinished: no progress"
@@ -216,8 +222,18 @@ def run(seed: int, steps_of_arrivals: int = 120) -> dict[str, int]:
             out_len = rng.randrange(1, 30)
             room = MAX_MODEL_LEN - len(prompt)
             given = rng.random() < 0.8
-            params = SamplingParams(n=n, max_tokens=out_len if given else None, temperature=0.0)
-            req = Request(f"r{step}", prompt, params, float(step), min(out_len, room) if given else room)
+            priority = tenancy.choice([0, 1, 2]) if policy == "priority" else 0
+            params = SamplingParams(
+                n=n, max_tokens=out_len if given else None, temperature=0.0, priority=priority
+            )
+            req = Request(
+                f"r{step}",
+                prompt,
+                params,
+                float(step),
+                min(out_len, room) if given else room,
+                tenant=tenancy.choice(["a", "b", None]),
+            )
             try:
                 s.add_request(req)
             except ValueError:
@@ -244,6 +260,7 @@ def run(seed: int, steps_of_arrivals: int = 120) -> dict[str, int]:
         counts["drafted"] += sum(drafted.values())
         step += 1
     counts["steps"] = step
+    counts["priority_preempted"] = s.stats.num_priority_preemptions
 
     assert s.stats.num_stalled_requests == 0
     forked = {r.parent_id for r in seen.values() if r.parent_id is not None}
@@ -291,6 +308,7 @@ def test_the_random_load_exercises_what_it_checks() -> None:
         for k, v in run(seed).items():
             total[k] = total.get(k, 0) + v
     assert total["preempted"] > 0 and total["forked"] > 0 and total["drafted"] > 0
+    assert total["priority_preempted"] > 0
 
 
 @pytest.mark.slow

@@ -48,6 +48,8 @@ class Request:
     # counts slots by (lora/store.py: the name, or "name#k" for a name loaded again with other weights).
     lora_name: str | None = None
     lora_key: str | None = None
+    # Who it is served for (--fairness vtc shares the engine between tenants); None: the default tenant.
+    tenant: str | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     # All tokens, prompt then output, grown in place: the step loop never concatenates.
@@ -55,6 +57,8 @@ class Request:
     # len(prompt_token_ids), which never changes: a field, so the step loop's per-row checks read the
     # request alone, not the prompt list too.
     num_prompt_tokens: int = field(init=False)
+    # sampling_params.priority, read by the queue and the victim rule (lower is served first).
+    priority: int = field(init=False)
     # The one number the step loop drives: computed KV catches up with len(token_ids). A prefill chunk,
     # a prefix-cache hit, a recompute after preemption and a speculative verify all move it forward.
     num_computed_tokens: int = 0
@@ -89,6 +93,7 @@ class Request:
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.priority = self.sampling_params.priority
 
     @property
     def num_tokens(self) -> int:

@@ -22,6 +22,9 @@ MAX_N = 64
 _SEED_MIN = -(1 << 63)
 _SEED_MAX = (1 << 64) - 1
 _TOP_K_MAX = (1 << 31) - 1
+# A request's priority: an int32, as vLLM's API documents it (it labels per-band metrics, so it stays small).
+MIN_PRIORITY = -(1 << 31)
+MAX_PRIORITY = (1 << 31) - 1
 
 
 def _is_int(value: object) -> bool:
@@ -78,6 +81,9 @@ class SamplingParams:
     # Structured outputs: the generated text is constrained to this JSON schema, regex, choice or grammar,
     # and ends (finish_reason "stop", at an EOS) where the grammar is complete.
     structured: StructuredOutput | None = None
+    # vLLM's: under --scheduling-policy priority, lower is served first (and preempts higher running ones);
+    # under fcfs only 0 is accepted (Scheduler.prepare refuses the rest, as vLLM does).
+    priority: int = 0
 
     if TYPE_CHECKING:
         # The generated __init__ would type `stop` as the normalised tuple; callers may pass what vLLM
@@ -101,6 +107,7 @@ class SamplingParams:
             speculative: bool = True,
             prompt_logprobs: int | None = None,
             structured: StructuredOutput | None = None,
+            priority: int = 0,
         ) -> None: ...
 
     def __post_init__(self) -> None:
@@ -152,6 +159,9 @@ class SamplingParams:
 
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculative"):
             _check_bool(name, getattr(self, name))
+
+        if not MIN_PRIORITY <= _check_int("priority", self.priority) <= MAX_PRIORITY:
+            raise ValueError(f"priority must be in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {self.priority!r}")
 
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(f"structured must be a StructuredOutput or None, got {self.structured!r}")

@@ -17,12 +17,12 @@ from chunkwise.engine.datatypes.config import EngineConfig
 from chunkwise.engine.datatypes.lora import LoRARequest
 from chunkwise.engine.datatypes.outputs import RequestOutput
 from chunkwise.engine.datatypes.request import Request
-from chunkwise.engine.datatypes.sampling_params import SamplingParams
+from chunkwise.engine.datatypes.sampling_params import MAX_PRIORITY, SamplingParams
 from chunkwise.engine.loop.core import EngineCore, ModelInfo
 from chunkwise.engine.loop.step import StepStats, StepUpdate
 from chunkwise.engine.loop.stream import RequestStream, StreamRegistry
 from chunkwise.engine.sampling.structured.compiler import GrammarCompiler
-from chunkwise.engine.sched.output import SchedulerStats
+from chunkwise.engine.sched.output import QueuedWork, SchedulerStats, work_ahead_of
 from chunkwise.engine.sched.shedding import LoadSnapshot, Overloaded, ServiceRate, SheddingPolicy, decide
 from chunkwise.engine.tokenizer import Tokenizer
 from chunkwise.engine.worker.tp_stage import RankFailure
@@ -86,13 +86,13 @@ class AsyncEngine:
         self._rate = ServiceRate(self.core.prefill_tokens_per_s)
         self._cold_start_output_tokens = self.core.cold_start_output_tokens
         # Published by the loop thread, read by HTTP handlers; all under _lock.
-        self._load = LoadSnapshot(service_tokens_per_s=self._rate.tokens_per_s)
+        self._bands: dict[int, QueuedWork] = {}
+        self._service_tokens_per_s = self._rate.tokens_per_s
         self._stats = self.core.snapshot().stats
         self._estimates: dict[str, int] = {}
-        # Accepted by add_request, not yet drained by the loop: request id -> (prompt tokens, output estimate).
-        self._pending: dict[str, tuple[int, int]] = {}
-        self._pending_prefill = 0
-        self._pending_decode = 0
+        # Accepted by add_request, not yet drained by the loop: request id -> (prompt tokens, output estimate,
+        # priority). Few at a time: the loop drains them every step.
+        self._pending: dict[str, tuple[int, int, int]] = {}
 
     def start(self) -> None:
         self._output_thread.start()
@@ -145,13 +145,19 @@ class AsyncEngine:
         exception it raises is logged and otherwise ignored."""
         self._observers = [*self._observers, observer]
 
-    def load(self) -> LoadSnapshot:
-        """The load an admission check sees now: the loop's last snapshot plus requests not yet drained."""
+    def load(self, priority: int = MAX_PRIORITY) -> LoadSnapshot:
+        """The load an admission check sees now for a newcomer of `priority` (by default: everything
+        queued): the loop's last snapshot plus the requests not yet drained, of the bands served before or
+        with it."""
         with self._lock:
-            return self._load_locked()
+            return self._load_locked(priority)
 
-    def _load_locked(self) -> LoadSnapshot:
-        return self._load.plus(len(self._pending), self._pending_prefill, self._pending_decode)
+    def _load_locked(self, priority: int) -> LoadSnapshot:
+        w = work_ahead_of(self._bands, priority)
+        for prefill, decode, p in self._pending.values():
+            if p <= priority:
+                w = w.plus(1, prefill, decode)
+        return LoadSnapshot(w.num, w.prefill_tokens, w.decode_tokens, self._service_tokens_per_s)
 
     def scheduler_stats(self) -> SchedulerStats:
         """A copy of the scheduler's counters and gauges as of the loop's last step (or inbox drain)."""
@@ -167,6 +173,7 @@ class AsyncEngine:
         cache_salt: str | None = None,
         shedding: SheddingPolicy | None = None,
         lora_request: LoRARequest | None = None,
+        tenant: str | None = None,
     ) -> RequestStream:
         """Validate, check admission and queue one request; never blocks on the step loop.
 
@@ -176,7 +183,7 @@ class AsyncEngine:
             raise RuntimeError("the engine is not running")
         rid = request_id or f"req-{next(self._ids)}"
         req, text = self.core.make_request(
-            rid, prompt, params, route=route, cache_salt=cache_salt, lora_request=lora_request
+            rid, prompt, params, route=route, cache_salt=cache_salt, lora_request=lora_request, tenant=tenant
         )
         q: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -193,13 +200,11 @@ class AsyncEngine:
                 decode = min(req.max_tokens, self._estimates.get(route, self._cold_start_output_tokens))
             decode *= params.n  # n completions, one prompt
             if shedding is not None:
-                decision = decide(shedding, self._load_locked())
+                decision = decide(shedding, self._load_locked(req.priority))
                 if not decision.admitted:
                     raise Overloaded(decision)
             self._streams.add_locked(rid, loop, q)
-            self._pending[rid] = (req.num_prompt_tokens, decode)
-            self._pending_prefill += req.num_prompt_tokens
-            self._pending_decode += decode
+            self._pending[rid] = (req.num_prompt_tokens, decode, req.priority)
             # Queued under the lock, so the loop cannot drain it before it is counted as pending.
             self._inbox.put((req, text))
         self._wake.set()
@@ -213,11 +218,18 @@ class AsyncEngine:
         route: str = "",
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield deltas for one request. Raises ValueError for bad input before anything is queued.
         Leaving the iterator early (a client disconnect) aborts the request."""
         stream = self.add_request(
-            prompt, params, request_id, route=route, cache_salt=cache_salt, lora_request=lora_request
+            prompt,
+            params,
+            request_id,
+            route=route,
+            cache_salt=cache_salt,
+            lora_request=lora_request,
+            tenant=tenant,
         )
         try:
             async for out in stream:
@@ -256,7 +268,6 @@ class AsyncEngine:
             self._closed = True
             entries = self._streams.take_all_locked()
             self._pending.clear()
-            self._pending_prefill = self._pending_decode = 0
         StreamRegistry.send(entries, error)
 
     def _drain_inbox(self) -> bool:
@@ -294,17 +305,12 @@ class AsyncEngine:
     def _publish(self) -> None:
         snap = self.core.snapshot(self._routes)
         stats, estimates = snap.stats, snap.estimates
-        load = LoadSnapshot(
-            snap.num_queued, snap.queued_prefill_tokens, snap.queued_decode_tokens, self._rate.tokens_per_s
-        )
         drained, self._drained = self._drained, []
         with self._lock:
             for rid in drained:
-                p = self._pending.pop(rid, None)
-                if p is not None:
-                    self._pending_prefill -= p[0]
-                    self._pending_decode -= p[1]
-            self._load = load
+                self._pending.pop(rid, None)
+            self._bands = snap.bands
+            self._service_tokens_per_s = self._rate.tokens_per_s
             self._stats = stats
             self._estimates = estimates
 

@@ -98,6 +98,7 @@ class EngineCore:
         route: str = "",
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        tenant: str | None = None,
     ) -> tuple[Request, str | None]:
         """Validate and tokenize; raises ValueError with a clear message for bad input."""
         if not isinstance(params, SamplingParams):
@@ -140,6 +141,7 @@ class EngineCore:
             cache_salt=cache_salt,
             lora_name=lora_request.lora_name if lora_request is not None else None,
             lora_key=lora_key,
+            tenant=tenant,
         )
         # n past the batch, or more KV than the whole cache: refused here, never left waiting forever.
         self.scheduler.prepare(req)
@@ -161,9 +163,10 @@ class EngineCore:
         route: str = "",
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        tenant: str | None = None,
     ) -> Request:
         req, text = self.make_request(
-            request_id, prompt, params, arrival_time, route, cache_salt, lora_request
+            request_id, prompt, params, arrival_time, route, cache_salt, lora_request, tenant
         )
         self.add(req, text)
         return req

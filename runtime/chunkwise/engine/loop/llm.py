@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 
@@ -49,9 +50,11 @@ class LLM:
         prompts: str | Sequence[str] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's: one output per prompt. `lora_request` is one adapter for every prompt, or one per prompt
-        (None: the base model); it needs enable_lora."""
+        (None: the base model); it needs enable_lora. `priority`, one per prompt, sets each request's
+        SamplingParams.priority (lower first; it needs scheduling_policy="priority")."""
         if isinstance(prompts, str):
             prompts = [prompts]
         prompt_list: list[str | Sequence[int]] = list(prompts)
@@ -69,6 +72,10 @@ class LLM:
             loras = list(lora_request)
             if len(loras) != len(prompt_list):
                 raise ValueError(f"{len(prompt_list)} prompts but {len(loras)} LoRA requests")
+        if priority is not None:
+            if len(priority) != len(prompt_list):
+                raise ValueError(f"{len(prompt_list)} prompts but {len(priority)} priorities")
+            params = [dataclasses.replace(sp, priority=p) for sp, p in zip(params, priority)]
         # Validate everything before queueing anything, so one bad prompt leaves no half-run batch.
         reqs = [
             self.engine.make_request(f"offline-{next(self._ids)}", p, sp, lora_request=lora)

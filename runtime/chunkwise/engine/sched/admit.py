@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Collection
 
 from chunkwise.engine.cache.kv_cache_manager import KVCacheManager
 from chunkwise.engine.datatypes.config import SchedulerConfig
@@ -40,18 +41,57 @@ class Admitter:
         self.admission = policies.admission
         self.reuse = policies.reuse
         self.adapters = policies.adapters
+        self.ranking = policies.ranking
+        self.fairness = policies.fairness
         self.forks = forks
         self.stats = stats
         self.running = running
         self.swapped = swapped
 
-    def resume_swapped(self, budget: int, num_new: dict[str, int], swap_in: list[tuple[int, int]]) -> int:
-        """Swapped requests back in, oldest first, recording their blocks' copies in swap_in."""
+    def head(self) -> Request | None:
+        """The waiting request admission would try first now (the long-prompt cap applied), if any."""
+        num_long = sum(1 for r in self.running if r.is_prefilling and self.waiting.is_long(r))
+        return next(self.waiting.candidates(num_long), None)
+
+    def _outstanding(self, without: Collection[Request] = ()) -> int:
+        """Blocks promised to running requests (all but `without`) and not yet allocated: off-limits to
+        newcomers."""
+        tables = self.kv.block_tables
+        return sum(
+            max(0, r.reserved_blocks - len(tables.get(r.request_id, ())))
+            for r in self.running
+            if r not in without
+        )
+
+    def fits(self, req: Request, without: Collection[Request] = ()) -> bool:
+        """Whether admission could take waiting `req` now: a seat and its reservation's blocks. With
+        `without`, as if those running requests had given theirs back (an upper bound: a block they share
+        with others is counted as freed)."""
+        seats = self.forks.seats() if self.forks.parents else 0
+        rows = req.sampling_params.n if req.fork_hold else 1
+        if len(self.running) - len(without) + seats + rows > self.config.max_num_seqs:
+            return False
+        cached = self.kv.lookup_prefix(req)
+        need = self.admission.blocks_needed(req, len(cached)) + self.kv.num_idle(cached)
+        freed = sum(len(self.kv.block_tables.get(r.request_id, ())) for r in without)
+        return need <= self.kv.num_free_blocks + freed - self._outstanding(without)
+
+    def resume_swapped(
+        self,
+        budget: int,
+        num_new: dict[str, int],
+        swap_in: list[tuple[int, int]],
+        head: Request | None = None,
+    ) -> int:
+        """Swapped requests back in, in their queue's order, recording their blocks' copies in swap_in; never
+        one that the waiting `head` outranks (it goes first)."""
         # A parent not yet forked (n > 1) takes a seat for each of the children it will fork into.
         seats = self.forks.seats()
         adapters = AdapterLimit.running(self.running) if self.adapters is not None else set()
         while self.swapped and len(self.running) + seats < self.config.max_num_seqs:
             req = self.swapped[0]
+            if head is not None and self.ranking.outranks(head, req):
+                break
             if not self.kv.can_swap_in(req):
                 break
             if self.adapters is not None:
@@ -76,14 +116,13 @@ class Admitter:
             if n and self.kv.allocate(req, n):
                 num_new[req.request_id] = n
                 budget -= n
+                self.fairness.charge(req, n, prefill=n > 1)
         return budget
 
     def admit_waiting(self, budget: int, num_new: dict[str, int]) -> int:
         """Waiting requests in, in the queue's order, each with its prefix-cache hits."""
         # Blocks promised to running requests but not yet allocated stay off-limits to newcomers.
-        outstanding = sum(
-            max(0, r.reserved_blocks - len(self.kv.block_tables.get(r.request_id, ()))) for r in self.running
-        )
+        outstanding = self._outstanding()
         num_long = sum(1 for r in self.running if r.is_prefilling and self.waiting.is_long(r))
         num_prefilling = sum(1 for r in self.running if r.is_prefilling)
         blocked: Request | None = None  # the head that did not fit, while reuse-heavy requests pass it
@@ -136,6 +175,7 @@ class Admitter:
                 req.num_cached_tokens = num_cached_tokens
                 self.stats.prefix_cache_queries += req.num_prompt_tokens
                 self.stats.prefix_cache_hits += num_cached_tokens
+                self.stats.host_cache_hits += len(cached.host) * self.block_size
                 req.first_scheduled_time = time.monotonic()
             req.num_computed_tokens = num_cached_tokens
             req.status = RequestStatus.RUNNING
@@ -151,4 +191,6 @@ class Admitter:
             if n:
                 num_new[req.request_id] = n
                 budget -= n
+                # Charged now, so the next pick in this same pass already sees it (sched/fairness.py).
+                self.fairness.charge(req, n, prefill=True)
         return budget

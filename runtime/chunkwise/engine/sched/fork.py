@@ -98,6 +98,7 @@ class Forks:
             cache_salt=parent.cache_salt,
             lora_name=parent.lora_name,
             lora_key=parent.lora_key,
+            tenant=parent.tenant,
         )
         child.parent_id = parent.request_id
         child.index = index

@@ -51,8 +51,12 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     num_batched_tokens: int
     # KV copies to run before the forward pass: first out (device block, host slot), then in (host slot, block).
+    # swap_in also carries the host tier's restores (cache/host_tier.py).
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # The host tier's offloads, (device block, host slot): evicted cached blocks copied to host memory, made
+    # first of all, before any of the step's copies or its forward writes a device block.
+    offload: list[tuple[int, int]] = field(default_factory=list)
     # Copy-on-write copies (source block, new block) on device, made before the swaps and the forward: a
     # forked request's partial last block, one copy per child but the first (sched/fork.py).
     block_copies: Sequence[tuple[int, int]] = ()
@@ -75,7 +79,13 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled and not self.swap_out and not self.swap_in and not self.block_copies
+        return (
+            not self.scheduled
+            and not self.swap_out
+            and not self.swap_in
+            and not self.block_copies
+            and not self.offload
+        )
 
 
 @dataclass
@@ -114,6 +124,26 @@ class SchedulerStats:
     resident_lora_adapters: tuple[str, ...] = ()
     lora_loads: int = 0
     lora_load_seconds: float = 0.0
+    # The prefix cache's host tier (--kv-offloading-size; all 0 without one): prompt tokens found there at
+    # first admission (of prefix_cache_hits), blocks copied back, blocks copied in, blocks dropped from its
+    # LRU, and the fraction of its slots in use.
+    host_cache_hits: int = 0
+    host_cache_restores: int = 0
+    host_cache_offloads: int = 0
+    host_cache_evictions: int = 0
+    host_cache_usage: float = 0.0
+    # --scheduling-policy priority: preemptions of running requests for a waiting one that outranks them
+    # (counted in the swap/recompute counters too), and per priority band: preemptions so far, and the
+    # requests running and queued (waiting or swapped) now. Replaced, never mutated: copies share them.
+    num_priority_preemptions: int = 0
+    preemptions_by_priority: dict[int, int] = field(default_factory=dict)
+    running_by_priority: dict[int, int] = field(default_factory=dict)
+    queued_by_priority: dict[int, int] = field(default_factory=dict)
+
+    def count_preemption(self, priority: int) -> None:
+        counts = dict(self.preemptions_by_priority)
+        counts[priority] = counts.get(priority, 0) + 1
+        self.preemptions_by_priority = counts
 
 
 @dataclass
@@ -127,3 +157,27 @@ class SchedulerSnapshot:
     queued_prefill_tokens: int  # their tokens not yet computed
     queued_decode_tokens: int  # their estimated outputs still to generate
     estimates: dict[str, int]
+    # The same three per priority band (all in band 0 under fcfs): load shedding counts, for a newcomer,
+    # only the bands served before or with it.
+    bands: dict[int, QueuedWork] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedWork:
+    num: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+
+    def plus(self, num: int, prefill_tokens: int, decode_tokens: int) -> QueuedWork:
+        return QueuedWork(
+            self.num + num, self.prefill_tokens + prefill_tokens, self.decode_tokens + decode_tokens
+        )
+
+
+def work_ahead_of(bands: dict[int, QueuedWork], priority: int) -> QueuedWork:
+    """The work a newcomer of `priority` waits behind: the bands of its priority and better (lower)."""
+    total = QueuedWork()
+    for p, w in bands.items():
+        if p <= priority:
+            total = total.plus(w.num, w.prefill_tokens, w.decode_tokens)
+    return total

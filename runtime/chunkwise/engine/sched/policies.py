@@ -7,6 +7,7 @@ which uses this factory, so a replay runs the policies a server runs.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -16,9 +17,10 @@ from chunkwise.engine.datatypes.request import Request
 from chunkwise.engine.sched.batching import ContinuousBatching, StaticBatching
 from chunkwise.engine.sched.budget import TokenBudget
 from chunkwise.engine.sched.draft_length import AdaptiveDraftLength
+from chunkwise.engine.sched.fairness import Fairness, NoFairness, VirtualTokenCounter
 from chunkwise.engine.sched.output import SchedulerStats
-from chunkwise.engine.sched.preemption import Mode, PreemptionCostModel, VictimPolicy
-from chunkwise.engine.sched.queue import PrefixPreference, WaitingQueue
+from chunkwise.engine.sched.preemption import Mode, PreemptionCostModel, PriorityVictims, VictimPolicy
+from chunkwise.engine.sched.queue import OrderedQueue, PrefixPreference, WaitingQueue, queue_key
 from chunkwise.engine.sched.reservation import OutputLengthEstimator, ReservationAdmission
 
 
@@ -63,6 +65,63 @@ class Victims(Protocol):
     def victim(self, running: list[Request]) -> Request: ...
 
 
+class Ranking(Protocol):
+    """Whether a waiting request may take a running one's place (--scheduling-policy)."""
+
+    # Whether requests differ in rank at all (the per-band gauges are kept only then).
+    ranks: bool
+
+    def outranks(self, a: Request, b: Request) -> bool:
+        """Whether `a` is served before `b` even at `b`'s expense: preempting it, or resuming ahead of it."""
+        ...
+
+    def victim_for(self, head: Request, running: list[Request]) -> Request | None:
+        """The running request to preempt so that `head`, which cannot be admitted, can be; None if none
+        may give way to it."""
+        ...
+
+    def requeue_swapped(self, swapped: deque[Request], req: Request) -> None:
+        """Put a request just swapped out into the swapped queue, in the order resumption takes them."""
+        ...
+
+
+class ArrivalOrder:
+    """fcfs: no request takes another's place; the swapped resume oldest first (in the order swapped)."""
+
+    ranks = False
+
+    def outranks(self, a: Request, b: Request) -> bool:
+        return False
+
+    def victim_for(self, head: Request, running: list[Request]) -> Request | None:
+        return None
+
+    def requeue_swapped(self, swapped: deque[Request], req: Request) -> None:
+        swapped.append(req)
+
+
+class StrictPriority:
+    """priority: a request with a lower priority value preempts running requests of strictly higher value
+    (the lowest first: PriorityVictims.lowest) and resumes ahead of them; the swapped stand in queue order."""
+
+    ranks = True
+
+    def __init__(self, victims: PriorityVictims) -> None:
+        self.victims = victims
+
+    def outranks(self, a: Request, b: Request) -> bool:
+        return a.priority < b.priority
+
+    def victim_for(self, head: Request, running: list[Request]) -> Request | None:
+        lower = [r for r in running if r.priority > head.priority]
+        return self.victims.lowest(lower) if lower else None
+
+    def requeue_swapped(self, swapped: deque[Request], req: Request) -> None:
+        key = queue_key(req)
+        i = next((i for i, r in enumerate(swapped) if queue_key(r) > key), len(swapped))
+        swapped.insert(i, req)
+
+
 @dataclass
 class SchedulerPolicies:
     batching: Batching
@@ -72,6 +131,9 @@ class SchedulerPolicies:
     preemption: Preemption
     victims: Victims
     waiting: WaitingQueue
+    # Who may take whose place (--scheduling-policy), and the tenants' shares (--fairness).
+    ranking: Ranking
+    fairness: Fairness
     reuse: PrefixPreference
     # Learns the recompute rate from prefill-heavy steps; the preemption policy may read it.
     cost_model: PreemptionCostModel
@@ -130,6 +192,19 @@ def build_policies(
     batching: Batching = (
         StaticBatching(max_model_len) if config.batching == "static" else ContinuousBatching()
     )
+    fairness: Fairness = VirtualTokenCounter() if config.fairness == "vtc" else NoFairness()
+    victims: Victims
+    ranking: Ranking
+    waiting: WaitingQueue
+    if config.scheduling_policy == "priority":
+        priority_victims = PriorityVictims()
+        victims, ranking = priority_victims, StrictPriority(priority_victims)
+    else:
+        victims, ranking = VictimPolicy(), ArrivalOrder()
+    if config.scheduling_policy == "priority" or fairness.enabled:
+        waiting = OrderedQueue(config.long_prompt_threshold, config.max_long_prefills, fairness)
+    else:
+        waiting = WaitingQueue(config.long_prompt_threshold, config.max_long_prefills)
     return SchedulerPolicies(
         batching=batching,
         estimator=estimator,
@@ -141,8 +216,10 @@ def build_policies(
             config.max_long_prefill_chunk,
         ),
         preemption=preemption_policy(config, cost_model),
-        victims=VictimPolicy(),
-        waiting=WaitingQueue(config.long_prompt_threshold, config.max_long_prefills),
+        victims=victims,
+        waiting=waiting,
+        ranking=ranking,
+        fairness=fairness,
         reuse=PrefixPreference(
             block_size, config.prefix_lookahead, config.prefix_reuse_min_fraction, config.max_prefix_bypass
         ),

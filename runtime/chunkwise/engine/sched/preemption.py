@@ -51,6 +51,27 @@ class VictimPolicy:
         return max(fresh or candidates, key=lambda r: (-r.preempt_count, r.arrival_time))
 
 
+class PriorityVictims(VictimPolicy):
+    """The victim rule under --scheduling-policy priority: the lowest priority first (the largest value),
+    and within it VictimPolicy's order (under the preemption cap first, fewest preemptions, newest). The
+    progress guarantee is VictimPolicy's, over the queue's order: the best-ranked running request (best
+    priority, then oldest) is never the victim while another runs, so it always progresses."""
+
+    def victim(self, running: list[Request]) -> Request:
+        if len(running) == 1:
+            return running[0]
+        best = min(running, key=lambda r: (r.priority, r.arrival_time, r.request_id))
+        return self.lowest([r for r in running if r is not best])
+
+    def lowest(self, candidates: list[Request]) -> Request:
+        """The one to give way among `candidates`, none of them protected (they are all outranked by the
+        request they give way to)."""
+        cap = self.max_preemptions
+        return max(
+            candidates, key=lambda r: (r.priority, r.preempt_count < cap, -r.preempt_count, r.arrival_time)
+        )
+
+
 @dataclass
 class PreemptionCostModel:
     """Chooses swap or recompute per victim from measured rates.

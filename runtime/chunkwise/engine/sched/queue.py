@@ -1,4 +1,5 @@
-"""The waiting queue: FIFO with a cap on concurrent long-prompt prefills.
+"""The waiting queue: FIFO with a cap on concurrent long-prompt prefills (and OrderedQueue: the same rule
+over an order by priority, with fair shares between tenants).
 
 The rule: requests are considered in arrival order (preempted ones first, at the head). A prompt of at least
 `long_prompt_threshold` tokens is "long"; while `max_long_prefills` long prompts are prefilling, further long
@@ -10,11 +11,14 @@ head, the queue stops there (plain FIFO), so small requests cannot starve a larg
 
 from __future__ import annotations
 
+import bisect
+import heapq
 from collections import deque
 from collections.abc import Iterator
 from itertools import islice
 
 from chunkwise.engine.datatypes.request import Request
+from chunkwise.engine.sched.fairness import Fairness, NoFairness, tenant_of
 
 
 class WaitingQueue:
@@ -51,7 +55,107 @@ class WaitingQueue:
         """Requests to try, in order, at most scan_limit of them. Iterates over a snapshot of that window so the
         caller may remove what it admits."""
         long_slots = self.max_long_prefills - num_long_prefilling
-        for req in list(islice(self._q, self.scan_limit)):
+        for req in list(islice(iter(self), self.scan_limit)):
+            if self.is_long(req) and req.is_prefilling:
+                if long_slots <= 0:
+                    continue
+                long_slots -= 1
+            yield req
+
+
+QueueKey = tuple[int, float, str]
+
+
+def queue_key(req: Request) -> QueueKey:
+    """Where a request stands under --scheduling-policy priority: lower priority value first, then earlier
+    arrival (its first arrival: a preempted request keeps its place), the id breaking exact ties."""
+    return (req.priority, req.arrival_time, req.request_id)
+
+
+class OrderedQueue(WaitingQueue):
+    """The waiting queue under --scheduling-policy priority and/or --fairness vtc.
+
+    Requests stand in queue_key order: by priority, then arrival. A preempted request goes back where its
+    key puts it, ahead of everything of its priority that arrived after it, not to the back. With fairness,
+    each tenant has its own ordered list and admission is offered, each time, the head of the best priority
+    among the tenants' heads, the tenant with the least service counted first (sched/fairness.py); the
+    counters are read live, so what admission charges for one admission shapes the next pick in the same
+    step. The long-prompt cap and the scan limit work as in WaitingQueue.
+    """
+
+    def __init__(
+        self,
+        long_prompt_threshold: int,
+        max_long_prefills: int,
+        fairness: Fairness | None = None,
+        scan_limit: int = 512,
+    ) -> None:
+        super().__init__(long_prompt_threshold, max_long_prefills, scan_limit)
+        self.fairness: Fairness = fairness or NoFairness()
+        # tenant -> its requests in key order (one list, under "", without fairness).
+        self._lists: dict[str, list[tuple[QueueKey, Request]]] = {}
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[Request]:
+        lists = list(self._lists.values())
+        if len(lists) == 1:
+            return (r for _, r in lists[0])
+        return (r for _, r in heapq.merge(*lists, key=lambda e: e[0]))
+
+    def _tenant(self, req: Request) -> str:
+        return tenant_of(req) if self.fairness.enabled else ""
+
+    def push(self, req: Request) -> None:
+        t = self._tenant(req)
+        entries = self._lists.get(t)
+        if entries is None:
+            self.fairness.activate(t, self._lists)
+            entries = self._lists[t] = []
+        bisect.insort(entries, (queue_key(req), req), key=lambda e: e[0])
+        self._len += 1
+
+    # A preempted request goes back to its key's place: the same as a push.
+    push_front = push
+
+    def remove(self, req: Request) -> None:
+        t = self._tenant(req)
+        entries = self._lists[t]
+        key = queue_key(req)
+        i = bisect.bisect_left(entries, key, key=lambda e: e[0])
+        if i == len(entries) or entries[i][1] is not req:
+            raise ValueError(f"request {req.request_id} is not in the waiting queue")
+        del entries[i]
+        self._len -= 1
+        if not entries:
+            del self._lists[t]
+            self.fairness.deactivate(t, self._lists)
+
+    def candidates(self, num_long_prefilling: int) -> Iterator[Request]:
+        if not self.fairness.enabled or len(self._lists) <= 1:
+            yield from super().candidates(num_long_prefilling)
+            return
+        long_slots = self.max_long_prefills - num_long_prefilling
+        # A snapshot of each tenant's first scan_limit requests, so the caller may remove what it admits.
+        pending = {t: list(islice(entries, self.scan_limit)) for t, entries in self._lists.items()}
+        cursor = dict.fromkeys(pending, 0)
+        service = self.fairness.service
+        for _ in range(self.scan_limit):
+            best: tuple[int, float, QueueKey] | None = None
+            pick = ""
+            for t, entries in pending.items():
+                i = cursor[t]
+                if i < len(entries):
+                    key = entries[i][0]
+                    rank = (key[0], service(t), key)
+                    if best is None or rank < best:
+                        best, pick = rank, t
+            if best is None:
+                return
+            req = pending[pick][cursor[pick]][1]
+            cursor[pick] += 1
             if self.is_long(req) and req.is_prefilling:
                 if long_slots <= 0:
                     continue

@@ -29,7 +29,13 @@ from chunkwise.engine.sched.apply import StepApplier
 from chunkwise.engine.sched.compose import StepComposer
 from chunkwise.engine.sched.draft_length import AdaptiveDraftLength
 from chunkwise.engine.sched.fork import Forks
-from chunkwise.engine.sched.output import SchedulerOutput, SchedulerSnapshot, SchedulerStats
+from chunkwise.engine.sched.output import (
+    QueuedWork,
+    SchedulerOutput,
+    SchedulerSnapshot,
+    SchedulerStats,
+    work_ahead_of,
+)
 from chunkwise.engine.sched.policies import SchedulerPolicies, build_policies
 from chunkwise.engine.sched.preemption import PreemptionCostModel
 from chunkwise.engine.sched.reservation import OutputLengthEstimator
@@ -55,6 +61,8 @@ class Scheduler:
         self.victims = policies.victims
         self.waiting = policies.waiting
         self.reuse = policies.reuse
+        self.ranking = policies.ranking
+        self.fairness = policies.fairness
         self.swapped: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -90,6 +98,12 @@ class Scheduler:
         amount of waiting could admit: n past the batch, or a reservation past the whole cache, decided by
         the function admission uses. Writes only req and reads the estimator, so the engine calls it on the
         caller's thread before queueing and a refusal is the caller's error, not a stuck queue."""
+        if req.priority and self.config.scheduling_policy != "priority":
+            # vLLM's rule: a priority that nothing would honour is the caller's mistake, not a silent no-op.
+            raise ValueError(
+                f"priority {req.priority} needs --scheduling-policy priority (this engine runs "
+                f"{self.config.scheduling_policy}); send priority 0 or none"
+            )
         n = req.sampling_params.n
         if n > self.config.max_num_seqs:
             # Its n sequences run side by side once forked (fork.py): they must fit in one batch.
@@ -154,19 +168,31 @@ class Scheduler:
     def queued_work(self) -> tuple[int, int, int]:
         """The requests queued (waiting or swapped), their uncomputed tokens and their estimated outputs still
         to come: the work ahead of a newcomer, as the engine's load shedding and the simulator count it."""
-        num = prefill = decode = 0
+        w = QueuedWork()
+        for band in self.queued_bands().values():
+            w = w.plus(band.num, band.prefill_tokens, band.decode_tokens)
+        return w.num, w.prefill_tokens, w.decode_tokens
+
+    def queued_bands(self) -> dict[int, QueuedWork]:
+        """queued_work per priority band (one band, 0, under fcfs)."""
+        bands: dict[int, list[int]] = {}
         for r in itertools.chain(self.waiting, self.swapped):
-            num += 1
-            prefill += r.num_tokens - r.num_computed_tokens
+            b = bands.get(r.priority)
+            if b is None:
+                b = bands[r.priority] = [0, 0, 0]
+            b[0] += 1
+            b[1] += r.num_tokens - r.num_computed_tokens
             # A parent not yet forked has n outputs to come.
             sequences = r.sampling_params.n if r.fork_hold else 1
-            decode += sequences * max(0, r.output_length_estimate - r.num_output_tokens)
-        return num, prefill, decode
+            b[2] += sequences * max(0, r.output_length_estimate - r.num_output_tokens)
+        return {p: QueuedWork(*b) for p, b in bands.items()}
 
-    def load(self, service_tokens_per_s: float) -> LoadSnapshot:
-        """The queue as load shedding sees it at a measured service rate (its predicted_delay_s is the
-        queueing delay a newcomer would see)."""
-        return LoadSnapshot(*self.queued_work(), service_tokens_per_s)
+    def load(self, service_tokens_per_s: float, priority: int = 0) -> LoadSnapshot:
+        """The queue as load shedding sees it at a measured service rate, for a newcomer of `priority` (its
+        predicted_delay_s is the queueing delay that newcomer would see: the bands served before or with
+        it)."""
+        w = work_ahead_of(self.queued_bands(), priority)
+        return LoadSnapshot(w.num, w.prefill_tokens, w.decode_tokens, service_tokens_per_s)
 
     def gauges(self) -> SchedulerStats:
         """The stats as of now (what /metrics reads), without the queued-work count `snapshot` adds: the
@@ -175,14 +201,18 @@ class Scheduler:
         return copy.copy(self.stats)
 
     def snapshot(self, routes: Iterable[str] = ()) -> SchedulerSnapshot:
-        num, prefill, decode = self.queued_work()
+        bands = self.queued_bands()
+        w = QueuedWork()
+        for band in bands.values():
+            w = w.plus(band.num, band.prefill_tokens, band.decode_tokens)
         self._update_gauges()
         return SchedulerSnapshot(
             copy.copy(self.stats),
-            num,
-            prefill,
-            decode,
+            w.num,
+            w.prefill_tokens,
+            w.decode_tokens,
             {route: self.estimator.estimate(route) for route in routes},
+            bands,
         )
 
     @property
@@ -203,14 +233,30 @@ class Scheduler:
         if copies is None and not (self.swapped or len(self.waiting)):
             out = self.composer.decode_step(self.running)
             if out is not None:
+                if self.fairness.enabled:
+                    for row in out.scheduled:
+                        assert row.req is not None
+                        self.fairness.charge(row.req, 1, prefill=False)
+                if self.kv.tier is not None:
+                    self._take_tier_copies(out)
                 self._update_gauges()
                 return out
         num_new: dict[str, int] = {}
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
 
+        # 0. A waiting request that outranks running ones (--scheduling-policy priority) and cannot be
+        # admitted makes them give way, lowest first; it is admitted next step, as after any preemption.
+        head = self.admitter.head() if len(self.waiting) and self.running else None
+        num_preempted = self._preempt_for(head, swap_out) if head is not None else 0
+
         # 1. Running requests first (preempting victims when the cache is short).
-        budget, num_preempted, drafters = self._schedule_running(num_new, swap_out)
+        budget, preempted, drafters = self._schedule_running(num_new, swap_out)
+        num_preempted += preempted
+        if self.fairness.enabled:
+            for rid, n in num_new.items():
+                req = self.requests[rid]
+                self.fairness.charge(req, n, prefill=req.num_tokens - req.num_computed_tokens > 1)
 
         # 2. Admission, only in a step that preempted nothing: a step short of memory must not take more.
         if (
@@ -218,8 +264,9 @@ class Scheduler:
             and (self.swapped or len(self.waiting))
             and self.batching.admission_open(len(self.running))
         ):
-            budget = self.admitter.resume_swapped(budget, num_new, swap_in)
-            if not self.swapped:
+            head = self.admitter.head() if len(self.waiting) else None
+            budget = self.admitter.resume_swapped(budget, num_new, swap_in, head)
+            if not self.swapped or (head is not None and self.ranking.outranks(head, self.swapped[0])):
                 budget = self.admitter.admit_waiting(budget, num_new)
 
         # 3. Drafts last, from what prefill and admission left: speculation never starves a waiting prompt.
@@ -229,6 +276,8 @@ class Scheduler:
         out = self.composer.compose(self.running, num_new, swap_out, swap_in, num_preempted)
         if copies:
             out.block_copies = copies
+        if self.kv.tier is not None:
+            self._take_tier_copies(out)
         if out.is_empty and not num_preempted and not self.running and (self.swapped or len(self.waiting)):
             out.failed = self._fail_stalled()
         self._update_gauges()
@@ -345,6 +394,24 @@ class Scheduler:
                 budget -= d
         return budget
 
+    def _preempt_for(self, head: Request, swap_out: list[tuple[int, int]]) -> int:
+        """Preempt running requests that `head` outranks (the ranking's choice, lowest first) until it
+        could be admitted; nothing when it fits already or could not fit even with all of them gone.
+        Returns how many were preempted."""
+        victim = self.ranking.victim_for(head, self.running)
+        if victim is None or self.admitter.fits(head):
+            return 0
+        outranked = [r for r in self.running if self.ranking.outranks(head, r)]
+        if not self.admitter.fits(head, without=outranked):
+            return 0
+        n = 0
+        while victim is not None and not self.admitter.fits(head):
+            self._preempt(victim, swap_out)
+            self.stats.num_priority_preemptions += 1
+            n += 1
+            victim = self.ranking.victim_for(head, self.running)
+        return n
+
     def _fail_stalled(self) -> list[Request]:
         """The watchdog: a step with work waiting, nothing running and nothing admitted would repeat forever
         (admission and feasibility at arrival should make this unreachable; a leaked block, say, would not).
@@ -367,10 +434,11 @@ class Scheduler:
         req.preempt_count += 1
         mode = self.preemption.mode(req)
         copies = self.kv.swap_out(req) if mode == "swap" else None
+        self.stats.count_preemption(req.priority)
         if copies is not None:
             swap_out.extend(copies)
             req.status = RequestStatus.SWAPPED
-            self.swapped.append(req)
+            self.ranking.requeue_swapped(self.swapped, req)
             self.stats.num_preemptions_swap += 1
         else:
             if mode == "swap":
@@ -399,11 +467,35 @@ class Scheduler:
         seeded_sampling = p.seed is not None and not p.greedy
         return p.speculative and not p.has_penalty and p.logprobs is None and not seeded_sampling
 
+    def _take_tier_copies(self, out: SchedulerOutput) -> None:
+        """The host tier's copies of this step into its output: offloads of the blocks this step's
+        allocations evicted, restores of the host hits it admitted (cache/host_tier.py)."""
+        offload, restore = self.kv.take_tier_copies()
+        out.offload = offload
+        if restore:
+            out.swap_in = out.swap_in + restore if out.swap_in else restore
+
     def _update_gauges(self) -> None:
         s = self.stats
         s.num_running = len(self.running)
         s.num_waiting = len(self.waiting)
         s.num_swapped = len(self.swapped)
         s.kv_usage = self.kv.pool.usage
+        tier = self.kv.tier
+        if tier is not None:
+            s.host_cache_restores = tier.num_restores
+            s.host_cache_offloads = tier.num_offloads
+            s.host_cache_evictions = tier.num_evictions
+            s.host_cache_usage = tier.usage
+        if self.ranking.ranks:
+            s.running_by_priority = _count_by_priority(self.running)
+            s.queued_by_priority = _count_by_priority(itertools.chain(self.waiting, self.swapped))
         if self.policies.adapters is not None:
             self.policies.adapters.publish(s, self.running, (*self.waiting, *self.swapped))
+
+
+def _count_by_priority(requests: Iterable[Request]) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for r in requests:
+        counts[r.priority] = counts.get(r.priority, 0) + 1
+    return counts
