@@ -6,6 +6,10 @@ on (the token at that position and everything before it). Swaps copy slots betwe
 slots, as the runner does, before the forward. After every step each block in the prefix cache must hold, in
 every slot, the identity of the prefix its hash stands for; a block registered but never written (its request
 gave way in the step that allocated it) would hold a stale identity or none.
+
+With the prefix cache's host tier (--kv-offloading-size) the copies include its offloads (first, as the
+runner makes them) and restores (with the swap-ins): every block the tier holds must hold its prefix in host
+memory too, and every block restored from it, the KV of its prefix on the device.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class Oracle:
     def __init__(self, num_blocks: int, host_blocks: int) -> None:
         self.device: list[list[tuple[int, ...] | None]] = [[None] * BLOCK for _ in range(num_blocks)]
         self.host: list[list[tuple[int, ...] | None]] = [[None] * BLOCK for _ in range(max(1, host_blocks))]
+        self.restored = 0
         # Every full-block hash ever computed, and the tokens of the prefix it stands for.
         self.prefixes: dict[int, tuple[int, ...]] = {}
 
@@ -39,10 +44,15 @@ class Oracle:
 
     def step(self, s: Scheduler, rng: random.Random) -> None:
         out = s.schedule()
+        for block, slot in out.offload:
+            self.host[slot] = list(self.device[block])
         for block, slot in out.swap_out:
             self.host[slot] = list(self.device[block])
         for slot, block in out.swap_in:
             self.device[block] = list(self.host[slot])
+        self.restored += len(out.swap_in) - sum(
+            1 for slot, _ in out.swap_in if slot < s.kv.swap_space.num_host_blocks
+        )
         for sr in out.scheduled:
             tokens = s.requests[sr.req_id].token_ids
             for pos in range(sr.start_pos, sr.start_pos + len(sr.token_ids)):
@@ -59,21 +69,19 @@ class Oracle:
             prefix = self.prefixes[h]
             want = [prefix[: len(prefix) - BLOCK + i + 1] for i in range(BLOCK)]
             assert self.device[b] == want, f"block {b} is cached for a prefix its KV does not hold"
+        tier = s.kv.tier
+        if tier is not None:
+            tier.check_invariants()
+            for h, slot in tier._slots.items():
+                prefix = self.prefixes[h]
+                want = [prefix[: len(prefix) - BLOCK + i + 1] for i in range(BLOCK)]
+                assert self.host[slot] == want, f"host slot {slot} holds another prefix than its hash's"
         return len(cached)
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    seed=st.integers(0, 2**31),
-    mode=st.sampled_from(["swap", "recompute", "auto"]),
-    num_blocks=st.integers(14, 30),
-    host_blocks=st.sampled_from([0, 6, 40]),
-)
-def test_every_cached_block_holds_the_kv_of_its_prefix(
-    seed: int, mode: str, num_blocks: int, host_blocks: int
-) -> None:
+def run(seed: int, mode: str, num_blocks: int, host_blocks: int, tier_blocks: int = 0) -> Oracle:
     rng = random.Random(seed)
-    kv = KVCacheManager(num_blocks, BLOCK, True, host_blocks)
+    kv = KVCacheManager(num_blocks, BLOCK, True, host_blocks, num_tier_blocks=tier_blocks)
     cost = PreemptionCostModel(64, 1e9 if mode != "auto" else 3e3, 1e4)
     s = Scheduler.from_config(
         SchedulerConfig(
@@ -85,7 +93,7 @@ def test_every_cached_block_holds_the_kv_of_its_prefix(
         kv,
         cost,
     )
-    oracle = Oracle(num_blocks, host_blocks)
+    oracle = Oracle(num_blocks, host_blocks + tier_blocks)
     shared = [[rng.randrange(1, 50) for _ in range(rng.choice([4, 8, 12]))] for _ in range(3)]
     checked = 0
     for step in range(3000):
@@ -105,3 +113,37 @@ def test_every_cached_block_holds_the_kv_of_its_prefix(
             break
     assert not s.has_unfinished()
     assert checked > 0
+    return oracle
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    mode=st.sampled_from(["swap", "recompute", "auto"]),
+    num_blocks=st.integers(14, 30),
+    host_blocks=st.sampled_from([0, 6, 40]),
+)
+def test_every_cached_block_holds_the_kv_of_its_prefix(
+    seed: int, mode: str, num_blocks: int, host_blocks: int
+) -> None:
+    run(seed, mode, num_blocks, host_blocks)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    mode=st.sampled_from(["swap", "recompute", "auto"]),
+    num_blocks=st.integers(14, 30),
+    host_blocks=st.sampled_from([0, 6]),
+    tier_blocks=st.sampled_from([1, 3, 12, 60]),
+)
+def test_every_restored_block_holds_the_kv_of_its_prefix(
+    seed: int, mode: str, num_blocks: int, host_blocks: int, tier_blocks: int
+) -> None:
+    run(seed, mode, num_blocks, host_blocks, tier_blocks)
+
+
+def test_the_tier_workload_restores() -> None:
+    """The workload above does exercise the tier: blocks are restored from host memory and checked."""
+    assert run(1, "recompute", 14, 0, 12).restored > 20
+    assert run(2, "swap", 18, 6, 3).restored > 5

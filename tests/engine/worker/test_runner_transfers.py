@@ -229,3 +229,25 @@ def test_swap_copies_each_run_of_host_slots_straight_between_the_pinned_host_cac
     for layer, dev in zip(runner.kv_caches, before):
         for slot, block in back:
             assert torch.equal(layer[:, block], dev[:, slot_of[slot]])
+
+
+def test_a_step_offloads_evicted_blocks_before_anything_writes_them():
+    """The host tier's offloads read the blocks a step's allocations evicted as they were: before its
+    copy-on-write, swaps and forward write them; its restores read the slots after the offloads wrote them."""
+    runner = make_runner(num_host_blocks=8)
+    for layer in runner.kv_caches:
+        layer.zero_()
+        layer[:, 3] = 1.0  # evicted from the prefix cache this step, and handed out again ...
+        layer[:, 5] = 2.0
+    step = SchedulerOutput(
+        scheduled=[],
+        num_batched_tokens=0,
+        offload=[(3, 6)],
+        block_copies=[(5, 3)],  # ... as a fork's copy-on-write block
+        swap_in=[(6, 7)],  # and the offloaded KV is restored in the same step
+    )
+    assert not step.is_empty
+    runner.execute(step)
+    for layer, host in zip(runner.kv_caches, runner.host_caches):
+        assert torch.all(host[:, 6] == 1.0), "the offload read the block after it was rewritten"
+        assert torch.all(layer[:, 3] == 2.0) and torch.all(layer[:, 7] == 1.0)

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 from chunkwise.engine.cache.events import KVEventLog
 from chunkwise.engine.cache.hashing import BlockHash
+from chunkwise.engine.cache.host_tier import HostTier
 
 
 class BlockPool:
@@ -30,6 +31,8 @@ class BlockPool:
         self.num_evictions = 0
         # Where each hash entering or leaving _cached is recorded, for consumers outside the engine.
         self.events = events
+        # The host tier that takes a copy of each cached block evicted here (--kv-offloading-size), if any.
+        self.tier: HostTier | None = None
 
     @property
     def num_free(self) -> int:
@@ -51,6 +54,8 @@ class BlockPool:
                 # Evict: the block is about to hold other tokens.
                 self._drop(h, block_id)
                 self.num_evictions += 1
+                if self.tier is not None:
+                    self.tier.offload(h, block_id)
             self.ref_cnt[block_id] = 1
             out.append(block_id)
         return out

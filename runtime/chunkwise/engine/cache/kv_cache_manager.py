@@ -2,6 +2,11 @@
 
 The manager is the only writer of block tables. The scheduler asks it for room; the model runner reads the
 tables the scheduler passes on.
+
+With a host tier (cache/host_tier.py) a lookup goes on past the device's cached blocks into host memory: a
+block found only there is restored into a fresh device block when its request is allocated, and registered
+on the device under its hash. The copies the tier records in a step (restores, and the offloads of blocks
+the pool evicts) go into the step's output through take_tier_copies.
 """
 
 from __future__ import annotations
@@ -11,12 +16,29 @@ from collections.abc import Sequence
 from chunkwise.engine.cache.block_pool import BlockPool
 from chunkwise.engine.cache.events import KVEventLog
 from chunkwise.engine.cache.hashing import BlockHash, block_extra, hash_prefix_blocks
+from chunkwise.engine.cache.host_tier import HostTier
 from chunkwise.engine.cache.swap import SwapSpace
 from chunkwise.engine.datatypes.request import Request
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+# A CachedPrefix's entry for a block found only in the host tier (it has no device block until restored).
+HOST = -1
+
+
+class CachedPrefix(list[int]):
+    """A lookup's cached prefix, one entry per leading block: its device block, or HOST where the block is in
+    the host tier only; `host` lists those as (position, hash, host slot). Its length counts both tiers, as
+    admission does (each host block takes a fresh device block: num_idle counts it)."""
+
+    __slots__ = ("host",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.host: list[tuple[int, BlockHash, int]] = []
 
 
 class KVCacheManager:
@@ -27,10 +49,17 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         num_host_blocks: int = 0,
         events: KVEventLog | None = None,
+        num_tier_blocks: int = 0,
     ) -> None:
+        """`num_host_blocks`: host slots for preemption's swap space; `num_tier_blocks`: host slots for the
+        prefix cache's host tier (--kv-offloading-size), numbered after the swap space's."""
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching, events)
         self.swap_space = SwapSpace(num_host_blocks)
+        self.tier: HostTier | None = None
+        if num_tier_blocks and enable_prefix_caching:
+            self.tier = HostTier(num_tier_blocks, first_slot=num_host_blocks, events=events)
+            self.pool.tier = self.tier
         self.enable_prefix_caching = enable_prefix_caching
         self.block_tables: dict[str, list[int]] = {}
         # Chained hashes of each request's full blocks, grown as tokens arrive, and how many of its leading
@@ -63,31 +92,38 @@ class KVCacheManager:
             )
         return hashes
 
-    def lookup_prefix(self, req: Request) -> list[int]:
+    def lookup_prefix(self, req: Request) -> CachedPrefix:
         """Blocks holding the longest cached prefix of req. At least one token is always left to compute,
         because the step that finishes a prompt must produce its logits. A request that wants its prompt's
         log-probs gets none: every position it reports must be computed."""
         if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
-            return []
+            return CachedPrefix()
         return self.cached_blocks(self.block_hashes(req), req.num_tokens)
 
-    def cached_blocks(self, hashes: Sequence[BlockHash], num_tokens: int) -> list[int]:
-        """The cached blocks of the longest prefix of `hashes` (a sequence of num_tokens tokens), read only.
-        A request's lookup; the simulator's router asks it of a prompt's hashes too."""
+    def cached_blocks(self, hashes: Sequence[BlockHash], num_tokens: int) -> CachedPrefix:
+        """The cached blocks of the longest prefix of `hashes` (a sequence of num_tokens tokens), read only:
+        each block from the device cache, else from the host tier. A request's lookup; the simulator's router
+        asks it of a prompt's hashes too."""
+        hits = CachedPrefix()
         if not self.enable_prefix_caching:
-            return []
-        hits: list[int] = []
-        for h in hashes[: (num_tokens - 1) // self.block_size]:
-            block_id = self.pool.lookup(h)
+            return hits
+        lookup, tier = self.pool.lookup, self.tier
+        for i, h in enumerate(hashes[: (num_tokens - 1) // self.block_size]):
+            block_id = lookup(h)
             if block_id is None:
-                break
+                slot = tier.lookup(h) if tier is not None else None
+                if slot is None:
+                    break
+                hits.host.append((i, h, slot))
+                block_id = HOST
             hits.append(block_id)
         return hits
 
     def num_idle(self, cached: Sequence[int]) -> int:
-        """Cache hits that sit in the free LRU: referencing them takes them off the allocatable count."""
+        """Cache hits that take a block off the allocatable count: device hits that sit in the free LRU
+        (referencing them takes them out), and host hits (each is restored into a fresh block)."""
         ref_cnt = self.pool.ref_cnt
-        return sum(1 for b in cached if ref_cnt[b] == 0)
+        return sum(1 for b in cached if b == HOST or ref_cnt[b] == 0)
 
     def blocks_to_allocate(self, req: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> int:
         """New blocks req needs to hold num_new_tokens more tokens (after the cached prefix, if any)."""
@@ -116,7 +152,10 @@ class KVCacheManager:
         if need + self.num_idle(cached) > self.pool.num_free:
             return False
         table = self.block_tables.setdefault(req.request_id, [])
-        if cached:
+        if isinstance(cached, CachedPrefix) and cached.host:
+            self._restore(table, cached)
+            self._num_registered[req.request_id] = len(table)
+        elif cached:
             self.pool.touch(cached)
             table.extend(cached)
             self._num_registered[req.request_id] = len(table)
@@ -125,6 +164,30 @@ class KVCacheManager:
         end = req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
         self._register(req, end)
         return True
+
+    def _restore(self, table: list[int], cached: CachedPrefix) -> None:
+        """Take a cached prefix with host hits into `table`: its device blocks referenced, a fresh block for
+        each host block, restored from its slot in this step and registered under its hash."""
+        tier = self.tier
+        assert tier is not None
+        # The slots are held for this step's reads before the fresh blocks are allocated: the allocation may
+        # evict cached blocks, whose offloads could otherwise push these out of the tier and take their slots.
+        for _, h, slot in cached.host:
+            tier.hold(h, slot)
+        self.pool.touch([b for b in cached if b != HOST])
+        fresh = self.pool.allocate(len(cached.host))
+        table.extend(cached)
+        for (i, h, slot), block in zip(cached.host, fresh):
+            table[len(table) - len(cached) + i] = block
+            tier.restore(slot, block)
+            self.pool.cache(block, h)
+
+    def take_tier_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The host tier's copies recorded since the last call: offloads (device block, host slot), made
+        before anything else in the step, and restores (host slot, device block), made with its swap-ins."""
+        if self.tier is None:
+            return [], []
+        return self.tier.take_copies()
 
     def _register(self, req: Request, num_tokens: int) -> None:
         """Put req's full blocks up to num_tokens into the prefix cache.

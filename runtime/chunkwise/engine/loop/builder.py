@@ -202,6 +202,14 @@ def _build(
             f"({min_blocks * block_bytes} bytes) or lower max_model_len"
         )
     num_host_blocks = cache.swap_space_bytes // block_bytes
+    # The prefix cache's host tier: its slots follow the swap space's in the same host tensors, so that every
+    # rank and stage makes its copies on the swap path. Its size is vLLM's: GiB over all of a replica's ranks.
+    num_tier_blocks = int(cache.kv_offloading_size * (1 << 30)) // (block_bytes * config.world_size)
+    if cache.kv_offloading_size and not num_tier_blocks:
+        raise ValueError(
+            f"kv_offloading_size {cache.kv_offloading_size} GiB holds no KV block of {block_bytes} bytes "
+            f"(per rank, {config.world_size} ranks)"
+        )
     # Structured outputs: the engine's one llguidance tokenizer (built on first use) and grammar cache.
     structured = GrammarCompiler(loaded.tokenizer, mcfg.vocab_size, loaded.eos_token_ids)
     proposer = _make_proposer(config, draft, num_blocks, dtype, device, max_model_len_)
@@ -209,13 +217,22 @@ def _build(
     kv_events = (
         KVEventLog(cache.kv_events_buffer) if cache.enable_prefix_caching and cache.kv_events_buffer else None
     )
-    kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching, num_host_blocks, kv_events)
+    kv = KVCacheManager(
+        num_blocks, cache.block_size, cache.enable_prefix_caching, num_host_blocks, kv_events, num_tier_blocks
+    )
+    if num_tier_blocks:
+        log.info(
+            "prefix cache host tier: %d blocks (%.2f GiB per rank) after the swap space's %d",
+            num_tier_blocks,
+            num_tier_blocks * block_bytes / (1 << 30),
+            num_host_blocks,
+        )
     runner = make_runner(
         loaded,
         config,
         backend,
         num_blocks,
-        num_host_blocks,
+        num_host_blocks + num_tier_blocks,
         dtype,
         device,
         max_model_len_,
@@ -225,7 +242,7 @@ def _build(
     runner.lora = lora_slots
     if ranks is not None:
         # Every rank's cache has the same blocks (the block ids the scheduler hands out are every rank's).
-        ranks.setup(RankSizes(num_blocks, num_host_blocks, max_model_len_))
+        ranks.setup(RankSizes(num_blocks, num_host_blocks + num_tier_blocks, max_model_len_))
         runner.ranks = ranks  # from here on (the start-up probes first), each step drives the other ranks
     probe = StartupProbe(runner, kv, max_model_len_)
     fixed_transfer_s, host_copy_bytes_per_s = probe.swap_cost(num_blocks, num_host_blocks, block_bytes)

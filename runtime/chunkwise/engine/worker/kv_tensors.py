@@ -66,13 +66,21 @@ class KVTensors:
         block_copies: Sequence[tuple[int, int]],
         swap_out: list[tuple[int, int]],
         swap_in: list[tuple[int, int]],
+        offload: Sequence[tuple[int, int]] = (),
     ) -> None:
-        """A step's block movement, before its forward."""
+        """A step's block movement, before its forward, in this order (on a GPU every copy is queued on one
+        stream, so each is made after the ones before it, whatever the host waits for):
+        1. the host tier's offloads: the blocks this step's allocations evicted are read as they were, before
+           anything below (or the forward) writes a block handed out again in this step;
+        2. copy-on-write (a forked request's partial block): a swap-out this step may take the copy;
+        3. swap-outs (preemption), then swap-ins (resumed requests, and the host tier's restores, which read
+           slots the offloads above may have just written). A step swaps out (it preempted) or resumes and
+           admits, never both (the scheduler admits nothing in a step that preempts:
+           tests/engine/sched/test_scheduler_stress.py checks it), and the tier's slots are never swap's."""
+        if offload:
+            self.swap_out(list(offload))
         if block_copies:
-            # Copy-on-write (a forked request's partial block), first: a swap-out this step may take the copy.
             self.copy_blocks(list(block_copies))
-        # A step swaps out (it preempted) or in (it admitted), never both: the scheduler admits nothing in a
-        # step that preempts (tests/engine/sched/test_scheduler_stress.py checks it), so their order is moot.
         self.swap_out(swap_out)
         self.swap_in(swap_in)
 

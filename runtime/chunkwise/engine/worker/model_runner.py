@@ -152,7 +152,7 @@ class ModelRunner:
 
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._forget(so.finished_req_ids)
-        self.kv_tensors.move(so.block_copies, so.swap_out, so.swap_in)
+        self.kv_tensors.move(so.block_copies, so.swap_out, so.swap_in, so.offload)
         if not so.scheduled:
             if self.ranks is not None:
                 self.ranks.send(StepMessage.of(so, {}))
@@ -191,7 +191,7 @@ class ModelRunner:
         here. A stage before the last is done once its forward has sent its hidden states on."""
         so = message.so
         self._forget(so.finished_req_ids)
-        self.kv_tensors.move(so.block_copies, so.swap_out, so.swap_in)
+        self.kv_tensors.move(so.block_copies, so.swap_out, so.swap_in, so.offload)
         if not so.scheduled:
             return
         step = self._prepare(so, message.drafts)
