@@ -25,10 +25,30 @@ LORA_ADAPTERS = "chunkwise:lora_adapters"
 LORA_LOADS = "chunkwise:lora_loads_total"
 LORA_LOAD_SECONDS = "chunkwise:lora_load_seconds_total"
 LORA_REQUESTS = "chunkwise:lora_requests_total"
+# Per priority band (the `priority` label), under --scheduling-policy priority.
+NUM_REQUESTS_RUNNING_BY_PRIORITY = "chunkwise:num_requests_running_by_priority"
+NUM_REQUESTS_QUEUED_BY_PRIORITY = "chunkwise:num_requests_queued_by_priority"
+PREEMPTIONS_BY_PRIORITY = "chunkwise:preemptions_by_priority_total"
+PRIORITY_PREEMPTIONS = "chunkwise:priority_preemptions_total"
+TIME_TO_FIRST_TOKEN_BY_PRIORITY = "chunkwise:time_to_first_token_by_priority_seconds"
+REQUEST_QUEUE_TIME_BY_PRIORITY = "chunkwise:request_queue_time_by_priority_seconds"
 # Exposed only by an engine configured for them (as vLLM's are), with why.
 CONDITIONAL = {
-    name: "--enable-lora"
-    for name in (LORA_REQUESTS_INFO, LORA_ADAPTERS, LORA_LOADS, LORA_LOAD_SECONDS, LORA_REQUESTS)
+    **{
+        name: "--enable-lora"
+        for name in (LORA_REQUESTS_INFO, LORA_ADAPTERS, LORA_LOADS, LORA_LOAD_SECONDS, LORA_REQUESTS)
+    },
+    **{
+        name: "--scheduling-policy priority"
+        for name in (
+            NUM_REQUESTS_RUNNING_BY_PRIORITY,
+            NUM_REQUESTS_QUEUED_BY_PRIORITY,
+            PREEMPTIONS_BY_PRIORITY,
+            PRIORITY_PREEMPTIONS,
+            TIME_TO_FIRST_TOKEN_BY_PRIORITY,
+            REQUEST_QUEUE_TIME_BY_PRIORITY,
+        )
+    },
 }
 
 # Counters.
@@ -44,6 +64,15 @@ PROMPT_TOKENS = "vllm:prompt_tokens_total"
 GENERATION_TOKENS = "vllm:generation_tokens_total"
 REQUEST_SUCCESS = "vllm:request_success_total"
 ADMISSION_REJECTIONS = "chunkwise:admission_rejections_total"
+
+# The prefix cache's host tier (--kv-offloading-size; all 0 without one): prompt tokens found there (of
+# vllm:prefix_cache_hits), blocks copied back to the device and into host memory, blocks dropped from its LRU,
+# and the fraction of its blocks in use.
+HOST_PREFIX_CACHE_HITS = "chunkwise:host_prefix_cache_hits_total"
+HOST_PREFIX_CACHE_RESTORES = "chunkwise:host_prefix_cache_restored_blocks_total"
+HOST_PREFIX_CACHE_OFFLOADS = "chunkwise:host_prefix_cache_offloaded_blocks_total"
+HOST_PREFIX_CACHE_EVICTIONS = "chunkwise:host_prefix_cache_evicted_blocks_total"
+HOST_PREFIX_CACHE_USAGE = "chunkwise:host_prefix_cache_usage_perc"
 
 # Histograms (exposed with _bucket, _sum and _count).
 TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"

@@ -75,6 +75,7 @@ class ServerState:
         engine.add_observer(self.metrics.on_step)
         info = engine.model_info
         self.metrics.set_cache_config(info.block_size, info.num_blocks, info.enable_prefix_caching)
+        self.metrics.set_scheduling_policy(info.scheduling_policy)
         self.metrics.set_stats_source(engine.scheduler_stats)
         self.engine = engine
 

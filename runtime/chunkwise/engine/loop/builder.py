@@ -64,6 +64,8 @@ class ModelInfo:
     # How the linear weights are held (QuantScheme.description: the checkpoint's format or --quantization);
     # None: full precision, in `dtype`.
     quantization: str | None = None
+    # --scheduling-policy: under priority, metrics keep their per-band series.
+    scheduling_policy: str = "fcfs"
 
 
 @dataclass
@@ -288,6 +290,7 @@ def _build(
         dtype=choice.name,
         max_num_seqs=sched_cfg.max_num_seqs,
         quantization=loaded.quantization.description if loaded.quantization is not None else None,
+        scheduling_policy=sched_cfg.scheduling_policy,
     )
     return EngineParts(
         config=resolved_config,

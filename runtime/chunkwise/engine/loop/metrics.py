@@ -66,6 +66,8 @@ class _SchedulerCollector(Collector):
     def __init__(self, model_name: str, source: Callable[[], SchedulerStats | None]) -> None:
         self.model_name = model_name
         self.source = source
+        # Whether the per-priority series are exported (EngineMetrics.set_scheduling_policy).
+        self.banded = False
 
     def collect(self) -> Iterable[Metric]:
         s = self.source() or SchedulerStats()
@@ -154,6 +156,32 @@ class _SchedulerCollector(Collector):
             s.prefix_cache_queries,
         )
         yield counter(N.PREFIX_CACHE_HITS, "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
+        # The prefix cache's host tier (--kv-offloading-size).
+        yield counter(
+            N.HOST_PREFIX_CACHE_HITS,
+            "Prompt tokens found in the prefix cache's host tier (counted in vllm:prefix_cache_hits too).",
+            s.host_cache_hits,
+        )
+        yield counter(
+            N.HOST_PREFIX_CACHE_RESTORES,
+            "KV blocks copied from the host tier back to the device on a prefix-cache hit.",
+            s.host_cache_restores,
+        )
+        yield counter(
+            N.HOST_PREFIX_CACHE_OFFLOADS,
+            "KV blocks evicted from the device prefix cache and copied to the host tier.",
+            s.host_cache_offloads,
+        )
+        yield counter(
+            N.HOST_PREFIX_CACHE_EVICTIONS,
+            "KV blocks dropped from the host tier's LRU (lost to the prefix cache).",
+            s.host_cache_evictions,
+        )
+        yield gauge(
+            N.HOST_PREFIX_CACHE_USAGE,
+            "Fraction of the host tier's KV blocks in use (1 = full; 0 without --kv-offloading-size).",
+            s.host_cache_usage,
+        )
         yield counter(
             N.SPEC_DRAFT_TOKENS,
             "Speculative tokens proposed.",
@@ -164,6 +192,44 @@ class _SchedulerCollector(Collector):
             "Speculative tokens accepted.",
             s.spec_num_accepted_tokens,
         )
+        if self.banded:
+            yield from self._bands(s)
+
+    def _bands(self, s: SchedulerStats) -> Iterable[Metric]:
+        """--scheduling-policy priority: the queue, the batch and the preemptions per priority band."""
+        labels = ["model_name", "priority"]
+        families = (
+            (
+                GaugeMetricFamily,
+                N.NUM_REQUESTS_RUNNING_BY_PRIORITY,
+                "Requests running, by priority.",
+                s.running_by_priority,
+            ),
+            (
+                GaugeMetricFamily,
+                N.NUM_REQUESTS_QUEUED_BY_PRIORITY,
+                "Requests waiting or swapped, by priority.",
+                s.queued_by_priority,
+            ),
+            (
+                CounterMetricFamily,
+                N.PREEMPTIONS_BY_PRIORITY,
+                "Cumulative preemptions, by the victim's priority.",
+                s.preemptions_by_priority,
+            ),
+        )
+        for kind, name, doc, values in families:
+            family = kind(name, doc, labels=labels)
+            for priority, value in sorted(values.items()):
+                family.add_metric([self.model_name, str(priority)], value)
+            yield family
+        c = CounterMetricFamily(
+            N.PRIORITY_PREEMPTIONS,
+            "Preemptions of running requests for a waiting one of higher priority (in vllm:num_preemptions too).",
+            labels=["model_name"],
+        )
+        c.add_metric([self.model_name], s.num_priority_preemptions)
+        yield c
 
 
 class EngineMetrics:
@@ -269,7 +335,11 @@ class EngineMetrics:
             [*labels, "block_size", "num_gpu_blocks", "enable_prefix_caching"],
             registry=r,
         )
-        r.register(_SchedulerCollector(model_name, lambda: self._stats_source()))
+        self._collector = _SchedulerCollector(model_name, lambda: self._stats_source())
+        r.register(self._collector)
+        # Created by set_scheduling_policy("priority"): none under fcfs, where every request is band 0.
+        self.ttft_by_priority: Histogram | None = None
+        self.queue_time_by_priority: Histogram | None = None
         # Loop-thread state: when each streaming request last produced tokens.
         self._last_token_time: dict[str, float] = {}
 
@@ -281,6 +351,27 @@ class EngineMetrics:
         self.cache_config_info.labels(
             self.model_name, str(block_size), str(num_blocks), str(enable_prefix_caching)
         ).set(1)
+
+    def set_scheduling_policy(self, policy: str) -> None:
+        """Under "priority", export the per-band series (chunkwise:*_by_priority*)."""
+        if policy != "priority" or self.ttft_by_priority is not None:
+            return
+        self._collector.banded = True
+        labels = ["model_name", "priority"]
+        self.ttft_by_priority = Histogram(
+            N.TIME_TO_FIRST_TOKEN_BY_PRIORITY,
+            "Time to first token, by priority.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.queue_time_by_priority = Histogram(
+            N.REQUEST_QUEUE_TIME_BY_PRIORITY,
+            "Arrival to first scheduled, by priority.",
+            labels,
+            buckets=REQUEST_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
 
     def record_rejection(self, reason: str) -> None:
         self.admission_rejections.labels(self.model_name, reason).inc()
@@ -333,6 +424,16 @@ class EngineMetrics:
                 self.e2e.observe(max(0.0, req.finished_time - req.arrival_time))
             if req.first_scheduled_time is not None:
                 self.queue_time.observe(max(0.0, req.first_scheduled_time - req.arrival_time))
+            if self.ttft_by_priority is not None and self.queue_time_by_priority is not None:
+                band = (self.model_name, str(req.priority))
+                if req.first_token_time is not None:
+                    self.ttft_by_priority.labels(*band).observe(
+                        max(0.0, req.first_token_time - req.arrival_time)
+                    )
+                if req.first_scheduled_time is not None:
+                    self.queue_time_by_priority.labels(*band).observe(
+                        max(0.0, req.first_scheduled_time - req.arrival_time)
+                    )
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
