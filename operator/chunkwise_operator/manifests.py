@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 from chunkwise_operator import gateway
-from chunkwise_operator.spec import GROUP, Adapter, ServiceSpec
+from chunkwise_operator.spec import DEFAULT_TENANT_HEADER, GROUP, Adapter, EngineSpec, ServiceSpec, gib
 
 RUNTIME_PORT = 8000
 ROUTER_PORT = 8080
@@ -198,6 +198,14 @@ def engine_command(spec: ServiceSpec) -> list[str]:
         argv += ["--kv-cache-memory-bytes", str(e.kv_cache_memory_bytes)]
     argv += ["--preemption-mode", e.preemption_mode]
     argv.append("--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching")
+    # Multi-tenant scheduling (issue 37): only where they differ from the engine's defaults, so that a service
+    # without them keeps its command, and one pinned to an older runtime image gets no flag it lacks.
+    if e.kv_offloading_bytes:
+        argv += ["--kv-offloading-size", gib(e.kv_offloading_bytes)]
+    if e.scheduling_policy != EngineSpec.scheduling_policy:
+        argv += ["--scheduling-policy", e.scheduling_policy]
+    if e.fairness != EngineSpec.fairness:
+        argv += ["--fairness", e.fairness]
     if e.speculation.method != "none":
         argv += [
             "--speculative-method",
@@ -211,6 +219,8 @@ def engine_command(spec: ServiceSpec) -> list[str]:
         "--drain-timeout-seconds",
         str(e.drain_grace_seconds),
     ]
+    if spec.router.tenant_header != DEFAULT_TENANT_HEADER:
+        argv += ["--tenant-header", spec.router.tenant_header]
     # Only above the engine's default of 1, so a one-rank service's command is what it always was.
     if e.tensor_parallel_size > 1:
         argv += ["--tensor-parallel-size", str(e.tensor_parallel_size)]

@@ -71,6 +71,16 @@ CACHE_HEADROOM = 2 * GIB
 DEFAULT_CPU_MODEL_CACHE = "20Gi"
 DEFAULT_GPU_MODEL_CACHE = "80Gi"
 PREEMPTION_MODES = ("auto", "swap", "recompute")
+# Multi-tenant scheduling (issue 37), vLLM's names: --scheduling-policy orders by each request's priority;
+# --fairness vtc shares a replica between tenants by the service each has had (Virtual Token Counter).
+SCHEDULING_POLICIES = ("fcfs", "priority")
+FAIRNESS_POLICIES = ("none", "vtc")
+# The request header that names a request's tenant (`chunkwise serve --tenant-header`); the router passes
+# every request header through to the replica, this one included. An HTTP field name (RFC 9110 token), kept
+# to the characters every proxy passes (no '_': nginx drops such headers by default).
+DEFAULT_TENANT_HEADER = "x-tenant-id"
+HEADER_NAME_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?$"
+MAX_HEADER_NAME_LENGTH = 128
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 ROUTER_POLICIES = ("predicted-completion", "round-robin", "least-loaded", "prefix-affinity")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
@@ -207,6 +217,17 @@ class EngineSpec:
     # /v1/load_lora_adapter endpoint (--allow-runtime-lora), so that adding or removing one restarts no pod;
     # off, they are fetched by init containers and passed as --lora-modules (a change rolls the pods).
     runtime_lora_updates: bool = False
+    # Multi-tenant scheduling (issue 37). Each is rendered only when it differs from the engine's default, so
+    # that a service which leaves them out keeps the command (and the pods) it had, and a service pinned to
+    # an older runtime image (status.runtimeImage) is not given flags that image lacks.
+    # --scheduling-policy: fcfs (arrival order) or priority (each request's `priority`, lower first).
+    scheduling_policy: str = "fcfs"
+    # --fairness: none, or vtc (within a priority, the waiting tenant with the least service goes first).
+    fairness: str = "none"
+    # spec.engine.kvOffloadingMemory in bytes, 0 = off: host memory for the prefix cache's second tier,
+    # rendered as --kv-offloading-size in GiB (vLLM's unit). It is host memory on top of the engine's own:
+    # parse() adds it to the default spec.resources.memory, and refuses a given memory that cannot hold it.
+    kv_offloading_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -269,6 +290,11 @@ class RouterSpec:
     # How long a stopping router keeps streaming the responses it has in flight (after the wake timeout,
     # for a request that was held). The pod's terminationGracePeriodSeconds is derived from both.
     drain_grace_seconds: int = 60
+    # spec.router.tenantHeader, lowercased (HTTP field names are case-insensitive): the header the runtime
+    # pods read a request's tenant from (--tenant-header, rendered only when not the default). The router
+    # forwards it as it forwards every request header; a client that talks to the replicas directly or
+    # through a gateway sends the same one.
+    tenant_header: str = DEFAULT_TENANT_HEADER
 
 
 @dataclass(frozen=True)
@@ -741,7 +767,21 @@ def _engine(spec: Mapping[str, Any], gpu: int) -> EngineSpec:
         max_lora_rank=_req_int(data, "maxLoraRank", p, reason, d.max_lora_rank, 1, MAX_LORA_RANK),
         max_cpu_loras=_int(data, "maxCpuLoras", p, reason, None, 1, MAX_CPU_LORAS),
         runtime_lora_updates=_bool(data, "runtimeLoraUpdates", p, reason, d.runtime_lora_updates),
+        scheduling_policy=_str(
+            data, "schedulingPolicy", p, reason, d.scheduling_policy, choices=SCHEDULING_POLICIES
+        )
+        or d.scheduling_policy,
+        fairness=_str(data, "fairness", p, reason, d.fairness, choices=FAIRNESS_POLICIES) or d.fairness,
+        kv_offloading_bytes=_offloading_bytes(data, p, reason),
     )
+    if result.kv_offloading_bytes and not result.enable_prefix_caching:
+        # The tier holds blocks the prefix cache evicts and is looked up by their prefix hashes: without the
+        # prefix cache there is nothing to keep (the engine refuses the same; the CRD's CEL rule too).
+        raise SpecError(
+            reason,
+            f"{p}kvOffloadingMemory needs {p}enablePrefixCaching: the host tier keeps the blocks the prefix "
+            "cache evicts; turn prefix caching on or leave kvOffloadingMemory out",
+        )
     if result.max_cpu_loras is not None and result.max_cpu_loras < result.max_loras:
         # The host LRU holds every adapter resident on the device (vLLM refuses the same).
         raise SpecError(
@@ -750,6 +790,20 @@ def _engine(spec: Mapping[str, Any], gpu: int) -> EngineSpec:
             "the host cache holds every adapter on the device",
         )
     return result
+
+
+# A byte count of zero in any unit ("0", "0Gi", "0.0"): spec.engine.kvOffloadingMemory's "off".
+ZERO_BYTES_PATTERN = r"^0+(\.0+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
+
+
+def _offloading_bytes(data: Mapping[str, Any], p: str, reason: str) -> int:
+    """spec.engine.kvOffloadingMemory in bytes; 0 when absent or zero (the tier off)."""
+    raw = data.get("kvOffloadingMemory")
+    if raw is None or (isinstance(raw, (int, str)) and re.fullmatch(ZERO_BYTES_PATTERN, str(raw))):
+        return 0
+    value = _bytes(data, "kvOffloadingMemory", p, reason, minimum=2**20)
+    assert value is not None
+    return value
 
 
 def _tensor_parallel_size(data: Mapping[str, Any], p: str, reason: str, gpu: int) -> int:
@@ -799,6 +853,10 @@ MODELED_FLAGS = {
     "--max-lora-rank": "spec.engine.maxLoraRank",
     "--max-cpu-loras": "spec.engine.maxCpuLoras",
     "--allow-runtime-lora": "spec.engine.runtimeLoraUpdates",
+    "--scheduling-policy": "spec.engine.schedulingPolicy",
+    "--fairness": "spec.engine.fairness",
+    "--kv-offloading-size": "spec.engine.kvOffloadingMemory",
+    "--tenant-header": "spec.router.tenantHeader",
 }
 
 
@@ -982,6 +1040,18 @@ def _router(spec: Mapping[str, Any], default_image: str) -> RouterSpec:
         ),
         wake_queue_limit=_req_int(data, "wakeQueueLimit", p, reason, d.wake_queue_limit, 1, 100000),
         drain_grace_seconds=_req_int(data, "drainGraceSeconds", p, reason, d.drain_grace_seconds, 0, 3600),
+        tenant_header=(
+            _str(
+                data,
+                "tenantHeader",
+                p,
+                reason,
+                d.tenant_header,
+                pattern=HEADER_NAME_PATTERN,
+                max_length=MAX_HEADER_NAME_LENGTH,
+            )
+            or d.tenant_header
+        ).lower(),
     )
 
 
@@ -1136,6 +1206,12 @@ def parse(spec: Mapping[str, Any] | None, pinned_image: str | None = None) -> Se
     model = _model(spec)
     resources = _resources(spec, model)
     engine = _engine(spec, resources.gpu)
+    memory_given = _section(spec, "resources", "spec.", "InvalidResources").get("memory") is not None
+    if engine.kv_offloading_bytes and not memory_given:
+        # The host tier is memory on top of what the engine otherwise needs: the default grows by it.
+        resources = replace(
+            resources, memory=format_bytes(parse_bytes(resources.memory) + engine.kv_offloading_bytes)
+        )
     if model.source == "uri" and model.cache.claim_name is None and model.cache.size_limit is None:
         # The per-pod emptyDir is always bounded: unbounded, a fetch fills the node's disk (and every pod
         # on it is evicted), and without a request the scheduler places the pod where it cannot fit.
@@ -1168,23 +1244,57 @@ def parse(spec: Mapping[str, Any] | None, pinned_image: str | None = None) -> Se
 
 
 def _check_memory(resources: Resources, engine: EngineSpec) -> None:
-    """On CPU the KV cache lives in the pod's memory: a cache the limit cannot hold would be OOM-killed.
+    """What the spec puts in the pod's memory must fit under its limit (spec.resources.memory), with room
+    left for the weights: a pod that asks for more than its limit would be OOM-killed, so the spec is refused
+    (InsufficientMemory in the status) rather than the request clamped.
 
-    On a GPU the cache is in device memory, which the spec does not state, so only the CPU case is checked.
+    On CPU the KV cache lives there; on a GPU it is in device memory, which the spec does not state. The
+    prefix cache's host tier (kvOffloadingMemory) lives there on either device. A default memory already
+    includes the tier (parse()), so only a memory given too small for it is refused.
     """
-    if resources.gpu or engine.kv_cache_memory_bytes is None:
+    kv_cache = 0 if resources.gpu or engine.kv_cache_memory_bytes is None else engine.kv_cache_memory_bytes
+    if not kv_cache and not engine.kv_offloading_bytes:
         return
     try:
         limit = parse_bytes(resources.memory)
     except ValueError:
         return  # a quantity such as 1e9 or 500m: valid for Kubernetes, too odd to reason about here
-    if engine.kv_cache_memory_bytes >= limit:
+    if kv_cache + engine.kv_offloading_bytes < limit:
+        return
+    if not engine.kv_offloading_bytes:
         raise SpecError(
             "InsufficientMemory",
-            f"spec.engine.kvCacheMemory ({engine.kv_cache_memory_bytes} bytes) does not fit in "
+            f"spec.engine.kvCacheMemory ({kv_cache} bytes) does not fit in "
             f"spec.resources.memory ({resources.memory} = {limit} bytes), which must also hold the weights; "
             "raise the memory or lower the cache",
         )
+    what = f"spec.engine.kvOffloadingMemory ({engine.kv_offloading_bytes} bytes)"
+    if kv_cache:
+        what += f" with spec.engine.kvCacheMemory ({kv_cache} bytes)"
+    raise SpecError(
+        "InsufficientMemory",
+        f"{what} does not fit in spec.resources.memory ({resources.memory} = {limit} bytes), the pod's memory "
+        "request and limit, which must also hold the weights; raise spec.resources.memory (or leave it out: "
+        "its default grows by kvOffloadingMemory) or lower kvOffloadingMemory",
+    )
+
+
+def format_bytes(value: int) -> str:
+    """A byte count as a quantity: whole Gi or Mi where it is one, else plain bytes."""
+    for unit, size in (("Gi", GIB), ("Mi", 2**20)):
+        if value % size == 0:
+            return f"{value // size}{unit}"
+    return str(value)
+
+
+def gib(value: int) -> str:
+    """Bytes as a decimal count of GiB, exact (a byte count over 2**30 always ends), without trailing zeros:
+    what --kv-offloading-size takes (vLLM's unit)."""
+    whole, rest = divmod(value, GIB)
+    if not rest:
+        return str(whole)
+    # rest / 2**30 = rest * 5**30 / 10**30: thirty decimal places hold it exactly.
+    return f"{whole}.{rest * 5**30:030d}".rstrip("0")
 
 
 # An operator upgrade must not roll every service at once: each service records in its status the default

@@ -5,9 +5,10 @@ operator read it. Every one now goes through both checks: the CRD (jsonschema + 
 as the API server would) and spec.parse (the same check for clusters without CEL, and the one the status
 reports), and both must refuse it naming the field. The good specs beside them keep both from over-reaching.
 
-Not moved: kvCacheMemory above resources.memory (and at least 1Mi) compares two quantities, which needs
-Kubernetes' CEL quantity library (1.29+); cel-python has no `quantity()`, so the rule could not be tested here
-and stays in spec.py (InsufficientMemory in the status), as its test at the end holds.
+Not moved: kvCacheMemory (and kvOffloadingMemory, issue 37) above resources.memory (and at least 1Mi) compares
+quantities, which needs Kubernetes' CEL quantity library (1.29+); cel-python has no `quantity()`, so the rule
+could not be tested here and stays in spec.py (InsufficientMemory in the status), as its tests at the end and in
+test_operator_multitenant.py hold.
 """
 
 from __future__ import annotations
@@ -131,6 +132,18 @@ REFUSED = [
         "spec.pod.env",
         id="env-value-and-from",
     ),
+    # Issue 37: the prefix cache's host tier needs the prefix cache (the engine refuses it too).
+    pytest.param(
+        with_(engine={"kvOffloadingMemory": "8Gi", "enablePrefixCaching": False}),
+        "spec.engine.kvOffloadingMemory",
+        id="offloading-without-prefix-cache",
+    ),
+    pytest.param(
+        with_(engine={"kvOffloadingMemory": 1 << 30, "enablePrefixCaching": False}),
+        "spec.engine.kvOffloadingMemory",
+        id="offloading-bytes-without-prefix-cache",
+    ),
+    pytest.param(with_(router={"tenantHeader": "x_tenant"}), "router.tenantHeader", id="tenant-header"),
     # Issue 33: a rule across two sections, so at spec's level (its message names the field as engine.*).
     pytest.param(
         with_(resources={"gpu": 4}, engine={"tensorParallelSize": 3}),
@@ -188,6 +201,10 @@ ACCEPTED = [
     ),
     with_(model={"preset": "tiny", "servedName": "base"}, adapters=[{**LORA, "name": "tiny"}]),
     with_(engine={"runtimeLoraUpdates": True}),
+    with_(engine={"kvOffloadingMemory": "8Gi", "schedulingPolicy": "priority", "fairness": "vtc"}),
+    with_(engine={"kvOffloadingMemory": "0", "enablePrefixCaching": False}),
+    with_(engine={"kvOffloadingMemory": 0, "enablePrefixCaching": False}),
+    with_(router={"tenantHeader": "X-Gateway-Inference-Fairness-ID"}),
 ]
 
 

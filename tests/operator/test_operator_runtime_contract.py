@@ -20,7 +20,7 @@ from chunkwise.router.args import add_router_args
 from chunkwise.server.args import add_serve_args
 from chunkwise_operator import gateway, manifests
 from chunkwise_operator import spec as operator_spec
-from chunkwise_operator.spec import GROUP, PLURAL, VERSION, EngineSpec, Speculation, parse
+from chunkwise_operator.spec import GROUP, PLURAL, VERSION, EngineSpec, RouterSpec, Speculation, parse
 
 
 def parser(add: Any) -> argparse.ArgumentParser:
@@ -70,8 +70,14 @@ def test_an_empty_spec_runs_the_engine_as_shipped() -> None:
             "autoscaling": {"enabled": True, "minReplicas": 0},
             "gateway": {"inferencePool": True},
         },
+        {
+            "model": {"preset": "tiny"},
+            "resources": {"gpu": 1},
+            "engine": {"kvOffloadingMemory": "1536Mi", "schedulingPolicy": "priority", "fairness": "vtc"},
+            "router": {"tenantHeader": "X-Org-Id"},
+        },
     ],
-    ids=["defaults", "every-field"],
+    ids=["defaults", "every-field", "multi-tenant"],
 )
 def test_every_command_the_operator_writes_parses_with_the_runtime(spec: dict[str, Any]) -> None:
     parsed = parse(spec)
@@ -82,6 +88,12 @@ def test_every_command_the_operator_writes_parses_with_the_runtime(spec: dict[st
     assert config.device == manifests.device(parsed) and config.dtype == e.dtype
     assert config.cache.enable_prefix_caching is e.enable_prefix_caching
     assert config.scheduler.preemption_mode == e.preemption_mode
+    assert (config.scheduler.scheduling_policy, config.scheduler.fairness) == (
+        e.scheduling_policy,
+        e.fairness,
+    )
+    assert config.cache.kv_offloading_size * 2**30 == e.kv_offloading_bytes
+    assert ns.tenant_header == parsed.router.tenant_header
     router = manifests.router_command("svc", "ml", parsed)
     assert router[:2] == ["chunkwise", "router"]
     rns = parser(add_router_args).parse_args(router[2:])
@@ -113,6 +125,11 @@ SPEC_FLAGS = {
     "drain_grace_seconds": "--drain-timeout-seconds",
     "tensor_parallel_size": "--tensor-parallel-size",
     "pipeline_parallel_size": "--pipeline-parallel-size",
+    # Multi-tenant scheduling (issue 37): rendered only where they differ from these defaults.
+    "scheduling_policy": "--scheduling-policy",
+    "fairness": "--fairness",
+    # Bytes here, GiB there: both 0 (off) by default.
+    "kv_offloading_bytes": "--kv-offloading-size",
 }
 SPECULATION_FLAGS = {"method": "--speculative-method", "num_tokens": "--num-speculative-tokens"}
 # The LoRA fields (issue 34), rendered only for a service with adapters or runtime updates (vLLM's names, the
@@ -163,7 +180,14 @@ def test_the_operators_engine_defaults_are_the_runtimes() -> None:
     pairs = [(getattr(EngineSpec(), f), flag) for f, flag in SPEC_FLAGS.items()]
     pairs += [(getattr(Speculation(), f), flag) for f, flag in SPECULATION_FLAGS.items()]
     for ours, flag in pairs:
-        assert OFF.get(ours, ours) == runtime_default(flag), flag
+        # "none" is the runtime's own choice for --fairness, and None its default for --speculative-method.
+        assert runtime_default(flag) in (ours, OFF.get(ours, ours)), flag
+    # spec.router.tenantHeader is rendered onto the runtime pods: a server flag, not an engine field.
+    assert (
+        RouterSpec().tenant_header
+        == operator_spec.DEFAULT_TENANT_HEADER
+        == runtime_default("--tenant-header")
+    )
 
 
 def test_the_operators_choices_are_the_runtimes() -> None:
@@ -171,6 +195,8 @@ def test_the_operators_choices_are_the_runtimes() -> None:
     assert set(operator_spec.DTYPES) == set(serve["--dtype"].choices)
     assert set(operator_spec.PREEMPTION_MODES) == set(serve["--preemption-mode"].choices)
     assert set(operator_spec.SPECULATIVE_METHODS) == {*OFF, *serve["--speculative-method"].choices}
+    assert set(operator_spec.SCHEDULING_POLICIES) == set(serve["--scheduling-policy"].choices)
+    assert set(operator_spec.FAIRNESS_POLICIES) == set(serve["--fairness"].choices)
     router = parser(add_router_args)._option_string_actions
     assert set(operator_spec.ROUTER_POLICIES) == set(router["--policy"].choices)
 
