@@ -59,6 +59,7 @@ def test_the_expected_files_exist() -> None:
         "manifests/examples/keda-scaledobject.yaml",
         "manifests/examples/lora-service.yaml",
         "manifests/examples/metrics-networkpolicy.yaml",
+        "manifests/examples/multitenant-service.yaml",
         "manifests/examples/pipeline-networkpolicy.yaml",
         "manifests/examples/pipeline-service.yaml",
         "manifests/examples/service.yaml",
@@ -192,6 +193,7 @@ def test_status_written_by_the_operator_fits_the_crd() -> None:
         "gateway-service.yaml",
         "pipeline-service.yaml",
         "lora-service.yaml",
+        "multitenant-service.yaml",
     ],
 )
 def test_inference_service_examples_match_the_crd_schema(name: str) -> None:
