@@ -53,12 +53,17 @@ async def test_request_body_and_headers_reach_the_replica_unchanged() -> None:
     fleet.handlers[URLS[0]] = record
     async with client(router) as c:
         resp = await c.post(
-            "/v1/completions?x=1", content=raw, headers={"authorization": "Bearer k", "x-request-id": "r1"}
+            "/v1/completions?x=1",
+            content=raw,
+            # The tenant header, whatever its name (`chunkwise serve --tenant-header`, the operator's
+            # spec.router.tenantHeader): the replica names the tenant from it (issue 37).
+            headers={"authorization": "Bearer k", "x-request-id": "r1", "x-tenant-id": "a", "X-Org-Id": "b"},
         )
     assert resp.json() == {"ok": True}
     (req,) = seen
     assert req.content == raw
     assert (req.headers["authorization"], req.headers["x-request-id"]) == ("Bearer k", "r1")
+    assert (req.headers["x-tenant-id"], req.headers["x-org-id"]) == ("a", "b")
     assert req.url.params["x"] == "1"
 
 
