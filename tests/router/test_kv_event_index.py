@@ -20,15 +20,23 @@ class Events:
         self.seq = 0
         self.next: list[dict[str, object]] = []
 
-    def emit(self, stored: tuple[int, ...] = (), removed: tuple[int, ...] = ()) -> None:
+    def emit(
+        self,
+        stored: tuple[int, ...] = (),
+        removed: tuple[int, ...] = (),
+        stored_host: tuple[int, ...] | None = None,
+        removed_host: tuple[int, ...] = (),
+    ) -> None:
         self.seq += 1
-        self.next.append(
-            {
-                "seq": self.seq,
-                "stored": [hash_hex(h) for h in stored],
-                "removed": [hash_hex(h) for h in removed],
-            }
-        )
+        event: dict[str, object] = {
+            "seq": self.seq,
+            "stored": [hash_hex(h) for h in stored],
+            "removed": [hash_hex(h) for h in removed],
+        }
+        if stored_host is not None:  # an engine with a host tier; older ones send no host lists
+            event["stored_host"] = [hash_hex(h) for h in stored_host]
+            event["removed_host"] = [hash_hex(h) for h in removed_host]
+        self.next.append(event)
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/kv_events/snapshot":
@@ -187,3 +195,40 @@ def test_a_remembered_walk_follows_every_change_to_what_the_replica_holds() -> N
                 assert r.cached_blocks(p) == naive(p)
             r.kv.load_hashes("e", 2, (h for h in range(45) if rng.random() < 0.8))
             r.end_kv_read()
+
+
+async def test_a_host_tier_hit_counts_for_half_a_device_hit() -> None:
+    """A replica's host tier (--kv-offloading-size) reports its blocks as medium cpu (stored_host and
+    removed_host beside the device's lists): the index keeps them apart, and the cost model counts a prompt
+    block found only there at HOST_HIT_WEIGHT of a device hit (a copy back, not a prefill)."""
+    from chunkwise.router.cost import HOST_HIT_WEIGHT, CostModel
+
+    from .conftest import BLOCK, request
+
+    tokens = list(range(1, 8 * BLOCK + 2))  # 8 full blocks and one token
+    req = request(tokens)
+    hashes = req.block_hashes
+    events = Events()
+    replica = Replica(URL, 1024)
+    cost = CostModel(BLOCK)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(events)) as client:
+        await replica.read_kv_events(client, 1.0)
+        events.emit(stored=hashes)  # all 8 on the device
+        await replica.read_kv_events(client, 1.0)
+        assert cost.cached_tokens(replica, req) == 8 * BLOCK
+        # The last 6 are evicted to the host tier in one step: removed from the device, stored on host.
+        events.emit(removed=hashes[2:], stored_host=hashes[2:])
+        await replica.read_kv_events(client, 1.0)
+        assert replica.kv.hashes == set(hashes[:2]) and replica.kv.host_hashes == set(hashes[2:])
+        assert replica.cached_blocks(hashes) == 2 and replica.host_blocks(hashes, 2) == 6
+        assert HOST_HIT_WEIGHT == 0.5
+        assert cost.cached_tokens(replica, req) == (2 + 3) * BLOCK
+        # The tier drops two of them: the run stops at the first gap.
+        events.emit(stored_host=(), removed_host=hashes[4:6])
+        await replica.read_kv_events(client, 1.0)
+        assert replica.host_blocks(hashes, 2) == 2
+        assert cost.cached_tokens(replica, req) == (2 + 1) * BLOCK
+        # An engine without a tier (no host lists in its events): nothing changes on the host side.
+        events.emit(removed=hashes[:1])
+        await replica.read_kv_events(client, 1.0)
+        assert replica.cached_blocks(hashes) == 0 and replica.host_blocks(hashes, 0) == 0

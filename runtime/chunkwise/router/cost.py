@@ -34,6 +34,10 @@ from chunkwise.router.replica import Replica
 # an estimate; a replica does not get faster than its idle step).
 MIN_TPOT_FRACTION = 0.5
 
+# A prompt block in a replica's host tier (--kv-offloading-size), counted as this fraction of a cached block:
+# restoring it is a host-to-device copy, far cheaper than its prefill but not free, and it takes a device block.
+HOST_HIT_WEIGHT = 0.5
+
 
 # What bringing a LoRA adapter into a slot is taken to cost before any replica has measured one: reading a
 # small adapter from local disk and copying it in.
@@ -162,7 +166,10 @@ class CostModel:
             hashes = request.adapter_block_hashes  # an adapter's KV is its own (engine/cache/hashing.py)
         if not hashes:
             return 0
-        matched = replica.cached_blocks(hashes) * self.block_size
+        device = replica.cached_blocks(hashes)
+        # A block in the replica's host tier is copied back, not prefilled: worth a fraction of a device hit.
+        host = replica.host_blocks(hashes, device)
+        matched = int((device + HOST_HIT_WEIGHT * host) * self.block_size)
         return min(matched, request.prompt_tokens - 1)
 
     @staticmethod

@@ -4,6 +4,10 @@ While in sync the index is exact: the set of block hashes the replica's cache ho
 read. It falls out of sync when the replica's stream cannot be read (unreachable, events off, an answer it
 cannot parse) and resyncs from a snapshot when the replica says the router fell behind (410) or a new
 epoch shows a restarted engine. Out of sync, the router routes on its own estimate (prefix_index.py).
+
+A replica with a host tier (--kv-offloading-size) also says which blocks it holds in host memory: a hit there
+is a copy back to the device, cheaper than a prefill but not free, and the router counts it at a fraction of
+a device hit (router/cost.py). An engine that publishes no host lists leaves that set empty.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ logger = logging.getLogger(__name__)
 class KVEventIndex:
     def __init__(self) -> None:
         self.hashes: set[BlockHash] = set()
+        self.host_hashes: set[BlockHash] = set()  # held in the replica's host tier
         self.epoch: str | None = None
         self.seq: int | None = None  # None: not in sync
         self.resyncs = 0
@@ -44,7 +49,12 @@ class KVEventIndex:
         self.seq = None
 
     def load_snapshot(self, body: dict[str, Any]) -> None:
-        self.load_hashes(str(body["epoch"]), int(body["seq"]), (hex_hash(h) for h in body["hashes"]))
+        self.load_hashes(
+            str(body["epoch"]),
+            int(body["seq"]),
+            (hex_hash(h) for h in body["hashes"]),
+            (hex_hash(h) for h in body.get("host_hashes", ())),
+        )
 
     def apply(self, body: dict[str, Any]) -> bool:
         """Apply an answer of /v1/kv_events; False (nothing applied) when it cannot follow what this index
@@ -54,6 +64,8 @@ class KVEventIndex:
                 int(e["seq"]),
                 tuple(hex_hash(h) for h in e["stored"]),
                 tuple(hex_hash(h) for h in e["removed"]),
+                tuple(hex_hash(h) for h in e.get("stored_host", ())),
+                tuple(hex_hash(h) for h in e.get("removed_host", ())),
             )
             for e in body["events"]
         ]
@@ -71,12 +83,18 @@ class KVEventIndex:
         for event in events:
             self.hashes.update(event.stored)
             self.hashes.difference_update(event.removed)
+            if event.stored_host or event.removed_host:
+                self.host_hashes.update(event.stored_host)
+                self.host_hashes.difference_update(event.removed_host)
         self.seq = seq if events else self.seq
         return True
 
-    def load_hashes(self, epoch: str, seq: int, hashes: Iterable[BlockHash]) -> None:
+    def load_hashes(
+        self, epoch: str, seq: int, hashes: Iterable[BlockHash], host_hashes: Iterable[BlockHash] = ()
+    ) -> None:
         """`load_snapshot` for a snapshot already decoded."""
         self.hashes = set(hashes)
+        self.host_hashes = set(host_hashes)
         self.epoch = epoch
         self.seq = seq
         self.resyncs += 1

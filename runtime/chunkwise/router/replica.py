@@ -196,6 +196,14 @@ class Replica:
             self._walks[hashes[0]] = (n, hashes[n - 1])
         return n
 
+    def host_blocks(self, hashes: Sequence[int], start: int) -> int:
+        """Blocks of a prompt from `start` on (after those cached_blocks counts) that the replica's KV events
+        say its host tier holds, in a row: each a copy back to the device, not a prefill (0 out of sync)."""
+        host = self.kv.host_hashes
+        if not host or not self.kv.synced:
+            return 0
+        return leading_run(host, hashes, start)
+
     def _walk(self, hashes: Sequence[int], start: int) -> int:
         if not self.kv.synced:
             return start + self.index.match(hashes[start:])

@@ -1,14 +1,20 @@
 """GET /v1/kv_events and /v1/kv_events/snapshot: the engine's prefix-cache changes, for the fleet router.
 
-    GET /v1/kv_events?after=N   -> 200 {"epoch", "seq", "block_size", "events": [{"seq", "stored", "removed"}]}
+    GET /v1/kv_events?after=N   -> 200 {"epoch", "seq", "block_size", "events": [{"seq", "stored", "removed",
+                                   "stored_host", "removed_host"}]}
                                    the events after sequence number N (0: all kept), in order; "seq" is the
                                    last one's. 410 when some of them are no longer kept, or N is ahead of
                                    the log (the engine restarted): read the snapshot and go on from its seq.
-    GET /v1/kv_events/snapshot  -> 200 {"epoch", "seq", "block_size", "hashes"}: every cached block as of seq.
+    GET /v1/kv_events/snapshot  -> 200 {"epoch", "seq", "block_size", "hashes", "host_hashes"}: every cached
+                                   block as of seq.
 
 Hashes are the prefix cache's chained block hashes (cache/hashing.py) as 32 hex digits. Applying the events
 in order to the snapshot's set reproduces the engine's cache after each step. A new epoch means a new engine
 process: its sequence numbers began again.
+
+"stored" and "removed" (and "hashes") are the device cache's. With a host tier (--kv-offloading-size) the
+blocks in host memory (medium "cpu") are in "stored_host", "removed_host" and "host_hashes", empty without
+one: a reader that knows only the device's lists reads them as before.
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ def add_kv_event_routes(app: FastAPI, state: ServerState) -> None:
                 "seq": e.seq,
                 "stored": [hash_hex(h) for h in e.stored],
                 "removed": [hash_hex(h) for h in e.removed],
+                "stored_host": [hash_hex(h) for h in e.stored_host],
+                "removed_host": [hash_hex(h) for h in e.removed_host],
             }
             for e in since.events
         ]
@@ -68,6 +76,7 @@ def add_kv_event_routes(app: FastAPI, state: ServerState) -> None:
                 "seq": snap.seq,
                 "block_size": block_size,
                 "hashes": [hash_hex(h) for h in snap.hashes],
+                "host_hashes": [hash_hex(h) for h in snap.host_hashes],
             }
         )
 

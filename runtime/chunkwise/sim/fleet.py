@@ -155,7 +155,7 @@ class SimRouter:
                     since = log.since(view.kv.seq) if view.kv.seq is not None else None
                     if since is None or not view.kv.apply_events(since.epoch, since.seq, since.events):
                         snap = log.snapshot()
-                        view.kv.load_hashes(snap.epoch, snap.seq, snap.hashes)
+                        view.kv.load_hashes(snap.epoch, snap.seq, snap.hashes, snap.host_hashes)
                 finally:
                     view.end_kv_read()
             view.recovered()
