@@ -124,6 +124,33 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         px, workload="agent", num_requests=24, system_len=512, median_output=24, min_prompt=16, max_prompt=64
     )
 
+    fa = csub.add_parser(
+        "fairness",
+        help="--fairness vtc vs none: one tenant's burst beside another's steady stream",
+        description="Tenant 'burst' sends --burst-requests at once; tenant 'steady' one request every "
+        "--steady-interval-seconds (on the headline clock). Both engines take turns on the same workload. "
+        "Reports the steady tenant's p99 TTFT (none/vtc), the burst's (vtc/none) and output throughput.",
+    )
+    _common(fa)
+    fa.add_argument("--max-num-seqs", type=int, default=4, help="batch of both: the contended seats (4)")
+    fa.add_argument(
+        "--burst-requests", type=positive_int, default=48, help="the burst tenant's requests (48)"
+    )
+    fa.add_argument(
+        "--steady-requests", type=positive_int, default=12, help="the steady tenant's requests (12)"
+    )
+    fa.add_argument(
+        "--steady-interval-seconds",
+        type=positive_float,
+        default=0.5,
+        help="seconds between the steady tenant's requests (0.5)",
+    )
+    fa.add_argument(
+        "--prompt-len", type=positive_int, default=128, help="prompt tokens of every request (128)"
+    )
+    fa.add_argument("--output-len", type=positive_int, default=32, help="output tokens of every request (32)")
+    fa.add_argument("--seed", type=int, default=0, help="workload seed (0)")
+
     hf = csub.add_parser("hf", help="chunkwise vs transformers generate (padded static batches)")
     _common(hf)
     hf.add_argument("--concurrency", type=int, default=32, help="batch size of both (32)")

@@ -133,7 +133,34 @@ def _compare(args: argparse.Namespace) -> int:
         return _preemption(args, engine_args, clock)
     run: Callable[[], Comparison]
     items: list[WorkItem] = []
-    if what == "sched-overhead":
+    if what == "fairness":
+        from chunkwise.bench.compare.tenants import compare_fairness
+        from chunkwise.bench.workloads import two_tenants
+
+        # The vocabulary every generated workload draws from (build_workload's): the built-in models' bytes.
+        items = two_tenants(
+            vocab_size=258,
+            burst_requests=args.burst_requests,
+            steady_requests=args.steady_requests,
+            steady_interval_s=args.steady_interval_seconds,
+            prompt_len=args.prompt_len,
+            output_len=args.output_len,
+            seed=args.seed,
+        )
+        _log(f"workload: {describe(items)}")
+
+        def run() -> Comparison:
+            return compare_fairness(
+                args.model,
+                items,
+                max_num_seqs=args.max_num_seqs,
+                repeats=args.repeats,
+                engine_args=engine_args,
+                progress=progress,
+                log=_log,
+                clock=clock,
+            )
+    elif what == "sched-overhead":
 
         def run() -> Comparison:
             return cmpmod.scheduler_overhead(

@@ -40,7 +40,9 @@ def sampling_params(item: WorkItem) -> SamplingParams:
             "the real engine cannot end a request at a hidden target length; give max_tokens (or use "
             "`chunkwise replay`, whose simulated model ends it there)"
         )
-    return SamplingParams(max_tokens=item.max_tokens, temperature=0.0, ignore_eos=True)
+    return SamplingParams(
+        max_tokens=item.max_tokens, temperature=0.0, ignore_eos=True, priority=item.priority
+    )
 
 
 class EngineRun:
@@ -92,7 +94,9 @@ class EngineRun:
             try:
                 ids = it.token_ids(self.engine.tokenizer.encode)
                 self.rec.start(i, {c: v - lag for c, v in now.items()}, len(ids))
-                req = self.engine.add_request(rid, ids, sampling_params(it), cache_salt=self.salt or None)
+                req = self.engine.add_request(
+                    rid, ids, sampling_params(it), cache_salt=self.salt or None, tenant=it.tenant
+                )
             except ValueError as e:
                 self.rec.fail(i, str(e))
                 if self.bar:

@@ -42,6 +42,8 @@ class WorkItem:
     prompt: str | None = None
     target_len: int | None = None
     lora: str | None = None  # the LoRA adapter it runs (None: the base model)
+    tenant: str | None = None  # whom it is served for (--fairness vtc; None: the default tenant)
+    priority: int = 0  # --scheduling-policy priority: lower first
 
     def __post_init__(self) -> None:
         if (self.prompt_token_ids is None) == (self.prompt is None):
@@ -145,6 +147,33 @@ def shared_prefix(
         n_out = int(rng.integers(output_len[0], output_len[1] + 1))
         items.append(WorkItem(system + suffix, n_out))
     return items
+
+
+def two_tenants(
+    *,
+    vocab_size: int,
+    burst_requests: int,
+    steady_requests: int,
+    steady_interval_s: float,
+    prompt_len: int = 128,
+    output_len: int = 32,
+    seed: int = 0,
+) -> list[WorkItem]:
+    """One tenant's burst against another's steady stream: tenant "burst" sends `burst_requests` at once at
+    time 0, tenant "steady" one request every `steady_interval_s` from then on. Every prompt is its own (no
+    prefix shared), every output `output_len` tokens."""
+    rng = np.random.default_rng(seed)
+    items = [
+        WorkItem(_prompt(rng, prompt_len, vocab_size), output_len, tenant="burst")
+        for _ in range(burst_requests)
+    ]
+    items += [
+        WorkItem(
+            _prompt(rng, prompt_len, vocab_size), output_len, arrival_s=k * steady_interval_s, tenant="steady"
+        )
+        for k in range(steady_requests)
+    ]
+    return sorted(items, key=lambda it: it.arrival_s)
 
 
 def with_long_prompts(

@@ -1,0 +1,79 @@
+"""fairness: --fairness vtc against none on one tenant's burst beside another's steady stream
+(`chunkwise bench compare fairness`). The figure is the steady tenant's p99 time to first token, which FIFO
+makes wait behind the whole burst, and what the burst pays for it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from chunkwise.bench.clock import ClockName
+from chunkwise.bench.compare.base import Comparison, _engine, _runner, interleave, ratio
+from chunkwise.bench.metrics import summarize
+from chunkwise.bench.results import RunResult
+from chunkwise.bench.workloads import WorkItem
+
+
+def tenant_stat(items: Sequence[WorkItem], tenant: str, key: str) -> Callable[[RunResult], float]:
+    """`key` of the run's report over `tenant`'s requests only (the records are in item order)."""
+    idx = [i for i, it in enumerate(items) if it.tenant == tenant]
+    if not idx:
+        raise ValueError(f"the workload has no request of tenant {tenant!r}")
+
+    def value(r: RunResult) -> float:
+        return float(summarize([r.records[i] for i in idx], r.duration_s)[key])
+
+    return value
+
+
+def compare_fairness(
+    model: str,
+    items: Sequence[WorkItem],
+    *,
+    max_num_seqs: int,
+    repeats: int,
+    engine_args: dict[str, Any] | None = None,
+    progress: bool = False,
+    log: Callable[[str], None] = print,
+    clock: ClockName = "wall",
+) -> Comparison:
+    args = {**(engine_args or {}), "max_num_seqs": max_num_seqs}
+    fifo = _engine(model, {**args, "fairness": "none"})
+    vtc = _engine(model, {**args, "fairness": "vtc"})
+    results = interleave(
+        [
+            ("none", _runner(fifo, items, "none", progress, clock)),
+            ("vtc", _runner(vtc, items, "vtc", progress, clock)),
+        ],
+        repeats,
+        log,
+    )
+    steady_p99 = tenant_stat(items, "steady", "p99_ttft_ms")
+    burst_p99 = tenant_stat(items, "burst", "p99_ttft_ms")
+    burst_mean = tenant_stat(items, "burst", "mean_ttft_ms")
+    per_tenant = {
+        name: [
+            {
+                f"{tenant}_{key}": tenant_stat(items, tenant, key)(r)
+                for tenant in ("steady", "burst")
+                for key in ("p50_ttft_ms", "p99_ttft_ms", "mean_e2el_ms")
+            }
+            for r in runs
+        ]
+        for name, runs in results.items()
+    }
+    return Comparison(
+        "fairness",
+        results,
+        [
+            ratio("none/vtc steady tenant p99 TTFT", results, "none", "vtc", steady_p99, "well above 1"),
+            ratio("vtc/none burst tenant p99 TTFT", results, "vtc", "none", burst_p99),
+            ratio("vtc/none burst tenant mean TTFT", results, "vtc", "none", burst_mean),
+            ratio("vtc/none output throughput", results, "vtc", "none", "output_throughput", "about 1"),
+        ],
+        info={
+            "max_num_seqs": max_num_seqs,
+            "num_requests": len(items),
+            "per_tenant": per_tenant,
+        },
+    )

@@ -1,0 +1,63 @@
+"""`chunkwise bench compare fairness` on the tiny model: the tenants reach the engine, and under vtc the
+steady tenant's requests are served among the burst's instead of after it."""
+
+from __future__ import annotations
+
+import pytest
+
+from chunkwise.bench.compare.tenants import compare_fairness, tenant_stat
+from chunkwise.bench.metrics import summarize
+from chunkwise.bench.workloads import two_tenants
+
+
+def test_two_tenants_is_a_burst_at_zero_and_a_spaced_stream() -> None:
+    items = two_tenants(vocab_size=258, burst_requests=5, steady_requests=3, steady_interval_s=0.5)
+    assert [(it.tenant, it.arrival_s) for it in items] == [("burst", 0.0)] * 5 + [("steady", 0.0)] + [
+        ("steady", 0.5),
+        ("steady", 1.0),
+    ]
+
+
+def test_vtc_serves_the_steady_tenant_among_the_burst_and_none_after_it() -> None:
+    items = two_tenants(
+        vocab_size=258,
+        burst_requests=8,
+        steady_requests=3,
+        steady_interval_s=1e-6,
+        prompt_len=8,
+        output_len=6,
+    )
+    cmp = compare_fairness(
+        "tiny",
+        items,
+        max_num_seqs=2,
+        repeats=1,
+        engine_args={"kv_cache_memory_bytes": 16 << 20},
+        log=lambda _: None,
+        clock="wall",
+    )
+    first_token = {}
+    for name, (run,) in cmp.results.items():
+        steady = [r.chunk_times()[0] for r, it in zip(run.records, items) if it.tenant == "steady"]
+        burst = sorted(r.chunk_times()[0] for r, it in zip(run.records, items) if it.tenant == "burst")
+        first_token[name] = (min(steady), burst)
+    # FIFO: the steady tenant's first request waits for the burst's last admission.
+    steady_first, burst = first_token["none"]
+    assert steady_first > burst[-2]
+    # VTC: it goes in as soon as a seat frees, ahead of most of the burst.
+    steady_first, burst = first_token["vtc"]
+    assert steady_first < burst[3]
+    labels = [r.label for r in cmp.ratios]
+    assert labels[0] == "none/vtc steady tenant p99 TTFT"
+    per_tenant = cmp.info["per_tenant"]["vtc"][0]
+    (vtc_run,) = cmp.results["vtc"]
+    expected = summarize(
+        [r for r, it in zip(vtc_run.records, items) if it.tenant == "steady"], vtc_run.duration_s
+    )
+    assert per_tenant["steady_p99_ttft_ms"] == pytest.approx(expected["p99_ttft_ms"])
+
+
+def test_tenant_stat_refuses_a_tenant_the_workload_lacks() -> None:
+    items = two_tenants(vocab_size=258, burst_requests=2, steady_requests=1, steady_interval_s=1.0)
+    with pytest.raises(ValueError, match="no request of tenant 'other'"):
+        tenant_stat(items, "other", "p99_ttft_ms")
