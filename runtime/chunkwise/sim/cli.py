@@ -26,12 +26,13 @@ AUTOSCALER_NAMES = ("chunkwise", "keda-queue", "hpa-kv")
 # A fleet's replica when none is named: Llama-3-8B on an H200, derived from datasheet peaks (every report
 # prints the profile's provenance).
 DEFAULT_PROFILE = "llama3-8b-h200"
-# The scheduler options a replay can vary (SchedulerConfig's, plus prefix caching).
+# The scheduler options a replay can vary (SchedulerConfig's, plus prefix caching and its host tier).
 _SCHED_OPTIONS = (
     "max_num_seqs",
     "max_num_batched_tokens",
     "enable_chunked_prefill",
     "enable_prefix_caching",
+    "kv_offloading_size",
     "batching",
     "preemption_mode",
     "output_length_estimator",
@@ -216,6 +217,16 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+# Of _SCHED_OPTIONS, the cache's (CacheConfig's): each replica's KVCacheManager takes them, not the scheduler.
+_CACHE_OPTIONS = ("enable_prefix_caching", "kv_offloading_size")
+
+
+def _tier_blocks(ns: argparse.Namespace, profile: Profile) -> int:
+    """--kv-offloading-size (GiB) in the profile's KV blocks: each replica's host tier."""
+    gib = ns.kv_offloading_size or 0.0
+    return int(gib * (1 << 30)) // (profile.kv_bytes_per_token * profile.block_size)
+
+
 def _prefix_caching(ns: argparse.Namespace) -> bool:
     from chunkwise.engine.datatypes.config import CacheConfig
 
@@ -224,7 +235,7 @@ def _prefix_caching(ns: argparse.Namespace) -> bool:
 
 
 def _config_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
-    names = [n for n in _SCHED_OPTIONS if n != "enable_prefix_caching"] + ["max_model_len"]
+    names = [n for n in _SCHED_OPTIONS if n not in _CACHE_OPTIONS] + ["max_model_len"]
     kw = {n: getattr(ns, n) for n in names if getattr(ns, n) is not None}
     if kw.get("enable_chunked_prefill") is False and "max_num_batched_tokens" not in kw:
         kw["max_num_batched_tokens"] = kw.get("max_model_len") or ns.profile_obj.max_model_len
@@ -321,6 +332,7 @@ def _replay(args: argparse.Namespace, items: list[WorkItem], name: str, **change
         ),
         num_blocks=args.num_blocks,
         enable_prefix_caching=changes.get("prefix", _prefix_caching(args)),
+        num_tier_blocks=_tier_blocks(args, profile),
         name=name,
         scaling=_scaling(args, changes.get("autoscaler", args.autoscaler)),
     )
@@ -364,6 +376,14 @@ def _run(args: argparse.Namespace) -> int:
         f"replicas {args.replicas}, router {report['router']} ({report['prefix_index']} index); preemptions {report['num_preemptions']}; "
         f"replayed in {report['wall_seconds']:.1f} s of wall time"
     )
+    queries = result.counters.get("prefix_cache_queries", 0)
+    if queries:
+        c = result.counters
+        print(
+            f"prefix cache: {c['prefix_cache_hits'] / queries:.1%} of prompt tokens hit, "
+            f"{c['host_cache_hits'] / queries:.1%} from the host tier ({c['host_cache_restores']} blocks "
+            f"restored, {c['host_cache_offloads']} offloaded)"
+        )
     if result.steps:
         # The scheduler here is the engine's own code: its CPU time per step is a real measurement.
         top = max(s.num_running for s in result.steps)

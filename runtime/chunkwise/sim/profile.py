@@ -166,7 +166,8 @@ class StepFeatures:
             decode_rows=d,
             decode_context=cd,
             prefill_attention=ap,
-            swap_tokens=(len(so.swap_out) + len(so.swap_in)) * block_size,
+            # The host tier's offloads and restores (in swap_in) cost what swap's copies do.
+            swap_tokens=(len(so.swap_out) + len(so.swap_in) + len(so.offload)) * block_size,
             prefill_rows=rows,
             decode_groups=_length_groups(lengths),
             prefill_prefix=prefix,

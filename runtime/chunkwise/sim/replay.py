@@ -98,6 +98,7 @@ def replay(
     num_blocks: int | None = None,
     enable_prefix_caching: bool = True,
     num_host_blocks: int | None = None,
+    num_tier_blocks: int = 0,
     encode: Encoder | None = None,
     name: str = "replay",
     keep_steps: bool = True,
@@ -125,6 +126,7 @@ def replay(
                 enable_prefix_caching=enable_prefix_caching,
                 num_host_blocks=num_host_blocks,
                 kv_events=exact,
+                num_tier_blocks=num_tier_blocks,
             )
         )
         lives.append(_Life(created_s=t, ready_s=ready_s))

@@ -71,8 +71,10 @@ class SimReplica:
         enable_prefix_caching: bool = True,
         num_host_blocks: int | None = None,
         kv_events: bool = False,
+        num_tier_blocks: int = 0,
     ) -> None:
-        """`kv_events`: keep the engine's KV event log (a router reading the exact prefix index needs it)."""
+        """`kv_events`: keep the engine's KV event log (a router reading the exact prefix index needs it);
+        `num_tier_blocks`: the prefix cache's host tier (--kv-offloading-size), in blocks."""
         self.index = index
         self.profile = profile
         self.config = config
@@ -84,7 +86,9 @@ class SimReplica:
             host = (1 << 30) // (profile.kv_bytes_per_token * profile.block_size)
         self.num_blocks = blocks
         self.kv_events = KVEventLog() if kv_events else None
-        self.kv = KVCacheManager(blocks, profile.block_size, enable_prefix_caching, host, self.kv_events)
+        self.kv = KVCacheManager(
+            blocks, profile.block_size, enable_prefix_caching, host, self.kv_events, num_tier_blocks
+        )
         self.cost_model = PreemptionCostModel(
             kv_bytes_per_token=profile.kv_bytes_per_token,
             host_copy_bytes_per_s=profile.host_copy_bytes_per_s,
