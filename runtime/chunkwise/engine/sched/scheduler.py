@@ -247,7 +247,9 @@ class Scheduler:
 
         # 0. A waiting request that outranks running ones (--scheduling-policy priority) and cannot be
         # admitted makes them give way, lowest first; it is admitted next step, as after any preemption.
-        head = self.admitter.head() if len(self.waiting) and self.running else None
+        # (Only where requests differ in rank: under fcfs no one outranks anyone, and the head is not sought.)
+        ranks = self.ranking.ranks
+        head = self.admitter.head() if ranks and len(self.waiting) and self.running else None
         num_preempted = self._preempt_for(head, swap_out) if head is not None else 0
 
         # 1. Running requests first (preempting victims when the cache is short).
@@ -264,7 +266,7 @@ class Scheduler:
             and (self.swapped or len(self.waiting))
             and self.batching.admission_open(len(self.running))
         ):
-            head = self.admitter.head() if len(self.waiting) else None
+            head = self.admitter.head() if ranks and len(self.waiting) else None
             budget = self.admitter.resume_swapped(budget, num_new, swap_in, head)
             if not self.swapped or (head is not None and self.ranking.outranks(head, self.swapped[0])):
                 budget = self.admitter.admit_waiting(budget, num_new)
