@@ -151,6 +151,29 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     fa.add_argument("--output-len", type=positive_int, default=32, help="output tokens of every request (32)")
     fa.add_argument("--seed", type=int, default=0, help="workload seed (0)")
 
+    of = csub.add_parser(
+        "offload",
+        help="the prefix cache's host tier on vs off with a device cache too small for the prefixes",
+        description="Agent traffic (shared system prompts) on two engines with the same --num-blocks device "
+        "cache, one with a host tier of --kv-offloading-size GiB, taking turns. The defaults size the device "
+        "cache at a third of the system prompts' blocks (9 x 512 tokens = 288 blocks of 16; 96 blocks).",
+    )
+    _common(of)
+    of.add_argument("--num-blocks", type=positive_int, default=96, help="device KV blocks of both (96)")
+    of.add_argument("--kv-offloading-size", type=positive_float, default=1.0, help="the host tier in GiB (1)")
+    of.add_argument("--max-num-seqs", type=positive_int, default=2, help="batch of both (2)")
+    add_workload_args(
+        of,
+        workload="agent",
+        num_requests=72,
+        system_len=512,
+        num_system_prompts=9,
+        median_output=16,
+        min_prompt=16,
+        max_prompt=48,
+        request_rate=4.0,
+    )
+
     hf = csub.add_parser("hf", help="chunkwise vs transformers generate (padded static batches)")
     _common(hf)
     hf.add_argument("--concurrency", type=int, default=32, help="batch size of both (32)")

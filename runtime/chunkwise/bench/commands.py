@@ -198,6 +198,19 @@ def _compare(args: argparse.Namespace) -> int:
 
             def run() -> Comparison:
                 return cmpmod.compare_prefix(args.model, items, **common)
+        elif what == "offload":
+            from chunkwise.bench.compare.tenants import compare_offloading
+
+            engine_args["max_num_seqs"] = args.max_num_seqs
+
+            def run() -> Comparison:
+                return compare_offloading(
+                    args.model,
+                    items,
+                    num_blocks=args.num_blocks,
+                    kv_offloading_size=args.kv_offloading_size,
+                    **common,
+                )
         elif what == "quantization":
             from chunkwise.bench.compare.quantization import compare_quantization, quantization_quality
 

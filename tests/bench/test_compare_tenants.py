@@ -1,5 +1,6 @@
-"""`chunkwise bench compare fairness` on the tiny model: the tenants reach the engine, and under vtc the
-steady tenant's requests are served among the burst's instead of after it."""
+"""`chunkwise bench compare fairness` and `offload` on the tiny model: the tenants reach the engine, and
+under vtc the steady tenant's requests are served among the burst's instead of after it; with the host tier,
+prefixes the small device cache evicted come back as hits."""
 
 from __future__ import annotations
 
@@ -61,3 +62,30 @@ def test_tenant_stat_refuses_a_tenant_the_workload_lacks() -> None:
     items = two_tenants(vocab_size=258, burst_requests=2, steady_requests=1, steady_interval_s=1.0)
     with pytest.raises(ValueError, match="no request of tenant 'other'"):
         tenant_stat(items, "other", "p99_ttft_ms")
+
+
+def test_compare_offload_turns_evicted_prefixes_into_host_hits() -> None:
+    from chunkwise.bench.compare.tenants import compare_offloading
+    from chunkwise.bench.workloads import shared_prefix
+
+    items = shared_prefix(
+        16, vocab_size=258, system_len=64, num_system_prompts=4, suffix_len=(4, 8), output_len=(2, 4), seed=1
+    )
+    # 4 system prompts of 16 blocks of 4 tokens: 64 blocks; the device holds 24 (block size 4).
+    cmp = compare_offloading(
+        "tiny",
+        items,
+        num_blocks=24,
+        kv_offloading_size=0.01,
+        repeats=1,
+        engine_args={"block_size": 4, "max_num_seqs": 1},
+        log=lambda _: None,
+        clock="wall",
+    )
+    (off,) = cmp.results["off"]
+    (on,) = cmp.results["on"]
+    assert off.counters["host_cache_hits"] == 0
+    assert on.counters["host_cache_hits"] > 0
+    assert on.counters["prefix_cache_hits"] > off.counters["prefix_cache_hits"]
+    assert on.counters["num_prefill_tokens"] < off.counters["num_prefill_tokens"]
+    assert cmp.info["prefix_hit_ratio_on"][0] > cmp.info["prefix_hit_ratio_off"][0]
