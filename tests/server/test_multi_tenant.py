@@ -136,3 +136,33 @@ async def test_the_tenant_is_the_configured_header_else_the_user_field() -> None
         assert tenants == ["None", "acme", "globex"]
     finally:
         server.stop()
+
+
+async def test_a_full_queue_refuses_the_low_band_and_still_takes_a_better_one() -> None:
+    server = start_server({"max_num_seqs": 1, "scheduling_policy": "priority"}, max_waiting=2)
+    try:
+        async with openai.AsyncOpenAI(
+            base_url=server.base_url, api_key="unused", max_retries=0, timeout=60
+        ) as c:
+
+            def create(priority: int, max_tokens: int):  # type: ignore[no-untyped-def]
+                return c.completions.create(
+                    model=MODEL,
+                    prompt="fill",
+                    max_tokens=max_tokens,
+                    extra_body={"ignore_eos": True, "priority": priority},
+                )
+
+            stats = server.engine.scheduler_stats
+            held = [asyncio.create_task(create(5, 60))]
+            await asyncio.to_thread(wait_for, lambda: stats().num_running == 1, 30)
+            held += [asyncio.create_task(create(5, 40)) for _ in range(2)]  # both wait: the queue is full
+            await asyncio.to_thread(wait_for, lambda: stats().num_waiting == 2, 30)
+            with pytest.raises(openai.RateLimitError, match="queue is full"):
+                await create(5, 2)
+            # Nothing of its band or better is queued: the full queue is all behind it.
+            better = await create(0, 2)
+            assert better.choices[0].finish_reason == "length"
+            await asyncio.gather(*held)
+    finally:
+        server.stop()
