@@ -43,10 +43,11 @@ async def test_a_high_priority_request_behind_queued_low_ones_finishes_first_onl
 ) -> None:
     server = start_server({"max_num_seqs": 1, "scheduling_policy": policy}, max_waiting=64)
     try:
-        low: dict[str, object] = {"max_tokens": 40, "priority": 5}
+        # Long enough that the first is still running when the last of them queues, even on a loaded machine.
+        low: dict[str, object] = {"max_tokens": 120, "priority": 5}
         high: dict[str, object] = {"max_tokens": 4, "priority": 0}
         if policy == "fcfs":
-            low = {"max_tokens": 40}
+            low = {"max_tokens": 120}
             high = {"max_tokens": 4}
         lows, high_t = await finish_times(server, [low] * 4, 3, high)
         queued_lows = sorted(lows)[1:]  # the first one was running when "high" arrived
@@ -72,7 +73,7 @@ def test_fcfs_refuses_a_priority_with_400_naming_the_flag(live: LiveServer) -> N
 async def test_a_tenant_behind_another_tenants_burst_is_served_next_only_with_vtc(fairness: str) -> None:
     server = start_server({"max_num_seqs": 1, "fairness": fairness}, max_waiting=64, tenant_header="x-org")
     try:
-        burst: dict[str, object] = {"max_tokens": 24, "extra_headers": {"x-org": "acme"}}
+        burst: dict[str, object] = {"max_tokens": 64, "extra_headers": {"x-org": "acme"}}
         # The other tenant names itself by OpenAI's `user` field: the fallback when the header is absent.
         other: dict[str, object] = {"max_tokens": 24, "user": "globex"}
         bursts, other_t = await finish_times(server, [burst] * 6, 5, other)
@@ -88,7 +89,7 @@ async def test_a_tenant_behind_another_tenants_burst_is_served_next_only_with_vt
 async def test_per_priority_metrics() -> None:
     server = start_server({"max_num_seqs": 1, "scheduling_policy": "priority"}, max_waiting=64)
     try:
-        low: dict[str, object] = {"max_tokens": 30, "priority": 7}
+        low: dict[str, object] = {"max_tokens": 80, "priority": 7}
         high: dict[str, object] = {"max_tokens": 2, "priority": 1}
         await finish_times(server, [low] * 2, 1, high)
         text = httpx.get(server.url + "/metrics").text
@@ -122,7 +123,7 @@ async def test_the_tenant_is_the_configured_header_else_the_user_field() -> None
                     c.completions.create(
                         model=MODEL,
                         prompt=name,
-                        max_tokens=30,
+                        max_tokens=120,
                         extra_body={"ignore_eos": True},
                         **kw,  # type: ignore[arg-type]
                     )
