@@ -89,3 +89,44 @@ def test_compare_offload_turns_evicted_prefixes_into_host_hits() -> None:
     assert on.counters["prefix_cache_hits"] > off.counters["prefix_cache_hits"]
     assert on.counters["num_prefill_tokens"] < off.counters["num_prefill_tokens"]
     assert cmp.info["prefix_hit_ratio_on"][0] > cmp.info["prefix_hit_ratio_off"][0]
+
+
+def test_compare_priority_serves_priority_0_ahead_of_the_burst_and_fcfs_in_arrival_order() -> None:
+    import dataclasses
+
+    from chunkwise.bench.compare.tenants import compare_priority
+
+    base = two_tenants(
+        vocab_size=258,
+        burst_requests=8,
+        steady_requests=3,
+        steady_interval_s=1e-6,
+        prompt_len=8,
+        output_len=6,
+    )
+    # The stream comes 5 ms in, when the burst holds both seats (its 8 requests take 30-odd steps).
+    items = [
+        dataclasses.replace(it, priority=0, arrival_s=it.arrival_s + 0.005)
+        if it.tenant == "steady"
+        else dataclasses.replace(it, priority=1)
+        for it in base
+    ]
+    items.sort(key=lambda it: it.arrival_s)
+    cmp = compare_priority(
+        "tiny",
+        items,
+        max_num_seqs=2,
+        repeats=1,
+        engine_args={"kv_cache_memory_bytes": 16 << 20},
+        log=lambda _: None,
+        clock="wall",
+    )
+    for name, (run,) in cmp.results.items():
+        steady = max(r.chunk_times()[0] for r, it in zip(run.records, items) if it.tenant == "steady")
+        burst = sorted(r.chunk_times()[0] for r, it in zip(run.records, items) if it.tenant == "burst")
+        if name == "priority":
+            # Every priority-0 request has its first token before most of the burst has its own.
+            assert steady < burst[4], (steady, burst)
+        else:
+            assert steady > burst[-2], (steady, burst)
+    assert cmp.info["priority_preemptions"][0] > 0  # the burst held both seats when the stream came

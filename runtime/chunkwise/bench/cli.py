@@ -69,6 +69,26 @@ def _common(p: argparse.ArgumentParser, model_default: str = "small") -> None:
     )
 
 
+def _two_tenants(p: argparse.ArgumentParser) -> None:
+    """The workload of `compare fairness` and `compare priority` (bench.workloads.two_tenants)."""
+    p.add_argument("--max-num-seqs", type=int, default=4, help="batch of both: the contended seats (4)")
+    p.add_argument("--burst-requests", type=positive_int, default=48, help="the burst tenant's requests (48)")
+    p.add_argument(
+        "--steady-requests", type=positive_int, default=12, help="the steady tenant's requests (12)"
+    )
+    p.add_argument(
+        "--steady-interval-seconds",
+        type=positive_float,
+        default=0.5,
+        help="seconds between the steady tenant's requests (0.5)",
+    )
+    p.add_argument(
+        "--prompt-len", type=positive_int, default=128, help="prompt tokens of every request (128)"
+    )
+    p.add_argument("--output-len", type=positive_int, default=32, help="output tokens of every request (32)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (0)")
+
+
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="bench_command", required=True)
 
@@ -132,24 +152,16 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "Reports the steady tenant's p99 TTFT (none/vtc), the burst's (vtc/none) and output throughput.",
     )
     _common(fa)
-    fa.add_argument("--max-num-seqs", type=int, default=4, help="batch of both: the contended seats (4)")
-    fa.add_argument(
-        "--burst-requests", type=positive_int, default=48, help="the burst tenant's requests (48)"
+    _two_tenants(fa)
+    pp = csub.add_parser(
+        "priority",
+        help="--scheduling-policy priority vs fcfs: a steady stream at priority 0 beside a burst at 1",
+        description="The workload of `compare fairness`, the steady tenant's requests at priority 0 and the "
+        "burst's at 1 (the fcfs engine runs them all at 0). Reports the steady stream's p99 TTFT "
+        "(fcfs/priority), the burst's (priority/fcfs) and output throughput.",
     )
-    fa.add_argument(
-        "--steady-requests", type=positive_int, default=12, help="the steady tenant's requests (12)"
-    )
-    fa.add_argument(
-        "--steady-interval-seconds",
-        type=positive_float,
-        default=0.5,
-        help="seconds between the steady tenant's requests (0.5)",
-    )
-    fa.add_argument(
-        "--prompt-len", type=positive_int, default=128, help="prompt tokens of every request (128)"
-    )
-    fa.add_argument("--output-len", type=positive_int, default=32, help="output tokens of every request (32)")
-    fa.add_argument("--seed", type=int, default=0, help="workload seed (0)")
+    _common(pp)
+    _two_tenants(pp)
 
     of = csub.add_parser(
         "offload",

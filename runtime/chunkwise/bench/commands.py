@@ -4,6 +4,7 @@ workload, and the in-process comparisons; `compare vllm` runs in chunkwise.bench
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable
@@ -133,8 +134,8 @@ def _compare(args: argparse.Namespace) -> int:
         return _preemption(args, engine_args, clock)
     run: Callable[[], Comparison]
     items: list[WorkItem] = []
-    if what == "fairness":
-        from chunkwise.bench.compare.tenants import compare_fairness
+    if what in ("fairness", "priority"):
+        from chunkwise.bench.compare.tenants import compare_fairness, compare_priority
         from chunkwise.bench.workloads import two_tenants
 
         # The vocabulary every generated workload draws from (build_workload's): the built-in models' bytes.
@@ -147,10 +148,13 @@ def _compare(args: argparse.Namespace) -> int:
             output_len=args.output_len,
             seed=args.seed,
         )
+        if what == "priority":
+            items = [dataclasses.replace(it, priority=1 if it.tenant == "burst" else 0) for it in items]
         _log(f"workload: {describe(items)}")
+        compare = compare_fairness if what == "fairness" else compare_priority
 
         def run() -> Comparison:
-            return compare_fairness(
+            return compare(
                 args.model,
                 items,
                 max_num_seqs=args.max_num_seqs,

@@ -18,6 +18,7 @@ COUNTERS = (
     "host_cache_offloads",
     "num_preemptions_swap",
     "num_preemptions_recompute",
+    "num_priority_preemptions",
     "num_rows",
     "num_padding_rows",
 )
