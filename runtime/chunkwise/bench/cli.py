@@ -1,7 +1,7 @@
 """`chunkwise bench ...`: the serving client, side-by-side comparisons that report ratios, and trace files.
 
     chunkwise bench serve --base-url http://127.0.0.1:8000 --model tiny --workload long-tailed --request-rate 4
-    chunkwise bench compare batching|chunked|prefix|fairness|offload|hf|sched-overhead|preemption|quantization [--model small]
+    chunkwise bench compare batching|chunked|prefix|fairness|priority|offload|hf|sched-overhead|preemption|quantization [--model small]
     chunkwise bench compare vllm --vllm-python ~/vllm-venv/bin/python [--mode convoy|served]
     chunkwise bench workload --workload agent --num-requests 200 --out agent.jsonl
 
