@@ -61,8 +61,16 @@ async def test_a_high_priority_request_behind_queued_low_ones_finishes_first_onl
 
 def test_fcfs_refuses_a_priority_with_400_naming_the_flag(live: LiveServer) -> None:
     with openai.OpenAI(base_url=live.base_url, api_key="unused", max_retries=0, timeout=30) as c:
-        with pytest.raises(openai.BadRequestError, match="--scheduling-policy priority"):
+        with pytest.raises(openai.BadRequestError, match="--scheduling-policy priority") as refused:
             c.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"priority": 2})
+        assert refused.value.param == "priority"
+        with pytest.raises(openai.BadRequestError, match="--scheduling-policy priority"):
+            c.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=2,
+                extra_body={"priority": -1},
+            )
         with pytest.raises(openai.BadRequestError, match="priority"):
             c.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"priority": "high"})
         # 0 is every request's priority under fcfs: accepted.

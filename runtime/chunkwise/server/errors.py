@@ -81,6 +81,7 @@ _KNOWN_PARAMS = {
     "frequency_penalty",
     "logprobs",
     "prompt_logprobs",
+    "priority",
     "prompt",
 }
 
