@@ -35,6 +35,21 @@ def tenant_stat(items: Sequence[WorkItem], tenant: str, key: str) -> Callable[[R
     return value
 
 
+def per_tenant(items: Sequence[WorkItem], results: dict[str, list[RunResult]]) -> dict[str, Any]:
+    """Each configuration's runs, each as the two tenants' TTFT percentiles and mean latency."""
+    return {
+        name: [
+            {
+                f"{tenant}_{key}": tenant_stat(items, tenant, key)(r)
+                for tenant in ("steady", "burst")
+                for key in ("p50_ttft_ms", "p99_ttft_ms", "mean_e2el_ms")
+            }
+            for r in runs
+        ]
+        for name, runs in results.items()
+    }
+
+
 def compare_fairness(
     model: str,
     items: Sequence[WorkItem],
@@ -60,17 +75,6 @@ def compare_fairness(
     steady_p99 = tenant_stat(items, "steady", "p99_ttft_ms")
     burst_p99 = tenant_stat(items, "burst", "p99_ttft_ms")
     burst_mean = tenant_stat(items, "burst", "mean_ttft_ms")
-    per_tenant = {
-        name: [
-            {
-                f"{tenant}_{key}": tenant_stat(items, tenant, key)(r)
-                for tenant in ("steady", "burst")
-                for key in ("p50_ttft_ms", "p99_ttft_ms", "mean_e2el_ms")
-            }
-            for r in runs
-        ]
-        for name, runs in results.items()
-    }
     return Comparison(
         "fairness",
         results,
@@ -83,7 +87,7 @@ def compare_fairness(
         info={
             "max_num_seqs": max_num_seqs,
             "num_requests": len(items),
-            "per_tenant": per_tenant,
+            "per_tenant": per_tenant(items, results),
         },
     )
 
@@ -138,17 +142,7 @@ def compare_priority(
             "priority_preemptions": [
                 r.counters.get("num_priority_preemptions", 0) for r in results["priority"]
             ],
-            "per_tenant": {
-                name: [
-                    {
-                        f"{tenant}_{key}": tenant_stat(items, tenant, key)(r)
-                        for tenant in ("steady", "burst")
-                        for key in ("p50_ttft_ms", "p99_ttft_ms", "mean_e2el_ms")
-                    }
-                    for r in runs
-                ]
-                for name, runs in results.items()
-            },
+            "per_tenant": per_tenant(items, results),
         },
     )
 
