@@ -250,7 +250,9 @@ def signals(
     if not samples:
         queue = held / divisor if held else None
         values = {QUEUE_DEPTH: queue, PREEMPTION_RATE: None, P99_STEP_TIME: None, KV_USAGE: None}
-        return Observed(values, 0, requests=held if held else None)
+        # The router's count is the fleet's whole activity when no replica is ready: 0 held is an idle fleet
+        # (a replica stuck unready must not keep it up), no router reading is no data.
+        return Observed(values, 0, requests=held)
     held = held or 0.0
     rate = 0.0
     rated = 0

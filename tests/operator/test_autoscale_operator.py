@@ -422,6 +422,47 @@ async def test_a_replica_unready_past_the_startup_budget_is_no_activity_for_scal
     assert operator.failures() == []
 
 
+async def add_router_pod(cluster: Cluster, owner: str, router: RouterMetrics) -> None:
+    """A ready router pod of `owner` whose /metrics is `router`."""
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": f"{owner}-router-pod",
+            "namespace": NAMESPACE,
+            "labels": manifests.labels(owner, manifests.ROUTER),
+            "annotations": {"prometheus.io/port": str(router.port)},
+        },
+        "status": {
+            "phase": "Running",
+            "podIP": "127.0.0.1",
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    }
+    await create_pod(cluster, body)
+
+
+async def test_a_fleet_whose_only_replica_never_became_ready_still_goes_to_zero(
+    fast_autoscaler: None, cluster: Cluster, operator: Any
+) -> None:
+    # No replica to scrape, and the router holds nothing: the fleet is idle, not of unknown activity. Before,
+    # no ready replica meant "no data", which counts as activity, and the stuck pod kept the fleet at one.
+    router = RouterMetrics(held=0.0)
+    try:
+        from_zero = {
+            **spec(minReplicas=0, scaleToZeroAfterSeconds=1),
+            "replicas": 1,
+            "router": {"enabled": True},
+        }
+        await cluster.create_isvc("chat", from_zero)
+        await add_router_pod(cluster, "chat", router)
+        await add_unready_pod(cluster, "chat", "chat-stuck", time.time() - STARTUP_BUDGET_S - 60)
+        await eventually(lambda: replicas(cluster, "chat") == 0, what="scaled to zero", timeout=15)
+        assert operator.failures() == []
+    finally:
+        router.close()
+
+
 class RouterMetrics(HttpStub):
     """The router's /metrics: chunkwise:router_held_requests as the test sets it."""
 
@@ -445,23 +486,7 @@ async def test_from_zero_the_requests_the_router_holds_decide_how_many_replicas(
     try:
         at_zero = {**spec(minReplicas=0), "replicas": 0, "router": {"enabled": True}}
         await cluster.create_isvc("chat", at_zero)
-        body = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {
-                "name": "chat-router-pod",
-                "namespace": NAMESPACE,
-                "labels": manifests.labels("chat", manifests.ROUTER),
-                "annotations": {"prometheus.io/port": str(router.port)},
-            },
-            "status": {
-                "phase": "Running",
-                "podIP": "127.0.0.1",
-                "conditions": [{"type": "Ready", "status": "True"}],
-            },
-        }
-
-        await create_pod(cluster, body)
+        await add_router_pod(cluster, "chat", router)
         await eventually(lambda: replicas(cluster, "chat") == 3, what="0 -> 3", timeout=15)
         events = await eventually(
             lambda: [e["message"] for e in cluster.events() if e["reason"] == "ScaledUp"],

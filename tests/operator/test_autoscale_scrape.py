@@ -134,7 +134,9 @@ def test_requests_count_running_waiting_and_the_finished_since_the_last_scrape()
     assert signals([idle], {"a": before}, 1).requests == 0.0
     assert signals([short], {"a": before}, 1).requests == 2.0
     assert signals([busy], {"a": before}, 1).requests == 3.0
-    assert signals([], {}, 1).requests is None
+    assert signals([], {}, 1).requests is None  # no replica ready, no router reading: no data
+    # No replica ready and the router holds nothing: an idle fleet (a replica stuck unready is not activity).
+    assert signals([], {}, 1, held=0.0).requests == 0.0
 
 
 def test_requests_held_at_the_router_are_queued_demand() -> None:
