@@ -277,3 +277,34 @@ def test_priority_victims_spare_the_best_ranked_even_when_it_has_the_fewest_pree
     newer = make_req("newer", 4, 4, priority=0)
     newer.preempt_count = 3
     assert v.victim([oldest, newer]) is newer
+
+
+def test_vtc_candidates_take_the_best_band_then_the_least_served_tenant_and_keep_the_long_prompt_cap() -> (
+    None
+):
+    vtc = VirtualTokenCounter()
+    q = OrderedQueue(long_prompt_threshold=100, max_long_prefills=1, fairness=vtc)
+    reqs = {
+        "a0": make_req("a0", 8, 4, tenant="a"),
+        "b0": make_req("b0", 8, 4, tenant="b"),
+        "c0": make_req("c0", 8, 4, tenant="c"),
+        "a1": make_req("a1", 8, 4, tenant="a"),
+        "b_long": make_req("b_long", 120, 4, tenant="b"),
+        "b2": make_req("b2", 8, 4, tenant="b"),
+        "c1": make_req("c1", 8, 4, tenant="c"),
+    }
+    for r in reqs.values():
+        q.push(r)
+    vtc.counters = {"a": 100.0, "b": 10.0, "c": 50.0}
+    order = [r.request_id for r in q.candidates(0)]
+    # Nothing is charged while only iterating: b's whole list, then c's, then a's.
+    assert order == ["b0", "b_long", "b2", "c0", "c1", "a0", "a1"]
+    # One long prefill already running: the long prompt is passed over, b's next request is not.
+    assert [r.request_id for r in q.candidates(1)] == ["b0", "b2", "c0", "c1", "a0", "a1"]
+    # A charge made for an admission (as Admitter does) reorders the rest of the same pass.
+    picked = []
+    for r in q.candidates(0):
+        picked.append(r.request_id)
+        vtc.charge(r, 60, prefill=True)
+    assert picked[:3] == ["b0", "c0", "b_long"]
+    assert len(q) == 7 and len(list(q)) == 7

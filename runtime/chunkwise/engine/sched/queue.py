@@ -138,29 +138,33 @@ class OrderedQueue(WaitingQueue):
             yield from super().candidates(num_long_prefilling)
             return
         long_slots = self.max_long_prefills - num_long_prefilling
-        # A snapshot of each tenant's first scan_limit requests, so the caller may remove what it admits.
-        pending = {t: list(islice(entries, self.scan_limit)) for t, entries in self._lists.items()}
-        cursor = dict.fromkeys(pending, 0)
         service = self.fairness.service
+        # The tenants' heads, best first: (priority, service counted, queue key, index, tenant). A tenant's
+        # next request goes in once the caller is done with its last (charged, if admitted), and only a tenant
+        # taken from gets a snapshot of its first scan_limit requests (the caller may remove what it admits):
+        # a pass costs O(tenants + scan_limit log tenants), not tenants x scan_limit.
+        heap = [(e[0][0][0], service(t), e[0][0], 0, t) for t, e in self._lists.items()]
+        heapq.heapify(heap)
+        snapshots: dict[str, list[tuple[QueueKey, Request]]] = {}
         for _ in range(self.scan_limit):
-            best: tuple[int, float, QueueKey] | None = None
-            pick = ""
-            for t, entries in pending.items():
-                i = cursor[t]
-                if i < len(entries):
-                    key = entries[i][0]
-                    rank = (key[0], service(t), key)
-                    if best is None or rank < best:
-                        best, pick = rank, t
-            if best is None:
+            if not heap:
                 return
-            req = pending[pick][cursor[pick]][1]
-            cursor[pick] += 1
+            *_, i, t = heapq.heappop(heap)
+            snap = snapshots.get(t)
+            if snap is None:
+                snap = snapshots[t] = list(islice(self._lists[t], self.scan_limit))
+            req = snap[i][1]
+            passed_over = False
             if self.is_long(req) and req.is_prefilling:
                 if long_slots <= 0:
-                    continue
-                long_slots -= 1
-            yield req
+                    passed_over = True
+                else:
+                    long_slots -= 1
+            if not passed_over:
+                yield req
+            if i + 1 < len(snap):
+                key = snap[i + 1][0]
+                heapq.heappush(heap, (key[0], service(t), key, i + 1, t))
 
 
 class PrefixPreference:
