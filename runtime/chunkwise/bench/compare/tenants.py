@@ -35,6 +35,23 @@ def tenant_stat(items: Sequence[WorkItem], tenant: str, key: str) -> Callable[[R
     return value
 
 
+def _turns(
+    model: str,
+    args: dict[str, Any],
+    configs: Sequence[tuple[str, dict[str, Any], Sequence[WorkItem]]],
+    repeats: int,
+    progress: bool,
+    log: Callable[[str], None],
+    clock: ClockName,
+) -> dict[str, list[RunResult]]:
+    """Each (name, engine options on top of `args`, its workload) an engine of its own, all taking turns."""
+    runners = [
+        (name, _runner(_engine(model, {**args, **changes}), work, name, progress, clock))
+        for name, changes, work in configs
+    ]
+    return interleave(runners, repeats, log)
+
+
 def per_tenant(items: Sequence[WorkItem], results: dict[str, list[RunResult]]) -> dict[str, Any]:
     """Each configuration's runs, each as the two tenants' TTFT percentiles and mean latency."""
     return {
@@ -62,15 +79,14 @@ def compare_fairness(
     clock: ClockName = "wall",
 ) -> Comparison:
     args = {**(engine_args or {}), "max_num_seqs": max_num_seqs}
-    fifo = _engine(model, {**args, "fairness": "none"})
-    vtc = _engine(model, {**args, "fairness": "vtc"})
-    results = interleave(
-        [
-            ("none", _runner(fifo, items, "none", progress, clock)),
-            ("vtc", _runner(vtc, items, "vtc", progress, clock)),
-        ],
+    results = _turns(
+        model,
+        args,
+        [("none", {"fairness": "none"}, items), ("vtc", {"fairness": "vtc"}, items)],
         repeats,
+        progress,
         log,
+        clock,
     )
     steady_p99 = tenant_stat(items, "steady", "p99_ttft_ms")
     burst_p99 = tenant_stat(items, "burst", "p99_ttft_ms")
@@ -106,16 +122,18 @@ def compare_priority(
     """`items` carry their priorities; the fcfs engine runs them all at 0 (it refuses any other), the same
     requests in the same order, so per-tenant figures line up."""
     args = {**(engine_args or {}), "max_num_seqs": max_num_seqs}
-    fcfs = _engine(model, {**args, "scheduling_policy": "fcfs"})
-    prio = _engine(model, {**args, "scheduling_policy": "priority"})
     flat = [dataclasses.replace(it, priority=0) for it in items]
-    results = interleave(
+    results = _turns(
+        model,
+        args,
         [
-            ("fcfs", _runner(fcfs, flat, "fcfs", progress, clock)),
-            ("priority", _runner(prio, items, "priority", progress, clock)),
+            ("fcfs", {"scheduling_policy": "fcfs"}, flat),
+            ("priority", {"scheduling_policy": "priority"}, items),
         ],
         repeats,
+        progress,
         log,
+        clock,
     )
     steady_p99 = tenant_stat(items, "steady", "p99_ttft_ms")
     burst_p99 = tenant_stat(items, "burst", "p99_ttft_ms")
@@ -161,15 +179,14 @@ def compare_offloading(
 ) -> Comparison:
     # The device cache in blocks, so that "a third of the working set" is what the command says.
     args = {**(engine_args or {}), "kv_cache_memory_bytes": None, "num_blocks": num_blocks}
-    off = _engine(model, args)
-    on = _engine(model, {**args, "kv_offloading_size": kv_offloading_size})
-    results = interleave(
-        [
-            ("off", _runner(off, items, "off", progress, clock)),
-            ("on", _runner(on, items, "on", progress, clock)),
-        ],
+    results = _turns(
+        model,
+        args,
+        [("off", {}, items), ("on", {"kv_offloading_size": kv_offloading_size}, items)],
         repeats,
+        progress,
         log,
+        clock,
     )
 
     def prefill(r: RunResult) -> float:
