@@ -102,11 +102,13 @@ def test_compare_priority_serves_priority_0_ahead_of_the_burst_and_fcfs_in_arriv
         steady_requests=3,
         steady_interval_s=1e-6,
         prompt_len=8,
-        output_len=6,
+        output_len=300,
     )
-    # The stream comes 5 ms in, when the burst holds both seats (its 8 requests take 30-odd steps).
+    # The stream comes 100 ms in: the burst holds both seats by then however slow the machine's first steps
+    # (a 5 ms offset was passed on a loaded CI machine, the stream admitted with the burst), and still holds
+    # them however fast its steps (8 requests of 300 tokens on 2 seats: 1,200 steps).
     items = [
-        dataclasses.replace(it, priority=0, arrival_s=it.arrival_s + 0.005)
+        dataclasses.replace(it, priority=0, arrival_s=it.arrival_s + 0.1)
         if it.tenant == "steady"
         else dataclasses.replace(it, priority=1)
         for it in base
@@ -130,3 +132,5 @@ def test_compare_priority_serves_priority_0_ahead_of_the_burst_and_fcfs_in_arriv
         else:
             assert steady > burst[-2], (steady, burst)
     assert cmp.info["priority_preemptions"][0] > 0  # the burst held both seats when the stream came
+    (prio_run,) = cmp.results["priority"]
+    assert cmp.info["priority_preemptions"] == [prio_run.counters["num_priority_preemptions"]]
